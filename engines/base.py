@@ -1,0 +1,37 @@
+"""The engine protocol: what the scheduler drives.
+
+An engine is a small object with `load()`, `warmup()` and a batched
+`step(items) -> results` (one result per item, same order). Stateful engines
+hand out per-stream state handles with `open_stream()` / `close_stream()`;
+items carry the handle. Engines know nothing about gRPC or sessions, and
+`step` is always called off the event loop (a worker thread); engines that
+hold the GIL keep their compute in worker processes behind `step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+
+class EngineError(RuntimeError):
+    """An engine could not do a piece of work; the message says why."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A batched compute engine."""
+
+    name: str
+
+    def load(self) -> None:
+        """Load weights and start workers; idempotent."""
+
+    def warmup(self) -> None:
+        """Run representative work once so the first real request is not slow."""
+
+    def step(self, items: Sequence[Any]) -> list[Any]:
+        """Process a batch; result i belongs to item i."""
+
+    def close(self) -> None:
+        """Stop workers and free resources; idempotent."""
