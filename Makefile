@@ -1,0 +1,39 @@
+# rtmedia: `make serve` starts the server, `make test` runs the tests.
+# Both run `make setup` first, which creates .venv when it is missing.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.setup-done
+HOST   ?= 127.0.0.1
+PORT   ?= 50051
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test lint proto clean
+
+setup: $(STAMP)
+
+# torch comes first and pinned, so nothing later pulls a CUDA build on a CPU machine.
+$(STAMP): pyproject.toml package.json package-lock.json
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/rtmedia serve --host $(HOST) --port $(PORT)
+
+lint: setup
+	npx --no-install buf lint
+	tests/check_buf_breaking.sh
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+proto: setup
+	$(BIN)/python proto/generate.py
+
+clean:
+	rm -rf $(VENV) node_modules .pytest_cache
