@@ -1,1 +1,76 @@
-def main(): print("hi")
+"""The `rtmedia` command: `serve` runs the server; the other commands are clients."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from rtmedia.clients import cli as client_cli
+
+DESCRIPTION = """\
+rtmedia: a realtime media server over gRPC.
+
+  rtmedia serve                          start the server (gRPC on :50051, metrics on :9464)
+  rtmedia voices                         list voices and their output rates
+  rtmedia synth "Hello." -o hello.wav    streaming text-to-speech into a file
+  rtmedia transcribe hello.wav           streaming speech-to-text of a WAV file
+
+Every client command takes --target HOST:PORT and --json. Run `rtmedia COMMAND --help` for details.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rtmedia", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    p = sub.add_parser("serve", help="run the gRPC server on the embedded default models",
+                       description="Run the rtmedia gRPC server. Health says SERVING once the engines are "
+                                   "loaded and warmed up; SIGTERM/SIGINT drain it gracefully.")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="gRPC port (default 50051; 0 picks a free one)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default 9464; 0 disables)")
+    p.add_argument("--config", default=None, help="YAML deploy file (its `server:` keys; flags override it)")
+    p.add_argument("--grace", dest="grace_s", type=float, default=None, help="drain grace period in seconds (30)")
+    p.add_argument("--asr-workers", type=int, default=None, help="PocketSphinx worker processes (2)")
+    p.add_argument("--voice", dest="voices", action="append", default=None,
+                   help="extra Piper voice: a local .onnx with .onnx.json beside it (repeatable)")
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
+    p.add_argument("--log-format", choices=["json", "text"], default=None, help="log line format (json)")
+    p.set_defaults(func=cmd_serve)
+    client_cli.add_commands(sub)
+    return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from rtmedia.server import logs
+    from rtmedia.server.app import serve
+    from rtmedia.server.config import ServerConfig
+
+    try:
+        config = ServerConfig.load(
+            args.config, host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_s,
+            asr_workers=args.asr_workers, voices=args.voices, log_level=args.log_level, log_format=args.log_format,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"rtmedia serve: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(config.log_level, config.log_format)
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"rtmedia serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.func is cmd_serve:
+        return cmd_serve(args)
+    return client_cli.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

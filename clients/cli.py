@@ -1,0 +1,173 @@
+"""Client commands of the `rtmedia` CLI: voices, synth, transcribe."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from rtmedia.clients.client import DEFAULT_TARGET, SpeechClient, read_wav
+from rtmedia.engines.resample import float_to_pcm16, make_resampler
+from rtmedia.server.errors import error_reason
+from rtmedia.v1 import speech_pb2
+
+# Rates the server takes PCM16 at; other WAV rates are resampled to 16 kHz here.
+SERVER_RATES = (8000, 16000, 24000, 48000)
+
+
+class CliError(Exception):
+    """An error the CLI reports as one line and a non-zero exit."""
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
+        p.add_argument("--json", action="store_true", help="machine-readable JSON output")
+        p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+
+    p = sub.add_parser("voices", help="list the server's voices and their output rates")
+    common(p)
+    p.set_defaults(func=cmd_voices)
+
+    p = sub.add_parser("synth", help="speak text with streaming TTS and save the audio",
+                       description="Stream speech for TEXT from the server and write it to a file. "
+                                   "Prints when the first audio arrived and what was written.")
+    p.add_argument("text", help="the text to speak")
+    p.add_argument("-o", "--output", required=True, type=Path, help="output file (.wav, or raw PCM16 with --format pcm)")
+    p.add_argument("--voice", default="", help="voice name (see `rtmedia voices`; default: the server's)")
+    p.add_argument("--sample-rate", type=int, default=0, help="output rate in Hz (default: the voice's own)")
+    p.add_argument("--format", choices=["wav", "pcm"], default="wav", help="WAV file or raw PCM16 (default wav)")
+    common(p)
+    p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("transcribe", help="transcribe a WAV file with streaming ASR",
+                       description="Stream a 16-bit PCM WAV file to the server and print partial and final "
+                                   "transcripts as they arrive.")
+    p.add_argument("input", type=Path, help="16-bit PCM WAV file (stereo is averaged to mono)")
+    p.add_argument("--chunk-ms", type=int, default=100, help="audio per request (default 100 ms)")
+    p.add_argument("--realtime", action="store_true", help="send the audio at real-time pace")
+    common(p)
+    p.set_defaults(func=cmd_transcribe)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a client command; errors become one line on stderr and exit code 1."""
+    try:
+        args.func(args)
+    except grpc.RpcError as exc:
+        reason = error_reason(exc)
+        detail = f" ({reason})" if reason else ""
+        print(f"rtmedia {args.command}: {exc.code().name}: {exc.details()}{detail}", file=sys.stderr)
+        return 1
+    except (CliError, OSError, ValueError) as exc:
+        print(f"rtmedia {args.command}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_voices(args: argparse.Namespace) -> None:
+    with SpeechClient(args.target, args.timeout) as client:
+        reply = client.list_voices()
+    if args.json:
+        print(json.dumps({"voices": [
+            {"name": v.name, "language": v.language, "native_sample_rate": v.native_sample_rate,
+             "supported_sample_rates": list(v.supported_sample_rates)} for v in reply.voices
+        ], "max_text_chars": reply.max_text_chars}))
+        return
+    for v in reply.voices:
+        rates = ", ".join(map(str, v.supported_sample_rates))
+        print(f"{v.name}  {v.language}  native {v.native_sample_rate} Hz  rates: {rates}")
+
+
+def cmd_synth(args: argparse.Namespace) -> None:
+    wav = args.format == "wav"
+    framing = speech_pb2.AUDIO_FRAMING_WAV if wav else speech_pb2.AUDIO_FRAMING_PCM16
+    started = time.perf_counter()
+    first_audio_ms = None
+    chunks = data_bytes = 0
+    rate = channels = 0
+    with SpeechClient(args.target, args.timeout) as client, open(args.output, "wb") as out:
+        for reply in client.synthesize(args.text, args.voice, args.sample_rate, framing):
+            if first_audio_ms is None:
+                first_audio_ms = (time.perf_counter() - started) * 1000
+                if not args.json:
+                    print(f"first audio after {first_audio_ms:.0f} ms", file=sys.stderr)
+            out.write(reply.audio)
+            chunks += 1
+            rate, channels = reply.sample_rate, reply.channels
+            data_bytes += len(reply.audio)
+            if not args.json:
+                print(f"  chunk {reply.chunk_index}: {reply.text!r}", file=sys.stderr)
+        if wav and data_bytes >= 44:  # the streamed header has unknown sizes: write the real ones
+            data_bytes -= 44
+            out.seek(4)
+            out.write(struct.pack("<I", 36 + data_bytes))
+            out.seek(40)
+            out.write(struct.pack("<I", data_bytes))
+    if not chunks:
+        raise CliError("the server sent no audio")
+    seconds = data_bytes / (2 * channels * rate)
+    if args.json:
+        print(json.dumps({"output": str(args.output), "sample_rate": rate, "channels": channels,
+                          "seconds": round(seconds, 3), "first_audio_ms": round(first_audio_ms or 0, 1),
+                          "chunks": chunks}))
+    else:
+        print(f"wrote {args.output}: {seconds:.2f} s at {rate} Hz in {chunks} chunks", file=sys.stderr)
+
+
+def _audio_chunks(path: Path, chunk_ms: int, realtime: bool) -> tuple[int, Iterator[bytes]]:
+    audio = read_wav(path)
+    samples, rate = audio.samples, audio.sample_rate
+    if rate not in SERVER_RATES:
+        resampler = make_resampler(rate, 16000)
+        floats = samples.astype("float32") / 32768
+        samples_bytes = float_to_pcm16(np.concatenate([resampler.process(floats), resampler.flush()]))
+        rate = 16000
+    else:
+        samples_bytes = samples.tobytes()
+    if chunk_ms <= 0:
+        raise CliError(f"--chunk-ms must be positive, got {chunk_ms}")
+    step = rate * chunk_ms // 1000 * 2
+
+    def chunks() -> Iterator[bytes]:
+        started = time.perf_counter()
+        for n, offset in enumerate(range(0, len(samples_bytes), step)):
+            if realtime:
+                time.sleep(max(0.0, started + n * chunk_ms / 1000 - time.perf_counter()))
+            yield samples_bytes[offset:offset + step]
+
+    return rate, chunks()
+
+
+def cmd_transcribe(args: argparse.Namespace) -> None:
+    rate, chunks = _audio_chunks(args.input, args.chunk_ms, args.realtime)
+    started = time.perf_counter()
+    finals: list[str] = []
+    tty = sys.stderr.isatty() and not args.json
+    with SpeechClient(args.target, args.timeout) as client:
+        for result in client.transcribe(chunks, rate):
+            t_ms = round((time.perf_counter() - started) * 1000)
+            kind = "final" if result.is_final else "partial"
+            if result.is_final:
+                finals.append(result.text)
+            if args.json:
+                print(json.dumps({"type": kind, "utterance_index": result.utterance_index, "text": result.text,
+                                  "delta": result.delta, "start_ms": result.start_ms, "end_ms": result.end_ms,
+                                  "t_ms": t_ms}), flush=True)
+            elif result.is_final:
+                clear = "\r\033[K" if tty else ""
+                print(f"{clear}[{result.start_ms / 1000:6.2f} - {result.end_ms / 1000:6.2f}] {result.text}", flush=True)
+            elif tty:
+                print(f"\r\033[K  … {result.text}", end="", file=sys.stderr, flush=True)
+    text = " ".join(t for t in finals if t)
+    if args.json:
+        print(json.dumps({"type": "done", "text": text, "utterances": len(finals)}))
+    else:
+        print(f"({len(finals)} utterance{'s' if len(finals) != 1 else ''})", file=sys.stderr)

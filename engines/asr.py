@@ -1,0 +1,372 @@
+"""Streaming speech recognition on PocketSphinx, in worker processes.
+
+Process model: PocketSphinx holds the GIL while decoding, so nothing is decoded
+in the server process. `load()` starts `workers` processes ("spawn": the parent
+has threads, so no fork), each loading one `pocketsphinx.Decoder` (the en-us
+model, LM and dictionary shipped in the wheel). A stream is pinned to the
+least-loaded worker for its life, since its state lives there. `step()` sends
+each worker its share of the batch before reading any reply, so workers decode
+in parallel; one lock per worker pipe (taken in worker order) and request ids
+make concurrent `step()` calls from several threads safe. The items of one
+stream must still arrive in order.
+
+In a worker each stream runs a `pocketsphinx.Endpointer` over 30 ms frames (it
+releases speech ~0.3 s late). Released speech is decoded as one utterance
+(`start_utt` / `process_raw` / `end_utt`) that ends when the endpointer leaves
+speech or an item has `end=True`. Decoders are leased per utterance: a silent
+stream holds only its endpointer and cepstral mean, and a worker builds another
+decoder (~0.3 s, ~90 MB) only when more of its streams speak at once.
+
+Every 300 ms of decoded speech emits a partial with append-only text: a word is
+committed once two consecutive hypotheses agree on it and it is not the newest
+word, and is never retracted. The one final per utterance has the authoritative
+text, offsets and word timings; its `delta` is empty.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import itertools
+import multiprocessing
+import random
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .base import EngineError
+
+SAMPLE_RATE = 16000
+PARTIAL_MS = 300
+_PARTIAL_BYTES = SAMPLE_RATE * PARTIAL_MS // 1000 * 2
+_REPLY_TIMEOUT_S = 60.0
+_ALTERNATE = re.compile(r"\(\d+\)$")
+
+
+@dataclass(frozen=True, slots=True)
+class AsrStream:
+    """Handle of one recognition stream; `worker` is the process holding its state."""
+
+    id: int
+    worker: int
+
+
+@dataclass(frozen=True, slots=True)
+class AsrItem:
+    """PCM16 mono 16 kHz audio for a stream; `end=True` flushes the open utterance."""
+
+    stream: AsrStream
+    audio: bytes
+    end: bool = False
+
+
+@dataclass(slots=True)
+class AsrEvent:
+    """A partial or final transcript of one utterance; offsets are in the stream's audio."""
+
+    utterance_index: int
+    is_final: bool
+    text: str
+    delta: str
+    start_ms: int
+    end_ms: int
+    words: list[tuple[str, int, int, float]] = field(default_factory=list)  # finals only
+
+
+def _words(hyp: Any) -> list[str]:
+    """Hypothesis words without fillers/silences ('<s>', '<sil>', '[NOISE]'), 'word(2)' -> 'word'."""
+    return [_ALTERNATE.sub("", w) for w in (hyp.hypstr.split() if hyp else []) if w[0] not in "<[+"]
+
+
+# ----------------------------------------------------------------------------- worker process
+
+
+@dataclass(slots=True)
+class _Utterance:
+    decoder: Any
+    index: int
+    start_ms: int
+    fed_bytes: int = 0
+    committed: list[str] = field(default_factory=list)
+    previous: list[str] = field(default_factory=list)
+
+    @property
+    def end_ms(self) -> int:
+        return self.start_ms + self.fed_bytes * 500 // SAMPLE_RATE
+
+
+@dataclass(slots=True)
+class _StreamState:
+    ep: Any
+    cmn: str  # cepstral mean carried between this stream's utterances
+    base_samples: int = 0  # stream offset of the endpointer's time zero
+    samples: int = 0  # samples received so far
+    pending: bytearray = field(default_factory=bytearray)  # less than one endpointer frame
+    next_index: int = 0
+    utt: _Utterance | None = None
+
+
+class _Worker:
+    def __init__(self) -> None:
+        import pocketsphinx
+
+        pocketsphinx.set_loglevel("ERROR")
+        self._ps = pocketsphinx
+        self._free = [self._new_decoder()]
+        self._prior_cmn = self._free[0].get_cmn()
+        self._ms_per_frame = 1000.0 / float(self._free[0].config["frate"])
+        self._streams: dict[int, _StreamState] = {}
+
+    def _new_decoder(self) -> Any:
+        return self._ps.Decoder(samprate=SAMPLE_RATE, loglevel="ERROR")
+
+    def _new_endpointer(self) -> Any:
+        return self._ps.Endpointer(sample_rate=SAMPLE_RATE)
+
+    def handle(self, op: str, arg: Any) -> Any:
+        if op == "step":
+            return [self._step(sid, audio, end) for sid, audio, end in arg]
+        if op == "close":
+            st = self._streams.pop(arg, None)
+            if st is not None and st.utt is not None:
+                st.utt.decoder.end_utt()
+                self._free.append(st.utt.decoder)
+        elif op == "warmup":
+            rng = random.Random(0)
+            noise = array.array("h", (rng.randint(-300, 300) for _ in range(SAMPLE_RATE))).tobytes()
+            for decoder in self._free:
+                decoder.start_utt()
+                decoder.process_raw(noise)
+                decoder.end_utt()
+                decoder.set_cmn(self._prior_cmn)
+        elif op != "ping":
+            raise ValueError(f"unknown ASR worker op {op!r}")
+        return None
+
+    def _step(self, sid: int, audio: bytes, end: bool) -> list[AsrEvent]:
+        st = self._streams.get(sid)
+        if st is None:
+            st = self._streams[sid] = _StreamState(self._new_endpointer(), self._prior_cmn)
+        events: list[AsrEvent] = []
+        st.pending += audio
+        st.samples += len(audio) // 2
+        size, done = st.ep.frame_bytes, 0
+        while len(st.pending) - done >= size:
+            self._speech(st, st.ep.process(bytes(st.pending[done : done + size])), events)
+            done += size
+        del st.pending[:done]
+        if end:
+            if st.ep.in_speech:
+                # end_stream(b"") raises IndexError: give it one silent sample instead.
+                self._speech(st, st.ep.end_stream(bytes(st.pending) or b"\0\0"), events)
+            if st.utt is not None:
+                self._finish(st, events)
+            # end_stream finishes an endpointer: continue with a fresh one from here.
+            st.pending.clear()
+            st.ep, st.base_samples = self._new_endpointer(), st.samples
+        return events
+
+    def _speech(self, st: _StreamState, speech: bytes | None, events: list[AsrEvent]) -> None:
+        """Decode speech the endpointer released; emit partials and, when speech ends, the final."""
+        if speech is None:
+            return
+        utt = st.utt
+        if utt is None:
+            decoder = self._free.pop() if self._free else self._new_decoder()
+            decoder.set_cmn(st.cmn)
+            decoder.start_utt()
+            start_ms = st.base_samples * 1000 // SAMPLE_RATE + round(st.ep.speech_start * 1000)
+            utt = st.utt = _Utterance(decoder, st.next_index, start_ms)
+            st.next_index += 1
+        view = memoryview(speech)
+        while view:  # split at partial boundaries (end_stream may release several frames at once)
+            room = _PARTIAL_BYTES - utt.fed_bytes % _PARTIAL_BYTES
+            piece, view = view[:room], view[room:]
+            utt.decoder.process_raw(bytes(piece))
+            utt.fed_bytes += len(piece)
+            if utt.fed_bytes % _PARTIAL_BYTES == 0 and (view or st.ep.in_speech):  # else the final follows
+                events.append(self._partial(utt))
+        if not st.ep.in_speech:
+            self._finish(st, events)
+
+    def _partial(self, utt: _Utterance) -> AsrEvent:
+        words = _words(utt.decoder.hyp())
+        stable, limit = 0, min(len(words) - 1, len(utt.previous))
+        while stable < limit and words[stable] == utt.previous[stable]:
+            stable += 1
+        utt.previous = words
+        new = words[len(utt.committed) : stable]
+        utt.committed.extend(new)
+        return AsrEvent(utt.index, False, " ".join(utt.committed), " ".join(new), utt.start_ms, utt.end_ms)
+
+    def _finish(self, st: _StreamState, events: list[AsrEvent]) -> None:
+        utt, st.utt = st.utt, None
+        assert utt is not None
+        decoder = utt.decoder
+        decoder.end_utt()
+        words = []
+        for seg in decoder.seg():
+            if seg.word[0] not in "<[+":
+                start = utt.start_ms + round(seg.start_frame * self._ms_per_frame)
+                end = utt.start_ms + round((seg.end_frame + 1) * self._ms_per_frame)  # end_frame is inclusive
+                prob = min(1.0, max(0.0, float(seg.prob)))  # log-math rounding can give 1.0001
+                words.append((_ALTERNATE.sub("", seg.word), start, end, prob))
+        text = " ".join(_words(decoder.hyp()))
+        st.cmn = decoder.get_cmn()
+        self._free.append(decoder)
+        events.append(AsrEvent(utt.index, True, text, "", utt.start_ms, utt.end_ms, words))
+
+
+def _worker_main(conn: Any) -> None:
+    try:
+        worker = _Worker()
+    except Exception as exc:
+        conn.send((0, False, f"ASR worker failed to load: {type(exc).__name__}: {exc}"))
+        return
+    while True:
+        try:
+            rid, op, arg = conn.recv()
+        except (EOFError, OSError, KeyboardInterrupt):
+            return  # the parent went away
+        if op == "stop":
+            return
+        try:
+            conn.send((rid, True, worker.handle(op, arg)))
+        except Exception as exc:
+            conn.send((rid, False, f"{type(exc).__name__}: {exc}"))
+
+
+# ----------------------------------------------------------------------------- parent process
+
+
+class AsrEngine:
+    """Streaming PocketSphinx ASR behind the engine protocol (see the module docstring)."""
+
+    name = "asr"
+
+    def __init__(self, workers: int = 2) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self._n = workers
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._locks = [threading.Lock() for _ in range(workers)]
+        self._load = [0] * workers
+        self._open: dict[int, AsrStream] = {}
+        self._ids = itertools.count(1)
+        self._mu = threading.Lock()
+
+    def load(self) -> None:
+        with self._mu:
+            if self._procs:
+                return
+            ctx = multiprocessing.get_context("spawn")
+            for i in range(self._n):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, args=(child,), name=f"rtmedia-asr-{i}", daemon=True)
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+        try:
+            self._call(dict.fromkeys(range(self._n), ("ping", None)))
+        except Exception:
+            self.close()
+            raise
+
+    def warmup(self) -> None:
+        self.load()
+        self._call(dict.fromkeys(range(self._n), ("warmup", None)))
+
+    def open_stream(self) -> AsrStream:
+        with self._mu:
+            if not self._procs:
+                raise EngineError("ASR engine is not loaded")
+            worker = min(range(self._n), key=self._load.__getitem__)
+            self._load[worker] += 1
+            stream = AsrStream(next(self._ids), worker)
+            self._open[stream.id] = stream
+            return stream
+
+    def close_stream(self, stream: AsrStream) -> None:
+        with self._mu:
+            if self._open.pop(stream.id, None) is None:
+                return
+            self._load[stream.worker] -= 1
+        self._call({stream.worker: ("close", stream.id)})
+
+    def step(self, items: Sequence[AsrItem]) -> list[list[AsrEvent]]:
+        groups: dict[int, list[int]] = {}
+        for i, item in enumerate(items):
+            if len(item.audio) % 2:
+                raise ValueError(
+                    f"ASR audio must be whole PCM16 samples, got an odd byte count: {len(item.audio)}"
+                )
+            if self._open.get(item.stream.id) is not item.stream:
+                raise ValueError(f"ASR stream {item.stream.id} is not open on this engine")
+            groups.setdefault(item.stream.worker, []).append(i)
+        batches = {
+            w: ("step", [(items[i].stream.id, bytes(items[i].audio), items[i].end) for i in idx])
+            for w, idx in groups.items()
+        }
+        results: list[list[AsrEvent]] = [[] for _ in items]
+        for w, events in self._call(batches).items():
+            for i, ev in zip(groups[w], events, strict=True):
+                results[i] = ev
+        return results
+
+    def _call(self, requests: dict[int, tuple[str, Any]]) -> dict[int, Any]:
+        """Send each worker its request, then read every reply; raise EngineError if any failed."""
+        order = sorted(requests)
+        for w in order:
+            self._locks[w].acquire()
+        try:
+            conns, rids, replies, errors = self._conns, {}, {}, []
+            if not conns:
+                raise EngineError("ASR engine is not loaded")
+            for w in order:
+                try:
+                    conns[w].send((rid := next(self._ids), *requests[w]))
+                    rids[w] = rid
+                except OSError as exc:
+                    errors.append(f"worker {w} is gone ({exc})")
+            for w in rids:
+                try:  # (TimeoutError is an OSError)
+                    while True:
+                        if not conns[w].poll(_REPLY_TIMEOUT_S):
+                            raise TimeoutError(f"no reply within {_REPLY_TIMEOUT_S:.0f} s")
+                        rid, ok, value = conns[w].recv()
+                        if rid == rids[w] or (rid == 0 and not ok):
+                            break  # else: a stale reply to a request that timed out earlier
+                except (EOFError, OSError) as exc:
+                    ok, value = False, f"{type(exc).__name__}: {exc or 'worker died'}"
+                if ok:
+                    replies[w] = value
+                else:
+                    errors.append(f"worker {w}: {value}")
+            if errors:
+                raise EngineError("ASR " + "; ".join(errors))
+            return replies
+        finally:
+            for w in order:
+                self._locks[w].release()
+
+    def close(self) -> None:
+        with self._mu:
+            procs, conns, self._procs, self._conns = self._procs, self._conns, [], []
+            self._open.clear()
+            self._load = [0] * self._n
+        for w, conn in enumerate(conns):
+            locked = self._locks[w].acquire(timeout=5.0)  # let an in-flight step finish
+            with contextlib.suppress(OSError):
+                conn.send((0, "stop", None))
+            if locked:
+                self._locks[w].release()
+        for proc, conn in zip(procs, conns, strict=True):
+            for stop in (lambda: None, proc.terminate, proc.kill):  # ask, then insist
+                if proc.is_alive():
+                    stop()
+                    proc.join(timeout=5.0)
+            conn.close()

@@ -1,0 +1,141 @@
+"""The rtmedia server process: gRPC services, health, reflection, metrics, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from rtmedia.engines.asr import AsrEngine
+from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
+from rtmedia.server.config import ServerConfig
+from rtmedia.server.interceptors import ServerInterceptor
+from rtmedia.server.metrics import Metrics
+from rtmedia.server.scheduler import LanePolicy, Scheduler
+from rtmedia.server.speech_service import SpeechService
+from rtmedia.v1 import realtime_pb2, speech_pb2, speech_pb2_grpc, video_pb2
+
+log = logging.getLogger("rtmedia.server")
+
+SERVICE_NAMES = [
+    speech_pb2.DESCRIPTOR.services_by_name["SpeechService"].full_name,
+    realtime_pb2.DESCRIPTOR.services_by_name["RealtimeService"].full_name,
+    video_pb2.DESCRIPTOR.services_by_name["VideoService"].full_name,
+]
+IMPLEMENTED = SERVICE_NAMES[:1]
+
+
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """Message limits (SPEC 3.5) and keepalive chosen for long-lived media streams."""
+    return [
+        ("grpc.max_receive_message_length", config.max_receive_bytes),
+        ("grpc.max_send_message_length", config.max_send_bytes),
+        # Ping idle connections every 30 s so dead peers (NAT, mobile) are noticed
+        # within ~40 s; let clients ping as often as every 10 s, even without calls.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class RtmediaServer:
+    """Builds the engines and services; `start()` binds, loads, warms, then says SERVING."""
+
+    def __init__(self, config: ServerConfig, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.scheduler = Scheduler(self.metrics)
+        voices = default_voices() + [voice_from_path(p) for p in config.voices]
+        self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads), LanePolicy(max_batch=4))
+        self.scheduler.add(
+            AsrEngine(workers=config.asr_workers), LanePolicy(max_batch=64, concurrency=1)
+        )
+        self.health = health.aio.HealthServicer()
+        self.state = "starting"
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+
+    def refusal(self) -> tuple[str, str] | None:
+        if self.state == "serving":
+            return None
+        if self.state == "starting":
+            return "WARMING_UP", "the server is loading its engines; retry shortly"
+        return "DRAINING", "the server is shutting down; connect to another replica"
+
+    async def _set_health(self, status: int) -> None:
+        for name in ["", *IMPLEMENTED]:
+            await self.health.set(name, status)
+
+    async def start(self) -> int:
+        server = grpc.aio.server(
+            options=grpc_options(self.config),
+            interceptors=[ServerInterceptor(self.metrics, self.refusal)],
+        )
+        speech_pb2_grpc.add_SpeechServiceServicer_to_server(
+            SpeechService(self.scheduler, self.config.max_text_chars), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            [*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server,
+        )
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        await server.start()
+        self._server = server
+        log.info("listening", extra={"host": self.config.host, "port": self.port})
+        await self.scheduler.load()
+        self.scheduler.start()
+        self.state = "serving"
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving", extra={"port": self.port, "services": IMPLEMENTED})
+        return self.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING, refuse new calls, let active ones finish within the grace period."""
+        if self.state == "stopped":
+            return
+        self.state = "draining"
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._server is not None:
+            await self._server.stop(self.config.grace_s if grace is None else grace)
+        await self.scheduler.close()
+        self.state = "stopped"
+        log.info("stopped")
+
+
+async def serve(config: ServerConfig) -> None:
+    """Run until SIGTERM/SIGINT, then drain gracefully."""
+    server = RtmediaServer(config)
+    if config.metrics_port:
+        start_http_server(config.metrics_port, addr=config.host, registry=server.metrics.registry)
+        log.info("metrics", extra={"port": config.metrics_port})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(server.start(), name="server-start")
+    stopping = asyncio.create_task(stop.wait(), name="stop-signal")
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            starting.result()  # a failed start raises here
+            await stopping
+        log.info("signal received: draining", extra={"grace_s": config.grace_s})
+    finally:
+        for task in (starting, stopping):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await server.stop()

@@ -1,0 +1,48 @@
+"""Server configuration: defaults, a YAML deploy file, then command-line flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    # 0 disables the metrics endpoint.
+    metrics_port: int = 9464
+    # Seconds active RPCs get to finish on SIGTERM/SIGINT.
+    grace_s: float = 30.0
+    max_receive_bytes: int = 8 * MiB
+    max_send_bytes: int = 4 * MiB
+    max_text_chars: int = 5000
+    asr_workers: int = 2
+    # onnxruntime intra-op threads for TTS (0: onnxruntime's default).
+    tts_threads: int = 0
+    # Extra Piper voices: paths of `.onnx` files with `.onnx.json` beside them.
+    voices: list[str] = field(default_factory=list)
+    log_level: str = "INFO"
+    # "json" (one object per line) or "text".
+    log_format: str = "json"
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: object) -> ServerConfig:
+        """Defaults, then the YAML file's keys, then the overrides that are not None."""
+        values: dict[str, object] = {}
+        if path:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+            if not isinstance(data, dict):
+                raise ValueError(f"{path}: expected a mapping of settings at the top level")
+            values.update(data.get("server", data))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown setting(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**values)  # type: ignore[arg-type]

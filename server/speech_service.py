@@ -1,0 +1,149 @@
+"""SpeechService: ListVoices, streaming Synthesize and streaming Transcribe."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem
+from rtmedia.engines.resample import alaw_to_float, float_to_pcm16, make_resampler, pcm16_to_float, ulaw_to_float
+from rtmedia.engines.tts import TtsEngine, TtsItem, is_speakable, split_text, unsupported_rate_message
+from rtmedia.server.errors import abort
+from rtmedia.server.scheduler import Scheduler
+from rtmedia.server.wav import wav_stream_header
+from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+ASR_RATE = 16000
+TRANSCRIBE_RATES = {
+    common_pb2.AUDIO_ENCODING_PCM16: (8000, 16000, 24000, 48000),
+    common_pb2.AUDIO_ENCODING_G711_ULAW: (8000,),
+    common_pb2.AUDIO_ENCODING_G711_ALAW: (8000,),
+}
+DECODERS = {
+    common_pb2.AUDIO_ENCODING_PCM16: pcm16_to_float,
+    common_pb2.AUDIO_ENCODING_G711_ULAW: ulaw_to_float,
+    common_pb2.AUDIO_ENCODING_G711_ALAW: alaw_to_float,
+}
+
+
+class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
+    def __init__(self, scheduler: Scheduler, max_text_chars: int = 5000) -> None:
+        self.scheduler = scheduler
+        self.tts: TtsEngine = scheduler.engine("tts")
+        self.asr: AsrEngine = scheduler.engine("asr")
+        self.max_text_chars = max_text_chars
+        self.metrics = scheduler.metrics
+
+    async def ListVoices(self, request, context):  # noqa: N802 (gRPC method name)
+        voices = [
+            speech_pb2.Voice(
+                name=v.name,
+                language=v.language,
+                native_sample_rate=v.native_rate,
+                supported_sample_rates=v.supported_rates,
+                engine="piper",
+            )
+            for v in self.tts.voices.values()
+        ]
+        return speech_pb2.ListVoicesResponse(voices=voices, max_text_chars=self.max_text_chars)
+
+    async def Synthesize(self, request, context) -> AsyncIterator[speech_pb2.SynthesizeResponse]:  # noqa: N802
+        started = time.perf_counter()
+        text = request.text.strip()
+        if not text:
+            await abort(context, INVALID, "EMPTY_TEXT", "text is empty")
+        if len(request.text) > self.max_text_chars:
+            await abort(context, INVALID, "TEXT_TOO_LONG",
+                        f"text has {len(request.text)} characters; the limit is {self.max_text_chars}")
+        if not is_speakable(text):
+            await abort(context, INVALID, "NOTHING_TO_SPEAK", "text has no letters or digits to speak")
+        if request.framing not in speech_pb2.AudioFraming.values():
+            await abort(context, INVALID, "BAD_FRAMING", f"framing={request.framing} is not an AudioFraming value")
+        try:
+            voice = self.tts.voice(request.voice)
+        except KeyError as exc:
+            await abort(context, INVALID, "UNKNOWN_VOICE", exc.args[0], voice=request.voice)
+        if request.sample_rate < 0 or (request.sample_rate and request.sample_rate not in voice.supported_rates):
+            await abort(context, INVALID, "UNSUPPORTED_SAMPLE_RATE",
+                        unsupported_rate_message(request.sample_rate, voice))
+        stream = self.tts.open_stream(voice.name, request.sample_rate)
+        wav = request.framing == speech_pb2.AUDIO_FRAMING_WAV
+        chunks = split_text(text)
+        index = 0
+        for n, chunk in enumerate(chunks):
+            offset_ms = stream.samples_out * 1000 // stream.output_rate
+            audio = await self.scheduler.submit("tts", TtsItem(stream, chunk, final=n == len(chunks) - 1))
+            if not audio:  # resampled to nothing: skipped, nothing to frame
+                continue
+            if wav and index == 0:
+                audio = wav_stream_header(stream.output_rate, 1) + audio
+            if index == 0:
+                self.metrics.tts_first_audio_seconds.observe(time.perf_counter() - started)
+            self.metrics.bytes_total.labels("out").inc(len(audio))
+            yield speech_pb2.SynthesizeResponse(
+                audio=audio, sample_rate=stream.output_rate, channels=1, chunk_index=index,
+                text=chunk, audio_offset_ms=offset_ms, is_final=n == len(chunks) - 1,
+            )
+            index += 1
+
+    async def Transcribe(self, request_iterator, context) -> AsyncIterator[speech_pb2.TranscribeResponse]:  # noqa: N802
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            await abort(context, INVALID, "EMPTY_STREAM", "the stream ended before its first request (the config)")
+        if first.WhichOneof("request") != "config":
+            await abort(context, INVALID, "CONFIG_FIRST", "the first TranscribeRequest must carry config")
+        decode, resampler, partials = await self._transcribe_setup(first.config, context)
+        stream = self.asr.open_stream()
+        try:
+            chunk_no = 0
+            async for request in request_iterator:
+                chunk_no += 1
+                if request.WhichOneof("request") != "audio":
+                    await abort(context, INVALID, "CONFIG_TWICE",
+                                f"request {chunk_no} carries config again; only the first request may")
+                self.metrics.bytes_total.labels("in").inc(len(request.audio))
+                try:
+                    samples = resampler.process(decode(request.audio))
+                except ValueError as exc:
+                    await abort(context, INVALID, "BAD_AUDIO", f"audio in request {chunk_no}: {exc}")
+                if len(samples):
+                    for event in await self._asr(stream, float_to_pcm16(samples), end=False):
+                        if event.is_final or partials:
+                            yield _transcript(event)
+            tail = float_to_pcm16(resampler.flush())
+            for event in await self._asr(stream, tail, end=True):
+                if event.is_final or partials:
+                    yield _transcript(event)
+        finally:
+            self.asr.close_stream(stream)
+
+    async def _asr(self, stream, pcm: bytes, end: bool) -> list[AsrEvent]:
+        return await self.scheduler.submit("asr", AsrItem(stream, pcm, end))
+
+    async def _transcribe_setup(self, config, context):
+        fmt = config.audio_format
+        encoding = fmt.encoding or common_pb2.AUDIO_ENCODING_PCM16
+        rate = fmt.sample_rate or 24000
+        if encoding not in TRANSCRIBE_RATES:
+            await abort(context, INVALID, "BAD_ENCODING", f"audio_format.encoding={fmt.encoding} is not supported")
+        if rate not in TRANSCRIBE_RATES[encoding]:
+            allowed = ", ".join(map(str, TRANSCRIBE_RATES[encoding]))
+            await abort(context, INVALID, "BAD_SAMPLE_RATE",
+                        f"audio_format.sample_rate={fmt.sample_rate} is not supported for "
+                        f"{common_pb2.AudioEncoding.Name(encoding)}; supported: {allowed}")
+        if fmt.channels not in (0, 1):
+            await abort(context, INVALID, "BAD_CHANNELS", f"audio_format.channels={fmt.channels}: only mono is accepted")
+        if config.language not in ("", "en-US", "en-us", "en"):
+            await abort(context, INVALID, "BAD_LANGUAGE", f"language={config.language!r} is not served; only en-US")
+        return DECODERS[encoding], make_resampler(rate, ASR_RATE), not config.disable_partial_results
+
+
+def _transcript(event: AsrEvent) -> speech_pb2.TranscribeResponse:
+    return speech_pb2.TranscribeResponse(
+        utterance_index=event.utterance_index, is_final=event.is_final, text=event.text, delta=event.delta,
+        start_ms=event.start_ms, end_ms=event.end_ms,
+        words=[common_pb2.WordInfo(word=w, start_ms=s, end_ms=e, confidence=c) for w, s, e, c in event.words],
+    )

