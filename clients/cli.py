@@ -12,7 +12,6 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-
 from rtmedia.clients.client import DEFAULT_TARGET, SpeechClient, read_wav
 from rtmedia.engines.resample import float_to_pcm16, make_resampler
 from rtmedia.server.errors import error_reason

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"

@@ -318,40 +318,35 @@ class AsrEngine:
         return results
 
     def _call(self, requests: dict[int, tuple[str, Any]]) -> dict[int, Any]:
-        """Send each worker its request, then read every reply; raise EngineError if any failed."""
+        """Send each worker its request, then read the replies. A reply left unread after an
+        error is skipped by the next call on that pipe (its request id is stale)."""
         order = sorted(requests)
         for w in order:
             self._locks[w].acquire()
         try:
-            conns, rids, replies, errors = self._conns, {}, {}, []
+            conns, rids = self._conns, {}
             if not conns:
                 raise EngineError("ASR engine is not loaded")
             for w in order:
-                try:
-                    conns[w].send((rid := next(self._ids), *requests[w]))
-                    rids[w] = rid
-                except OSError as exc:
-                    errors.append(f"worker {w} is gone ({exc})")
-            for w in rids:
-                try:  # (TimeoutError is an OSError)
-                    while True:
-                        if not conns[w].poll(_REPLY_TIMEOUT_S):
-                            raise TimeoutError(f"no reply within {_REPLY_TIMEOUT_S:.0f} s")
-                        rid, ok, value = conns[w].recv()
-                        if rid == rids[w] or (rid == 0 and not ok):
-                            break  # else: a stale reply to a request that timed out earlier
-                except (EOFError, OSError) as exc:
-                    ok, value = False, f"{type(exc).__name__}: {exc or 'worker died'}"
-                if ok:
-                    replies[w] = value
-                else:
-                    errors.append(f"worker {w}: {value}")
-            if errors:
-                raise EngineError("ASR " + "; ".join(errors))
-            return replies
+                rids[w] = next(self._ids)
+                conns[w].send((rids[w], *requests[w]))
+            return {w: self._reply(w, conns[w], rids[w]) for w in order}
+        except (EOFError, OSError) as exc:  # a dead worker; TimeoutError is an OSError too
+            raise EngineError(f"ASR worker failed: {type(exc).__name__}: {exc}") from exc
         finally:
             for w in order:
                 self._locks[w].release()
+
+    @staticmethod
+    def _reply(w: int, conn: Any, rid: int) -> Any:
+        while True:
+            if not conn.poll(_REPLY_TIMEOUT_S):
+                raise TimeoutError(f"worker {w} sent no reply within {_REPLY_TIMEOUT_S:.0f} s")
+            got, ok, value = conn.recv()
+            if got == rid or (got == 0 and not ok):  # request id 0: the worker failed to load
+                if not ok:
+                    raise EngineError(f"ASR worker {w}: {value}")
+                return value
 
     def close(self) -> None:
         with self._mu:

@@ -22,7 +22,6 @@ import numpy as np
 import onnxruntime
 from piper.config import PiperConfig, SynthesisConfig
 from piper.voice import PiperVoice
-
 from rtmedia.engines.base import EngineError
 from rtmedia.engines.resample import float_to_pcm16, make_resampler
 

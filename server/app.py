@@ -11,7 +11,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
-
 from rtmedia.engines.asr import AsrEngine
 from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
 from rtmedia.server.config import ServerConfig

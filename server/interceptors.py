@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable
 
 import grpc
-
 from rtmedia.server.errors import rich_status
 from rtmedia.server.metrics import Metrics
 

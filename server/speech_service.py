@@ -6,9 +6,14 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-
 from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem
-from rtmedia.engines.resample import alaw_to_float, float_to_pcm16, make_resampler, pcm16_to_float, ulaw_to_float
+from rtmedia.engines.resample import (
+    alaw_to_float,
+    float_to_pcm16,
+    make_resampler,
+    pcm16_to_float,
+    ulaw_to_float,
+)
 from rtmedia.engines.tts import TtsEngine, TtsItem, is_speakable, split_text, unsupported_rate_message
 from rtmedia.server.errors import abort
 from rtmedia.server.scheduler import Scheduler
@@ -37,7 +42,7 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         self.max_text_chars = max_text_chars
         self.metrics = scheduler.metrics
 
-    async def ListVoices(self, request, context):  # noqa: N802 (gRPC method name)
+    async def ListVoices(self, request, context):
         voices = [
             speech_pb2.Voice(
                 name=v.name,
@@ -50,7 +55,7 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         ]
         return speech_pb2.ListVoicesResponse(voices=voices, max_text_chars=self.max_text_chars)
 
-    async def Synthesize(self, request, context) -> AsyncIterator[speech_pb2.SynthesizeResponse]:  # noqa: N802
+    async def Synthesize(self, request, context) -> AsyncIterator[speech_pb2.SynthesizeResponse]:
         started = time.perf_counter()
         text = request.text.strip()
         if not text:
@@ -89,7 +94,7 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
             )
             index += 1
 
-    async def Transcribe(self, request_iterator, context) -> AsyncIterator[speech_pb2.TranscribeResponse]:  # noqa: N802
+    async def Transcribe(self, request_iterator, context) -> AsyncIterator[speech_pb2.TranscribeResponse]:
         first = await anext(aiter(request_iterator), None)
         if first is None:
             await abort(context, INVALID, "EMPTY_STREAM", "the stream ended before its first request (the config)")

@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import time
 import urllib.request
 import wave
 from pathlib import Path
@@ -16,36 +13,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.support.serve import RTMEDIA, free_port, wait_serving
 from tests.support.speech import wer
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-RTMEDIA = str(Path(sys.executable).with_name("rtmedia"))
-TEXT = "Good morning. The train to the city leaves at half past seven from platform two."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_serving(target: str, process: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"rtmedia serve exited with {process.returncode}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError("rtmedia serve did not become SERVING")
+TEXT = "The weather today is sunny with a light breeze from the west. Please remember to buy milk and bread on your way home."
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,159 @@
+"""Speech benchmark: TTS time to first audio and real-time factor, ASR real-time
+factor, and the gRPC overhead of Synthesize against the engine in-process.
+
+    .venv/bin/python tests/perf/bench_speech.py [--runs 20]
+
+Prints one JSON object. The gRPC and in-process runs alternate (ABAB) in one
+run so that machine noise hits both sides alike; figures are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from rtmedia.engines.asr import AsrEngine, AsrItem  # noqa: E402
+from rtmedia.engines.tts import TtsEngine, TtsItem, split_text  # noqa: E402
+from rtmedia.v1 import speech_pb2, speech_pb2_grpc  # noqa: E402
+
+from tests.support.serve import RTMEDIA, free_port, wait_serving  # noqa: E402
+from tests.support.speech import Speaker  # noqa: E402
+
+TEN_WORDS = "The quick brown fox jumps over the lazy sleeping dog."
+PARAGRAPH = (
+    "Streaming speech should start quickly, and it should keep going without gaps. "
+    "This paragraph has several clauses; each one is spoken as soon as it is ready. "
+    "The listener hears the first words long before the last ones are synthesised."
+)
+
+
+def machine() -> dict:
+    model = ""
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "system": platform.system()}
+
+
+def in_process(tts: TtsEngine, text: str) -> tuple[float, float, float]:
+    """(first audio s, total s, audio s) calling the engine chunk by chunk, as the service does."""
+    started = time.perf_counter()
+    stream = tts.open_stream()
+    chunks = split_text(text)
+    first = None
+    samples = 0
+    for n, chunk in enumerate(chunks):
+        pcm = tts.step([TtsItem(stream, chunk, final=n == len(chunks) - 1)])[0]
+        first = first or time.perf_counter() - started
+        samples += len(pcm) // 2
+    return first or 0.0, time.perf_counter() - started, samples / stream.output_rate
+
+
+def over_grpc(stub, text: str) -> tuple[float, float, float]:
+    started = time.perf_counter()
+    first = None
+    samples = 0
+    rate = 1
+    for reply in stub.Synthesize(speech_pb2.SynthesizeRequest(text=text)):
+        first = first or time.perf_counter() - started
+        samples += len(reply.audio) // 2
+        rate = reply.sample_rate
+    return first or 0.0, time.perf_counter() - started, samples / rate
+
+
+def asr_rtf(runs: int) -> dict:
+    speaker = Speaker()
+    audio = np.concatenate([speaker.silence(0.5), speaker.say(PARAGRAPH), speaker.silence(1.0)])
+    pcm, seconds = audio.tobytes(), len(audio) / 16000
+    engine = AsrEngine(workers=1)
+    engine.load()
+    engine.warmup()
+    times = []
+    try:
+        for _ in range(runs):
+            stream = engine.open_stream()
+            started = time.perf_counter()
+            step = 3200  # 100 ms
+            for i in range(0, len(pcm), step):
+                engine.step([AsrItem(stream, pcm[i:i + step], end=i + step >= len(pcm))])
+            times.append(time.perf_counter() - started)
+            engine.close_stream(stream)
+    finally:
+        engine.close()
+    return {"audio_s": round(seconds, 2), "rtf_median": round(statistics.median(times) / seconds, 4),
+            "runs": runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20)
+    args = parser.parse_args()
+
+    tts = TtsEngine()
+    tts.load()
+    tts.warmup()
+    port = free_port()
+    server = subprocess.Popen(
+        [RTMEDIA, "serve", "--port", str(port), "--metrics-port", "0",
+         "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        target = f"127.0.0.1:{port}"
+        wait_serving(target, server)
+        with grpc.insecure_channel(target) as channel:
+            stub = speech_pb2_grpc.SpeechServiceStub(channel)
+            for _ in range(3):  # warm both paths
+                over_grpc(stub, TEN_WORDS)
+                in_process(tts, TEN_WORDS)
+            results: dict[str, list[tuple[float, float, float]]] = {
+                "grpc_short": [], "local_short": [], "grpc_long": [], "local_long": []}
+            for _ in range(args.runs):
+                results["grpc_short"].append(over_grpc(stub, TEN_WORDS))
+                results["local_short"].append(in_process(tts, TEN_WORDS))
+                results["local_long"].append(in_process(tts, PARAGRAPH))
+                results["grpc_long"].append(over_grpc(stub, PARAGRAPH))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+    def med(key: str, index: int) -> float:
+        return statistics.median(r[index] for r in results[key])
+
+    report = {
+        "benchmark": "speech",
+        "machine": machine(),
+        "runs": args.runs,
+        "tts": {
+            "ten_word_first_audio_ms_grpc": round(med("grpc_short", 0) * 1000, 1),
+            "ten_word_first_audio_ms_in_process": round(med("local_short", 0) * 1000, 1),
+            "paragraph_first_audio_ms_grpc": round(med("grpc_long", 0) * 1000, 1),
+            "rtf_in_process": round(med("local_long", 1) / med("local_long", 2), 4),
+            "rtf_grpc": round(med("grpc_long", 1) / med("grpc_long", 2), 4),
+            "paragraph_audio_s": round(med("local_long", 2), 2),
+        },
+        "grpc_overhead": {
+            "synthesize_total_ratio_paragraph": round(med("grpc_long", 1) / med("local_long", 1), 4),
+            "synthesize_total_ratio_ten_words": round(med("grpc_short", 1) / med("local_short", 1), 4),
+            "first_audio_ratio_ten_words": round(med("grpc_short", 0) / med("local_short", 0), 4),
+        },
+        "asr": asr_rtf(max(3, args.runs // 4)),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
