@@ -16,6 +16,7 @@ import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +66,7 @@ class VoiceSpec:
     model_path: Path
     config_path: Path
 
-    @property
+    @cached_property
     def config(self) -> dict:
         return json.loads(self.config_path.read_text(encoding="utf-8"))
 
@@ -120,7 +121,6 @@ class TtsStream:
     voice: VoiceSpec
     output_rate: int
     resampler: object = field(repr=False)
-    samples_out: int = 0
 
 
 @dataclass
@@ -152,6 +152,9 @@ class TtsEngine:
                     continue
                 options = onnxruntime.SessionOptions()
                 options.intra_op_num_threads = self._threads
+                # Idle worker threads sleep instead of spinning: the cores are shared
+                # with ASR workers and other engines.
+                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
                 session = onnxruntime.InferenceSession(
                     str(spec.model_path), sess_options=options, providers=["CPUExecutionProvider"]
                 )
@@ -196,6 +199,5 @@ class TtsEngine:
             samples = resampler.process(audio)  # type: ignore[attr-defined]
             if item.final:
                 samples = np.concatenate([samples, resampler.flush()])  # type: ignore[attr-defined]
-            item.stream.samples_out += len(samples)
             out.append(float_to_pcm16(samples))
         return out

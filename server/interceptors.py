@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 from collections.abc import Callable
 
@@ -11,6 +12,7 @@ import grpc
 from rtmedia.server.errors import rich_status
 from rtmedia.server.metrics import Metrics
 
+log = logging.getLogger("rtmedia.rpc")
 GATED_PREFIX = "/rtmedia.v1."
 
 
@@ -42,8 +44,13 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             if isinstance(error, asyncio.CancelledError):
                 code = grpc.StatusCode.CANCELLED
             name_ = code.name if isinstance(code, grpc.StatusCode) else str(code)
+            elapsed = time.perf_counter() - started
             handled.labels(_TYPES[kind], service, name, name_).inc()
-            seconds.observe(time.perf_counter() - started)
+            seconds.observe(elapsed)
+            # Health probes and reflection at debug level: they would drown the access log.
+            level = logging.INFO if gated else logging.DEBUG
+            log.log(level, "rpc", extra={"method": method, "code": name_, "seconds": round(elapsed, 4),
+                                         "peer": context.peer()})
 
         async def refuse(context) -> None:
             refusal = self._refusal() if gated else None

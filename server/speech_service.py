@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -77,22 +78,37 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         stream = self.tts.open_stream(voice.name, request.sample_rate)
         wav = request.framing == speech_pb2.AUDIO_FRAMING_WAV
         chunks = split_text(text)
-        index = 0
-        for n, chunk in enumerate(chunks):
-            offset_ms = stream.samples_out * 1000 // stream.output_rate
-            audio = await self.scheduler.submit("tts", TtsItem(stream, chunk, final=n == len(chunks) - 1))
-            if not audio:  # resampled to nothing: skipped, nothing to frame
-                continue
-            if wav and index == 0:
-                audio = wav_stream_header(stream.output_rate, 1) + audio
-            if index == 0:
-                self.metrics.tts_first_audio_seconds.observe(time.perf_counter() - started)
-            self.metrics.bytes_total.labels("out").inc(len(audio))
-            yield speech_pb2.SynthesizeResponse(
-                audio=audio, sample_rate=stream.output_rate, channels=1, chunk_index=index,
-                text=chunk, audio_offset_ms=offset_ms, is_final=n == len(chunks) - 1,
-            )
-            index += 1
+        last = len(chunks) - 1
+
+        def synthesize(n: int) -> asyncio.Task[bytes]:
+            item = TtsItem(stream, chunks[n], final=n == last)
+            return asyncio.ensure_future(self.scheduler.submit("tts", item))
+
+        # The next chunk is synthesised while this one is sent (in order: the
+        # stream's resampler state runs from chunk to chunk).
+        pending = synthesize(0)
+        index = samples_sent = 0
+        try:
+            for n, chunk in enumerate(chunks):
+                audio = await pending
+                if n < last:
+                    pending = synthesize(n + 1)
+                if not audio:  # resampled to nothing: skipped, nothing to frame
+                    continue
+                offset_ms = samples_sent * 1000 // stream.output_rate
+                samples_sent += len(audio) // 2
+                if wav and index == 0:
+                    audio = wav_stream_header(stream.output_rate, 1) + audio
+                if index == 0:
+                    self.metrics.tts_first_audio_seconds.observe(time.perf_counter() - started)
+                self.metrics.bytes_total.labels("out").inc(len(audio))
+                yield speech_pb2.SynthesizeResponse(
+                    audio=audio, sample_rate=stream.output_rate, channels=1, chunk_index=index,
+                    text=chunk, audio_offset_ms=offset_ms, is_final=n == last,
+                )
+                index += 1
+        finally:
+            pending.cancel()
 
     async def Transcribe(self, request_iterator, context) -> AsyncIterator[speech_pb2.TranscribeResponse]:
         first = await anext(aiter(request_iterator), None)

@@ -121,11 +121,11 @@ def main() -> None:
                 in_process(tts, TEN_WORDS)
             results: dict[str, list[tuple[float, float, float]]] = {
                 "grpc_short": [], "local_short": [], "grpc_long": [], "local_long": []}
-            for _ in range(args.runs):
-                results["grpc_short"].append(over_grpc(stub, TEN_WORDS))
-                results["local_short"].append(in_process(tts, TEN_WORDS))
-                results["local_long"].append(in_process(tts, PARAGRAPH))
-                results["grpc_long"].append(over_grpc(stub, PARAGRAPH))
+            for run in range(args.runs):  # ABBA: neither side always runs second
+                pairs = [("grpc", lambda t: over_grpc(stub, t)), ("local", lambda t: in_process(tts, t))]
+                for name, call in pairs if run % 2 == 0 else pairs[::-1]:
+                    results[f"{name}_short"].append(call(TEN_WORDS))
+                    results[f"{name}_long"].append(call(PARAGRAPH))
     finally:
         server.terminate()
         server.wait(timeout=30)

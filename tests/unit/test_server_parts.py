@@ -1,0 +1,58 @@
+"""Small server parts: WAV framing, configuration, error details."""
+
+from __future__ import annotations
+
+import io
+import wave
+
+import grpc
+import pytest
+
+from rtmedia.server.config import ServerConfig
+from rtmedia.server.errors import DOMAIN, rich_status
+from rtmedia.server.wav import wav_header, wav_stream_header
+
+
+def test_wav_header_is_read_by_the_wave_module():
+    pcm = b"\x01\x00\xff\x7f" * 100
+    with wave.open(io.BytesIO(wav_header(16000, 2, len(pcm)) + pcm)) as wav:
+        assert (wav.getframerate(), wav.getnchannels(), wav.getsampwidth(), wav.getnframes()) == (16000, 2, 2, 100)
+
+
+def test_streaming_header_has_unknown_sizes():
+    header = wav_stream_header(22050, 1)
+    assert len(header) == 44 and header[4:8] == b"\xff\xff\xff\xff" and header[40:44] == b"\xff\xff\xff\xff"
+
+
+def test_config_layers(tmp_path):
+    path = tmp_path / "deploy.yaml"
+    path.write_text("server:\n  port: 6000\n  grace_s: 5\n  asr_workers: 1\n")
+    config = ServerConfig.load(path, port=7000, host=None)
+    assert (config.port, config.grace_s, config.asr_workers, config.host) == (7000, 5, 1, "127.0.0.1")
+
+
+def test_config_rejects_unknown_keys(tmp_path):
+    path = tmp_path / "deploy.yaml"
+    path.write_text("prot: 1\n")
+    with pytest.raises(ValueError, match="unknown setting\\(s\\): prot"):
+        ServerConfig.load(path)
+
+
+def test_shipped_deploy_file_loads():
+    from pathlib import Path
+
+    config = ServerConfig.load(Path(__file__).resolve().parents[2] / "deploy" / "rtmedia.yaml")
+    assert config.port == 50051
+
+
+def test_rich_status_carries_error_info():
+    from google.rpc import error_details_pb2, status_pb2
+
+    status = rich_status(grpc.StatusCode.INVALID_ARGUMENT, "EMPTY_TEXT", "text is empty", field="text")
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT and status.details == "text is empty"
+    (key, value), = status.trailing_metadata
+    decoded = status_pb2.Status.FromString(value)
+    info = error_details_pb2.ErrorInfo()
+    decoded.details[0].Unpack(info)
+    assert key == "grpc-status-details-bin"
+    assert (info.reason, info.domain, dict(info.metadata)) == ("EMPTY_TEXT", DOMAIN, {"field": "text"})

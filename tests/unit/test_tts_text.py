@@ -1,0 +1,59 @@
+"""The text-splitting rule of SPEC 2.2 and the voice catalogue."""
+
+from __future__ import annotations
+
+import pytest
+
+from rtmedia.engines.tts import (
+    CHUNK_MAX_WORDS,
+    default_voices,
+    split_text,
+    unsupported_rate_message,
+    voice_from_path,
+)
+
+
+@pytest.mark.parametrize("text,chunks", [
+    ("Hello there, how are you today? Fine.", ["Hello there,", "how are you today?", "Fine."]),
+    ("one two three four five six seven eight nine ten", ["one two three four five six", "seven eight nine ten"]),
+    ("one two three four five six seven, eight", ["one two three four five six", "seven,", "eight"]),
+    ("Wait; what: really! Yes.", ["Wait;", "what:", "really!", "Yes."]),
+    ('He said "stop." Then left.', ['He said "stop."', "Then left."]),
+    ("Pi is 3.14 roughly, they say", ["Pi is 3.14 roughly,", "they say"]),
+    ("  spaced   out   words  ", ["spaced out words"]),
+    ("... hello", ["hello"]),
+    ("", []),
+    ("?! ...", []),
+])
+def test_split_text(text, chunks):
+    assert split_text(text) == chunks
+
+
+def test_first_chunk_ends_at_six_words_later_chunks_at_clauses():
+    words = [f"w{i}" for i in range(20)]
+    chunks = split_text(" ".join(words[:10]) + ", " + " ".join(words[10:]) + ".")
+    assert chunks[0].split() == words[:6]
+    assert chunks[1].split() == [*words[6:9], words[9] + ","]
+    assert chunks[2].split()[-1] == "w19."
+
+
+def test_long_clauses_are_cut():
+    chunks = split_text("word " * 100)
+    assert max(len(c.split()) for c in chunks) == CHUNK_MAX_WORDS
+    assert sum(len(c.split()) for c in chunks) == 100
+
+
+def test_embedded_voice_and_rate_message():
+    (voice,) = default_voices()
+    assert voice.name == "en_US-joe-medium" and voice.native_rate == 22050 and voice.language == "en-US"
+    assert unsupported_rate_message(7, voice) == (
+        "sample_rate=7 is not supported by voice en_US-joe-medium; "
+        "supported rates: 8000, 16000, 22050, 24000, 44100, 48000"
+    )
+
+
+def test_local_voice_needs_its_config(tmp_path):
+    model = tmp_path / "x.onnx"
+    model.write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"x\.onnx\.json"):
+        voice_from_path(model)
