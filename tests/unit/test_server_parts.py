@@ -7,7 +7,6 @@ import wave
 
 import grpc
 import pytest
-
 from rtmedia.server.config import ServerConfig
 from rtmedia.server.errors import DOMAIN, rich_status
 from rtmedia.server.wav import wav_header, wav_stream_header

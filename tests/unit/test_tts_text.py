@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from rtmedia.engines.tts import (
     CHUNK_MAX_WORDS,
     default_voices,
