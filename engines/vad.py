@@ -1,0 +1,175 @@
+"""Voice activity detection: Silero VAD v6 on onnxruntime, batched across sessions.
+
+The model is the `silero_vad.onnx` file shipped in the `silero-vad` wheel, run
+directly on onnxruntime (importing `silero_vad` would import torch). It takes
+one 32 ms window (512 samples at 16 kHz) per row, preceded by the last 64
+samples of that stream's previous window, plus a recurrent state of
+[2, batch, 128]; it returns a speech probability per row and the next state.
+This is exactly what `silero_vad.utils_vad.OnnxWrapper` does at 16 kHz, but
+with each row belonging to a different stream.
+
+A `VadStream` holds one stream's state row and context. `step()` stacks the
+windows of many streams into one onnxruntime call and writes every row's new
+state and context back to its stream. Several windows of one stream in a batch
+are processed in rounds (round k holds the k-th window of every stream that
+has one), so the result equals processing each stream's windows in order.
+The caller must not step one stream from two threads at once.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .base import EngineError
+
+SAMPLE_RATE = 16000
+WINDOW = 512  # samples per window: 32 ms at 16 kHz
+WINDOW_MS = WINDOW * 1000 // SAMPLE_RATE
+CONTEXT = 64  # samples of the previous window prepended to each window
+STATE_SHAPE = (2, 128)  # one stream's row of the model's [2, batch, 128] state
+_SR = np.array(SAMPLE_RATE, dtype=np.int64)
+
+
+def model_path() -> str:
+    """Path of the Silero VAD ONNX model inside the installed `silero-vad` wheel."""
+    return str(importlib.resources.files("silero_vad") / "data" / "silero_vad.onnx")
+
+
+class VadStream:
+    """One stream's recurrent state row [2, 128] and 64-sample context (float32)."""
+
+    __slots__ = ("context", "state")
+
+    def __init__(self) -> None:
+        self.state = np.zeros(STATE_SHAPE, np.float32)
+        self.context = np.zeros(CONTEXT, np.float32)
+
+    def reset(self) -> None:
+        """Forget the stream's history, as at the start of a new stream."""
+        self.state.fill(0.0)
+        self.context.fill(0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class VadItem:
+    """One 512-sample float32 window (16 kHz, in [-1, 1]) of a stream."""
+
+    stream: VadStream
+    window: np.ndarray
+
+
+def _check(item: Any) -> np.ndarray:
+    """The item's window as float32 [512]; ValueError says what is wrong."""
+    if not isinstance(item, VadItem) or not isinstance(item.stream, VadStream):
+        raise ValueError(f"VAD items must be VadItem(VadStream, window), got {type(item).__name__}")
+    w = item.window
+    if not isinstance(w, np.ndarray) or w.shape != (WINDOW,) or not np.issubdtype(w.dtype, np.floating):
+        shape = getattr(w, "shape", None)
+        dtype = getattr(w, "dtype", type(w).__name__)
+        raise ValueError(
+            f"VAD window must be {WINDOW} float samples, shape ({WINDOW},); got shape {shape} {dtype}"
+        )
+    return w.astype(np.float32, copy=False)
+
+
+def _rounds(items: Sequence[VadItem]) -> list[list[int]]:
+    """Item indices grouped so that round k holds the k-th item of each stream."""
+    seen: dict[int, int] = {}
+    rounds: list[list[int]] = []
+    for i, item in enumerate(items):
+        k = seen.get(id(item.stream), 0)
+        seen[id(item.stream)] = k + 1
+        if k == len(rounds):
+            rounds.append([])
+        rounds[k].append(i)
+    return rounds
+
+
+class VadEngine:
+    """Silero VAD behind the engine protocol; `step` returns one speech probability per item."""
+
+    name = "vad"
+
+    def __init__(self, intra_op_threads: int = 1) -> None:
+        if intra_op_threads < 0:
+            raise ValueError(f"intra_op_threads must be >= 0, got {intra_op_threads}")
+        self._threads = intra_op_threads
+        self._session: Any = None
+        self._lock = threading.Lock()
+
+    def load(self) -> None:
+        import onnxruntime
+
+        with self._lock:
+            if self._session is not None:
+                return
+            options = onnxruntime.SessionOptions()
+            options.intra_op_num_threads = self._threads
+            options.inter_op_num_threads = 1
+            # Idle worker threads sleep instead of spinning: the cores are shared with other engines.
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            self._session = onnxruntime.InferenceSession(
+                model_path(), sess_options=options, providers=["CPUExecutionProvider"]
+            )
+
+    def warmup(self) -> None:
+        self.load()
+        streams = [self.open_stream() for _ in range(8)]
+        silence = np.zeros(WINDOW, np.float32)
+        self.step([VadItem(s, silence) for s in streams])
+        self.step_unbatched([VadItem(streams[0], silence)])
+
+    def close(self) -> None:
+        with self._lock:
+            self._session = None
+
+    def open_stream(self) -> VadStream:
+        return VadStream()
+
+    def close_stream(self, stream: VadStream) -> None:
+        """Nothing to free: a stream's state lives in its handle."""
+
+    def step(self, items: Sequence[VadItem]) -> list[float]:
+        """Speech probability of each item's window, one onnxruntime call per round."""
+        windows = [_check(item) for item in items]
+        session = self._loaded()
+        probs = [0.0] * len(items)
+        for idx in _rounds(items):
+            streams = [items[i].stream for i in idx]
+            x = np.empty((len(idx), CONTEXT + WINDOW), np.float32)
+            for row, (i, s) in enumerate(zip(idx, streams, strict=True)):
+                x[row, :CONTEXT] = s.context
+                x[row, CONTEXT:] = windows[i]
+            state = np.stack([s.state for s in streams], axis=1)
+            out, state_n = session.run(None, {"input": x, "state": state, "sr": _SR})
+            for row, (i, s) in enumerate(zip(idx, streams, strict=True)):
+                s.state[...] = state_n[:, row]
+                s.context[...] = x[row, -CONTEXT:]
+                probs[i] = float(out[row, 0])
+        return probs
+
+    def step_unbatched(self, items: Sequence[VadItem]) -> list[float]:
+        """The same results as `step`, with one onnxruntime call per item (a baseline)."""
+        windows = [_check(item) for item in items]
+        session = self._loaded()
+        probs = []
+        for item, w in zip(items, windows, strict=True):
+            s = item.stream
+            x = np.concatenate([s.context, w])[None]
+            out, state_n = session.run(None, {"input": x, "state": s.state[:, None], "sr": _SR})
+            s.state[...] = state_n[:, 0]
+            s.context[...] = w[-CONTEXT:]
+            probs.append(float(out[0, 0]))
+        return probs
+
+    def _loaded(self) -> Any:
+        session = self._session
+        if session is None:
+            raise EngineError("VAD engine is not loaded")
+        return session
