@@ -1,4 +1,4 @@
-"""Client commands of the `rtmedia` CLI: voices, synth, transcribe."""
+"""Client commands of the `rtmedia` CLI: voices, synth, transcribe, talk (in talk.py)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--realtime", action="store_true", help="send the audio at real-time pace")
     common(p)
     p.set_defaults(func=cmd_transcribe)
+
+    from rtmedia.clients.talk import add_talk_parser  # imported here: talk imports this module
+
+    add_talk_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:

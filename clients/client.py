@@ -9,7 +9,8 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
+from rtmedia.v1 import common_pb2, realtime_pb2, speech_pb2, speech_pb2_grpc
+from rtmedia.v1.realtime_pb2_grpc import RealtimeServiceStub
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 CHANNEL_OPTIONS = [
@@ -55,6 +56,35 @@ class SpeechClient:
                 yield speech_pb2.TranscribeRequest(audio=chunk)
 
         return self.stub.Transcribe(requests(), timeout=self.timeout)
+
+
+
+class RealtimeClient:
+    """RealtimeService over one grpc.aio channel; use it inside a running event loop.
+
+        async with RealtimeClient(target) as client:
+            call = client.converse()
+            await call.write(client_event("session.update", session={...}))
+            async for event in call: ...
+    """
+
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None) -> None:
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = RealtimeServiceStub(self.channel)
+        self.timeout = timeout
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> RealtimeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def converse(self) -> grpc.aio.StreamStreamCall[realtime_pb2.ConverseRequest, realtime_pb2.ConverseResponse]:
+        """A Converse stream: `write()` client events, `read()` server events, `done_writing()` to end."""
+        return self.stub.Converse(timeout=self.timeout)
 
 
 @dataclass

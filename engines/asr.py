@@ -10,12 +10,32 @@ in parallel; one lock per worker pipe (taken in worker order) and request ids
 make concurrent `step()` calls from several threads safe. The items of one
 stream must still arrive in order.
 
-In a worker each stream runs a `pocketsphinx.Endpointer` over 30 ms frames (it
-releases speech ~0.3 s late). Released speech is decoded as one utterance
-(`start_utt` / `process_raw` / `end_utt`) that ends when the endpointer leaves
-speech or an item has `end=True`. Decoders are leased per utterance: a silent
-stream holds only its endpointer and cepstral mean, and a worker builds another
-decoder (~0.3 s, ~90 MB) only when more of its streams speak at once.
+Streams come in two modes (`open_stream(segment=...)`):
+
+- `segment=True` (the default): each stream runs a `pocketsphinx.Endpointer`
+  over 30 ms frames (it releases speech ~0.3 s late). Released speech is decoded
+  as one utterance (`start_utt` / `process_raw` / `end_utt`) that ends when the
+  endpointer leaves speech or an item has `end=True`.
+- `segment=False`, for callers that find turns themselves (the duplex sessions'
+  VAD): no endpointer. All audio of the stream is decoded, silences included;
+  an utterance starts with the first audio after open or after an `end=True`
+  and ends only on an item with `end=True`, which always yields exactly one
+  final (with empty text when the turn held no words, or no audio at all).
+
+Decoders are leased per utterance: a silent stream holds only its endpointer and
+cepstral mean, and a worker builds another decoder (~0.35 s, ~90 MB) only when
+more of its streams speak at once. Before each utterance the lent decoder gets
+the stream's cepstral mean and fresh noise statistics: pocketsphinx keeps its
+noise-removal estimate across utterances (`start_utt` does not reset it), so
+without the reset a hypothesis depended on whatever that decoder decoded last.
+
+`fast_final=True` streams decode on decoders built with `fwdflat=False`: no
+second (flat-lexicon) pass over the whole utterance in `end_utt`, so the final
+comes ~8x sooner (median ~13 ms instead of ~100 ms of decoder time for a ~3 s
+utterance, which grows with its length) for ~2 points more WER on Piper speech.
+Partials are the same in both (they come from the first pass). A worker keeps a
+pool per configuration; its first fast decoder is built when a fast stream
+first speaks.
 
 Every 300 ms of decoded speech emits a partial with append-only text: a word is
 committed once two consecutive hypotheses agree on it and it is not the newest
@@ -32,6 +52,7 @@ import multiprocessing
 import random
 import re
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,14 +64,22 @@ PARTIAL_MS = 300
 _PARTIAL_BYTES = SAMPLE_RATE * PARTIAL_MS // 1000 * 2
 _REPLY_TIMEOUT_S = 60.0
 _ALTERNATE = re.compile(r"\(\d+\)$")
+# pocketsphinx finds no hypothesis in fewer than ~7 frames (and logs an error when asked for one)
+_MIN_FRAMES = 10
 
 
 @dataclass(frozen=True, slots=True)
 class AsrStream:
-    """Handle of one recognition stream; `worker` is the process holding its state."""
+    """Handle of one recognition stream; `worker` is the process holding its state.
+
+    `segment`: the engine finds utterances itself (endpointer); else each `end=True` ends one.
+    `fast_final`: a faster final for a little accuracy (decoders without the fwdflat pass).
+    """
 
     id: int
     worker: int
+    segment: bool = True
+    fast_final: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +128,9 @@ class _Utterance:
 
 @dataclass(slots=True)
 class _StreamState:
-    ep: Any
+    ep: Any  # the endpointer; None for a stream without segmentation
     cmn: str  # cepstral mean carried between this stream's utterances
+    fast: bool  # decode on the fast-final decoders
     base_samples: int = 0  # stream offset of the endpointer's time zero
     samples: int = 0  # samples received so far
     pending: bytearray = field(default_factory=bytearray)  # less than one endpointer frame
@@ -114,29 +144,32 @@ class _Worker:
 
         pocketsphinx.set_loglevel("ERROR")
         self._ps = pocketsphinx
-        self._free = [self._new_decoder()]
-        self._prior_cmn = self._free[0].get_cmn()
-        self._ms_per_frame = 1000.0 / float(self._free[0].config["frate"])
+        first = self._new_decoder(fast=False)
+        self._free: dict[bool, list[Any]] = {False: [first], True: []}  # idle decoders by `fast`
+        self._prior_cmn = first.get_cmn()
+        self._ms_per_frame = 1000.0 / float(first.config["frate"])
         self._streams: dict[int, _StreamState] = {}
 
-    def _new_decoder(self) -> Any:
-        return self._ps.Decoder(samprate=SAMPLE_RATE, loglevel="ERROR")
+    def _new_decoder(self, fast: bool) -> Any:
+        # fwdflat is read when the decoder is built (changing it needs a reinit, ~0.35 s): one pool each
+        extra = {"fwdflat": False} if fast else {}
+        return self._ps.Decoder(samprate=SAMPLE_RATE, loglevel="ERROR", **extra)
 
     def _new_endpointer(self) -> Any:
         return self._ps.Endpointer(sample_rate=SAMPLE_RATE)
 
     def handle(self, op: str, arg: Any) -> Any:
         if op == "step":
-            return [self._step(sid, audio, end) for sid, audio, end in arg]
+            return [self._step(*item) for item in arg]
         if op == "close":
             st = self._streams.pop(arg, None)
             if st is not None and st.utt is not None:
                 st.utt.decoder.end_utt()
-                self._free.append(st.utt.decoder)
+                self._free[st.fast].append(st.utt.decoder)
         elif op == "warmup":
             rng = random.Random(0)
             noise = array.array("h", (rng.randint(-300, 300) for _ in range(SAMPLE_RATE))).tobytes()
-            for decoder in self._free:
+            for decoder in itertools.chain.from_iterable(self._free.values()):
                 decoder.start_utt()
                 decoder.process_raw(noise)
                 decoder.end_utt()
@@ -145,11 +178,15 @@ class _Worker:
             raise ValueError(f"unknown ASR worker op {op!r}")
         return None
 
-    def _step(self, sid: int, audio: bytes, end: bool) -> list[AsrEvent]:
+    def _step(self, sid: int, audio: bytes, end: bool, segment: bool, fast: bool) -> list[AsrEvent]:
         st = self._streams.get(sid)
         if st is None:
-            st = self._streams[sid] = _StreamState(self._new_endpointer(), self._prior_cmn)
+            ep = self._new_endpointer() if segment else None
+            st = self._streams[sid] = _StreamState(ep, self._prior_cmn, fast)
         events: list[AsrEvent] = []
+        if st.ep is None:
+            self._turn(st, audio, end, events)
+            return events
         st.pending += audio
         st.samples += len(audio) // 2
         size, done = st.ep.frame_bytes, 0
@@ -168,28 +205,55 @@ class _Worker:
             st.ep, st.base_samples = self._new_endpointer(), st.samples
         return events
 
+    def _turn(self, st: _StreamState, audio: bytes, end: bool, events: list[AsrEvent]) -> None:
+        """A stream without segmentation: all its audio is the current utterance, `end` ends it."""
+        if audio:
+            utt = st.utt or self._begin(st, st.samples * 1000 // SAMPLE_RATE)
+            self._feed(utt, audio, not end, events)
+            st.samples += len(audio) // 2
+        if not end:
+            return
+        if st.utt is not None:
+            self._finish(st, events)
+        else:  # a turn without audio still gets its one (empty) final
+            at = st.samples * 1000 // SAMPLE_RATE
+            events.append(AsrEvent(st.next_index, True, "", "", at, at))
+            st.next_index += 1
+
     def _speech(self, st: _StreamState, speech: bytes | None, events: list[AsrEvent]) -> None:
         """Decode speech the endpointer released; emit partials and, when speech ends, the final."""
         if speech is None:
             return
         utt = st.utt
         if utt is None:
-            decoder = self._free.pop() if self._free else self._new_decoder()
-            decoder.set_cmn(st.cmn)
-            decoder.start_utt()
-            start_ms = st.base_samples * 1000 // SAMPLE_RATE + round(st.ep.speech_start * 1000)
-            utt = st.utt = _Utterance(decoder, st.next_index, start_ms)
-            st.next_index += 1
-        view = memoryview(speech)
+            utt = self._begin(st, st.base_samples * 1000 // SAMPLE_RATE + round(st.ep.speech_start * 1000))
+        self._feed(utt, speech, st.ep.in_speech, events)
+        if not st.ep.in_speech:
+            self._finish(st, events)
+
+    def _begin(self, st: _StreamState, start_ms: int) -> _Utterance:
+        """Lend the stream a decoder, reset to the stream's cepstral mean and fresh noise statistics."""
+        pool = self._free[st.fast]
+        decoder = pool.pop() if pool else self._new_decoder(st.fast)
+        decoder.set_cmn(st.cmn)
+        with warnings.catch_warnings():  # deprecated as "unnecessary", but the only reset of the noise stats
+            warnings.simplefilter("ignore", DeprecationWarning)
+            decoder.start_stream()
+        decoder.start_utt()
+        utt = st.utt = _Utterance(decoder, st.next_index, start_ms)
+        st.next_index += 1
+        return utt
+
+    def _feed(self, utt: _Utterance, audio: bytes, more: bool, events: list[AsrEvent]) -> None:
+        """Decode `audio`, with a partial at each 300 ms boundary (at its very end only if `more` follows)."""
+        view = memoryview(audio)
         while view:  # split at partial boundaries (end_stream may release several frames at once)
             room = _PARTIAL_BYTES - utt.fed_bytes % _PARTIAL_BYTES
             piece, view = view[:room], view[room:]
             utt.decoder.process_raw(bytes(piece))
             utt.fed_bytes += len(piece)
-            if utt.fed_bytes % _PARTIAL_BYTES == 0 and (view or st.ep.in_speech):  # else the final follows
+            if utt.fed_bytes % _PARTIAL_BYTES == 0 and (view or more):  # else the final follows
                 events.append(self._partial(utt))
-        if not st.ep.in_speech:
-            self._finish(st, events)
 
     def _partial(self, utt: _Utterance) -> AsrEvent:
         words = _words(utt.decoder.hyp())
@@ -206,16 +270,18 @@ class _Worker:
         assert utt is not None
         decoder = utt.decoder
         decoder.end_utt()
+        # A short turn without segmentation has no hypothesis (hyp() and seg() give None then).
+        hyp = decoder.hyp() if decoder.n_frames() >= _MIN_FRAMES else None
         words = []
-        for seg in decoder.seg():
+        for seg in (decoder.seg() or ()) if hyp is not None else ():
             if seg.word[0] not in "<[+":
                 start = utt.start_ms + round(seg.start_frame * self._ms_per_frame)
                 end = utt.start_ms + round((seg.end_frame + 1) * self._ms_per_frame)  # end_frame is inclusive
                 prob = min(1.0, max(0.0, float(seg.prob)))  # log-math rounding can give 1.0001
                 words.append((_ALTERNATE.sub("", seg.word), start, end, prob))
-        text = " ".join(_words(decoder.hyp()))
+        text = " ".join(_words(hyp))
         st.cmn = decoder.get_cmn()
-        self._free.append(decoder)
+        self._free[st.fast].append(decoder)
         events.append(AsrEvent(utt.index, True, text, "", utt.start_ms, utt.end_ms, words))
 
 
@@ -239,6 +305,12 @@ def _worker_main(conn: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- parent process
+
+
+def _request(item: AsrItem) -> tuple[int, bytes, bool, bool, bool]:
+    """What a worker's `_step` takes for one item (the stream's mode travels with each item)."""
+    s = item.stream
+    return (s.id, bytes(item.audio), bool(item.end), s.segment, s.fast_final)
 
 
 class AsrEngine:
@@ -280,13 +352,15 @@ class AsrEngine:
         self.load()
         self._call(dict.fromkeys(range(self._n), ("warmup", None)))
 
-    def open_stream(self) -> AsrStream:
+    def open_stream(self, segment: bool = True, fast_final: bool = False) -> AsrStream:
+        """A new stream. `segment=False`: no endpointer, each `end=True` ends one utterance (a turn)
+        and yields its final; `fast_final=True`: the final comes faster for slightly lower accuracy."""
         with self._mu:
             if not self._procs:
                 raise EngineError("ASR engine is not loaded")
             worker = min(range(self._n), key=self._load.__getitem__)
             self._load[worker] += 1
-            stream = AsrStream(next(self._ids), worker)
+            stream = AsrStream(next(self._ids), worker, bool(segment), bool(fast_final))
             self._open[stream.id] = stream
             return stream
 
@@ -307,10 +381,7 @@ class AsrEngine:
             if self._open.get(item.stream.id) is not item.stream:
                 raise ValueError(f"ASR stream {item.stream.id} is not open on this engine")
             groups.setdefault(item.stream.worker, []).append(i)
-        batches = {
-            w: ("step", [(items[i].stream.id, bytes(items[i].audio), items[i].end) for i in idx])
-            for w, idx in groups.items()
-        }
+        batches = {w: ("step", [_request(items[i]) for i in idx]) for w, idx in groups.items()}
         results: list[list[AsrEvent]] = [[] for _ in items]
         for w, events in self._call(batches).items():
             for i, ev in zip(groups[w], events, strict=True):

@@ -39,19 +39,49 @@ _CLAUSE_END = re.compile(r"[,;:.?!][\"')\]]*$")
 _SPEAKABLE = re.compile(r"\w")
 
 
+class TextChunker:
+    """Splits streamed text into speakable chunks as it arrives (SPEC 2.2): the
+    first chunk ends at the first clause boundary or after six words, later ones
+    at clause boundaries (or after CHUNK_MAX_WORDS words)."""
+
+    def __init__(self) -> None:
+        self._words: list[str] = []
+        self._tail = ""  # a word that may continue in the next delta
+        self._emitted = 0
+
+    def feed(self, delta: str) -> list[str]:
+        """Add text; return the chunks it completed."""
+        text = self._tail + delta
+        words = text.split()
+        self._tail = words.pop() if words and not text[-1].isspace() else ""
+        chunks = []
+        for word in words:
+            self._words.append(word)
+            limit = FIRST_CHUNK_MAX_WORDS if not self._emitted else CHUNK_MAX_WORDS
+            if _CLAUSE_END.search(word) or len(self._words) >= limit:
+                chunks.extend(self._take())
+        return chunks
+
+    def flush(self) -> list[str]:
+        """The text is complete: return what is left as a last chunk."""
+        if self._tail:
+            self._words.append(self._tail)
+            self._tail = ""
+        return self._take()
+
+    def _take(self) -> list[str]:
+        chunk = " ".join(self._words)
+        self._words = []
+        if not _SPEAKABLE.search(chunk):
+            return []
+        self._emitted += 1
+        return [chunk]
+
+
 def split_text(text: str) -> list[str]:
-    """Split text into speakable chunks by the rule of SPEC 2.2."""
-    chunks: list[str] = []
-    words: list[str] = []
-    for word in text.split():
-        words.append(word)
-        limit = FIRST_CHUNK_MAX_WORDS if not chunks else CHUNK_MAX_WORDS
-        if _CLAUSE_END.search(word) or len(words) >= limit:
-            chunks.append(" ".join(words))
-            words = []
-    if words:
-        chunks.append(" ".join(words))
-    return [c for c in chunks if _SPEAKABLE.search(c)]
+    """Split a whole text into speakable chunks by the rule of SPEC 2.2."""
+    chunker = TextChunker()
+    return chunker.feed(text) + chunker.flush()
 
 
 def is_speakable(text: str) -> bool:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -13,12 +14,14 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 from rtmedia.engines.asr import AsrEngine
 from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
+from rtmedia.engines.vad import VadEngine
 from rtmedia.server.config import ServerConfig
 from rtmedia.server.interceptors import ServerInterceptor
 from rtmedia.server.metrics import Metrics
-from rtmedia.server.scheduler import LanePolicy, Scheduler
+from rtmedia.server.realtime_service import RealtimeService
+from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler
 from rtmedia.server.speech_service import SpeechService
-from rtmedia.v1 import realtime_pb2, speech_pb2, speech_pb2_grpc, video_pb2
+from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc, speech_pb2, speech_pb2_grpc, video_pb2
 
 log = logging.getLogger("rtmedia.server")
 
@@ -27,7 +30,7 @@ SERVICE_NAMES = [
     realtime_pb2.DESCRIPTOR.services_by_name["RealtimeService"].full_name,
     video_pb2.DESCRIPTOR.services_by_name["VideoService"].full_name,
 ]
-IMPLEMENTED = SERVICE_NAMES[:1]
+IMPLEMENTED = SERVICE_NAMES[:2]
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -55,9 +58,10 @@ class RtmediaServer:
         self.scheduler = Scheduler(self.metrics)
         voices = default_voices() + [voice_from_path(p) for p in config.voices]
         self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads), LanePolicy(max_batch=4))
-        self.scheduler.add(
-            AsrEngine(workers=config.asr_workers), LanePolicy(max_batch=64, concurrency=1)
-        )
+        self.scheduler.add(AsrEngine(workers=config.asr_workers),
+                           LanePolicy(Priority.REALTIME, max_batch=64, concurrency=1))
+        self.realtime = RealtimeService(self.scheduler, VadEngine(), max_sessions=config.max_sessions,
+                                        lm_slots=config.lm_slots)
         self.health = health.aio.HealthServicer()
         self.state = "starting"
         self.port = 0
@@ -82,6 +86,7 @@ class RtmediaServer:
         speech_pb2_grpc.add_SpeechServiceServicer_to_server(
             SpeechService(self.scheduler, self.config.max_text_chars), server
         )
+        realtime_pb2_grpc.add_RealtimeServiceServicer_to_server(self.realtime, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
@@ -96,6 +101,7 @@ class RtmediaServer:
         log.info("listening", extra={"host": self.config.host, "port": self.port})
         await self.scheduler.load()
         self.scheduler.start()
+        self.realtime.start()
         self.state = "serving"
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", extra={"port": self.port, "services": IMPLEMENTED})
@@ -106,9 +112,13 @@ class RtmediaServer:
         if self.state == "stopped":
             return
         self.state = "draining"
+        grace = self.config.grace_s if grace is None else grace
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self._server is not None:
-            await self._server.stop(self.config.grace_s if grace is None else grace)
+        started = time.monotonic()
+        await self.realtime.drain(grace)
+        if self._server is not None:  # other calls get what is left of the grace period
+            await self._server.stop(max(1.0, grace - (time.monotonic() - started)))
+        await self.realtime.close()
         await self.scheduler.close()
         self.state = "stopped"
         log.info("stopped")

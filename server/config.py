@@ -23,6 +23,10 @@ class ServerConfig:
     max_send_bytes: int = 4 * MiB
     max_text_chars: int = 5000
     asr_workers: int = 2
+    # Concurrent Converse sessions; one more is refused with RESOURCE_EXHAUSTED.
+    max_sessions: int = 256
+    # LM slots (a separate, smaller pool; sessions wait for one, never refused).
+    lm_slots: int = 16
     # onnxruntime intra-op threads for TTS (0: onnxruntime's default).
     tts_threads: int = 0
     # Extra Piper voices: paths of `.onnx` files with `.onnx.json` beside them.

@@ -31,7 +31,6 @@ from typing import Any, Literal
 
 from google.protobuf.descriptor import EnumDescriptor, FieldDescriptor
 from google.protobuf.message import Message
-
 from rtmedia.v1.realtime_pb2 import ConverseRequest, ConverseResponse
 
 Kind = Literal["client", "server"]
@@ -82,11 +81,8 @@ _NAMES: dict[type[Message], dict[str, str]] = {
     ConverseRequest: {member: name for name, member in CLIENT_EVENTS.items()},
     ConverseResponse: {member: name for name, member in SERVER_EVENTS.items()},
 }
-_JSON_TYPES = {str: "a string", int: "a number", float: "a number", bool: "a boolean",
-               list: "an array", dict: "an object", type(None): "null"}
+_JSON_TYPES = {str: "a string", list: "an array", tuple: "an array", dict: "an object", type(None): "null"}
 _F = FieldDescriptor
-_INTS = {_F.TYPE_INT32, _F.TYPE_INT64, _F.TYPE_UINT32, _F.TYPE_UINT64, _F.TYPE_SINT32, _F.TYPE_SINT64,
-         _F.TYPE_FIXED32, _F.TYPE_FIXED64, _F.TYPE_SFIXED32, _F.TYPE_SFIXED64}
 
 
 class EventError(ValueError):
@@ -235,23 +231,21 @@ def _fill(msg: Message, fields: dict[str, Any], prefix: str, event: str, native:
         path = f"{prefix}{key}"
         fd = msg.DESCRIPTOR.fields_by_name.get(key)
         if fd is None:
-            raise EventError("unknown_field", f"unknown field {_clip(path)} in {event}", _clip(path, 200))
+            raise EventError("unknown_field", f"unknown field {_clip(path)} in {event}", path[:200])
         if value is None:
             continue
         if fd.is_repeated:
             if not isinstance(value, list | tuple):
                 raise _invalid(path, event, f"expected an array, got {_json_type(value)}")
-            target = getattr(msg, key)
             for i, item in enumerate(value):
                 if fd.type == _F.TYPE_MESSAGE:
-                    _fill_message(target.add(), item, f"{path}[{i}]", event, native)
+                    _fill_message(getattr(msg, key).add(), item, f"{path}[{i}]", event, native)
                 else:
-                    _set(lambda v, t=target: t.append(v), _scalar(fd, item, f"{path}[{i}]", event, native),
-                         f"{path}[{i}]", event)
+                    _set(msg, fd, _scalar(fd, item, f"{path}[{i}]", event, native), f"{path}[{i}]", event)
         elif fd.type == _F.TYPE_MESSAGE:
             _fill_message(getattr(msg, key), value, path, event, native)
         else:
-            _set(lambda v, m=msg, k=key: setattr(m, k, v), _scalar(fd, value, path, event, native), path, event)
+            _set(msg, fd, _scalar(fd, value, path, event, native), path, event)
 
 
 def _fill_message(target: Message, value: Any, path: str, event: str, native: bool) -> None:
@@ -264,10 +258,13 @@ def _fill_message(target: Message, value: Any, path: str, event: str, native: bo
     _fill(target, value, path + ".", event, native)
 
 
-def _set(setter: Any, value: Any, path: str, event: str) -> None:
+def _set(msg: Message, fd: FieldDescriptor, value: Any, path: str, event: str) -> None:
     try:
-        setter(value)
-    except (TypeError, ValueError) as exc:  # e.g. out of range for int32
+        if fd.is_repeated:
+            getattr(msg, fd.name).append(value)
+        else:
+            setattr(msg, fd.name, value)
+    except (TypeError, ValueError) as exc:  # e.g. out of range for an int32
         raise _invalid(path, event, str(exc)) from exc
 
 
@@ -304,8 +301,7 @@ def _scalar(fd: FieldDescriptor, value: Any, path: str, event: str, native: bool
             return float(value)
         expected = "a number"
     else:
-        assert fd.type in _INTS, fd.type
-        if number and float(value).is_integer():
+        if number and (isinstance(value, int) or value.is_integer()):  # every integer type
             return int(value)
         expected = "an integer"
     raise _invalid(path, event, f"expected {expected}, got {_json_type(value)}")
@@ -316,6 +312,8 @@ def _invalid(path: str, event: str, detail: str) -> EventError:
 
 
 def _json_type(value: Any) -> str:
+    if isinstance(value, int | float):  # bool too: show the value itself
+        return json.dumps(value)
     return _JSON_TYPES.get(type(value), type(value).__name__)
 
 

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # Buckets around the realtime frame budget (5-100 ms), with a tail for slow steps.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.032, 0.05, 0.08, 0.1, 0.2, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
 RPC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -25,6 +26,9 @@ class Metrics:
         self.lane_step_seconds = Histogram(
             "rtmedia_lane_step_seconds", "Engine step latency", ["lane"], buckets=STEP_BUCKETS, registry=r
         )
+        self.lane_deadline_misses = Counter(
+            "rtmedia_lane_deadline_misses_total", "Ticks whose step outlasted the tick period", ["lane"], registry=r
+        )
         self.lane_step_failures = Counter(
             "rtmedia_lane_step_failures_total", "Engine steps that raised", ["lane"], registry=r
         )
@@ -34,6 +38,26 @@ class Metrics:
         self.tts_first_audio_seconds = Histogram(
             "rtmedia_tts_first_audio_seconds", "Synthesize: request to first audio chunk",
             buckets=STEP_BUCKETS, registry=r,
+        )
+        self.sessions_active = Gauge("rtmedia_sessions_active", "Open Converse sessions", registry=r)
+        self.sessions_total = Counter(
+            "rtmedia_sessions_total", "Converse sessions by outcome (admitted, rejected, completed, cancelled, failed)",
+            ["outcome"], registry=r,
+        )
+        self.response_latency = Histogram(
+            "rtmedia_response_latency_seconds", "speech_stopped (or commit) to the first reply audio sent",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.voice_to_voice = Histogram(
+            "rtmedia_voice_to_voice_seconds", "Server estimate: end of speech to the first reply audio sent "
+            "(response latency plus the silence window)", buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.barge_in = Histogram(
+            "rtmedia_barge_in_seconds", "Interrupting audio taken by the VAD tick to output_audio_buffer.cleared",
+            buckets=STEP_BUCKETS, registry=r,
+        )
+        self.input_backpressure = Counter(
+            "rtmedia_input_backpressure_total", "Times a session's input inbox overflowed", registry=r
         )
         self.grpc_handled = Counter(
             "grpc_server_handled_total", "RPCs completed on the server",

@@ -1,12 +1,21 @@
 """The scheduler: the only owner of engines.
 
 Each engine has a lane: a queue of work items, a batch policy (`max_batch`,
-`max_wait_ms`) and a number of batches it may run at once. A lane's runner
-tasks take batches off the queue and run `engine.step(batch)` in the lane's
-worker threads, never on the event loop, then resolve each item's future.
-Callers `await scheduler.submit(lane, item)`; a caller that is cancelled
-takes its item out of the queue (or leaves its result unread if the batch is
-already running).
+`max_wait_ms`), a priority class and a number of batches it may run at once.
+A lane's runner tasks take batches off the queue and run `engine.step(batch)`
+in the lane's worker threads, never on the event loop, then resolve each
+item's future. Callers `await scheduler.submit(lane, item)`; a caller that is
+cancelled takes its item out of the queue (or leaves its result unread if the
+batch is already running).
+
+Within a lane, items are taken in priority order (REALTIME > INTERACTIVE >
+BULK, then arrival). Across lanes, a BULK lane starts a step only while no
+REALTIME or INTERACTIVE lane has work waiting, so long bulk jobs (video
+decode steps) run between realtime steps, never in front of them.
+
+A tick lane (`TickLane`) has no queue: every period it collects the work of
+all live sessions on the loop, processes it in one batched step in its
+thread, and hands the results back on the loop (the VAD lane).
 
 An engine reports a per-item failure by returning an exception instance as
 that item's result; an exception from `step` fails the whole batch.
@@ -16,11 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import time
-from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 from rtmedia.engines.base import Engine, EngineError
@@ -29,8 +40,15 @@ from rtmedia.server.metrics import Metrics
 log = logging.getLogger(__name__)
 
 
+class Priority(IntEnum):
+    REALTIME = 0
+    INTERACTIVE = 1
+    BULK = 2
+
+
 @dataclass(frozen=True)
 class LanePolicy:
+    priority: Priority = Priority.INTERACTIVE
     max_batch: int = 16
     # Wait this long for more items once one is queued (0: take what is there).
     max_wait_ms: float = 0.0
@@ -41,45 +59,52 @@ class LanePolicy:
 class Lane:
     """One engine's queue, batch policy and worker threads."""
 
-    def __init__(self, engine: Engine, policy: LanePolicy, metrics: Metrics) -> None:
+    def __init__(self, engine: Engine, policy: LanePolicy, scheduler: Scheduler) -> None:
         self.engine = engine
         self.name = engine.name
         self.policy = policy
-        self._metrics = metrics
-        self._queue: deque[tuple[Any, asyncio.Future[Any]]] = deque()
+        self._scheduler = scheduler
+        self._metrics = scheduler.metrics
+        # Heap of [priority, seq, item, future]; withdrawn entries have future done.
+        self._queue: list[list[Any]] = []
+        self._seq = 0
         self._ready = asyncio.Condition()
         self._executor = ThreadPoolExecutor(policy.concurrency, thread_name_prefix=f"engine-{self.name}")
         self._runners: list[asyncio.Task[None]] = []
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for entry in self._queue if not entry[3].done())
 
     def start(self) -> None:
         self._runners = [
             asyncio.create_task(self._run(), name=f"lane-{self.name}-{i}") for i in range(self.policy.concurrency)
         ]
 
-    async def submit(self, item: Any) -> Any:
+    async def submit(self, item: Any, priority: Priority | None = None) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        entry = (item, future)
+        self._seq += 1
+        rank = self.policy.priority if priority is None else priority
         async with self._ready:
-            self._queue.append(entry)
+            heapq.heappush(self._queue, [rank, self._seq, item, future])
             self._metrics.lane_queue_depth.labels(self.name).set(len(self._queue))
             self._ready.notify()
         try:
             return await future
         finally:
-            if not future.done():  # the caller was cancelled: withdraw the item
-                future.cancel()
-                with contextlib.suppress(ValueError):
-                    self._queue.remove(entry)
+            future.cancel()  # a no-op when resolved; withdraws the item when the caller was cancelled
 
-    async def _next_batch(self) -> list[tuple[Any, asyncio.Future[Any]]]:
+    async def _next_batch(self) -> list[list[Any]]:
         async with self._ready:
             await self._ready.wait_for(lambda: bool(self._queue))
+        if self.policy.priority is Priority.BULK:
+            await self._scheduler.wait_realtime_idle()
         if self.policy.max_wait_ms and len(self._queue) < self.policy.max_batch:
             await asyncio.sleep(self.policy.max_wait_ms / 1000)
         batch = []
         while self._queue and len(batch) < self.policy.max_batch:
-            entry = self._queue.popleft()
-            if not entry[1].done():
+            entry = heapq.heappop(self._queue)
+            if not entry[3].done():
                 batch.append(entry)
         self._metrics.lane_queue_depth.labels(self.name).set(len(self._queue))
         return batch
@@ -90,7 +115,7 @@ class Lane:
             batch = await self._next_batch()
             if not batch:
                 continue
-            items = [item for item, _ in batch]
+            items = [entry[2] for entry in batch]
             started = time.perf_counter()
             try:
                 results = await loop.run_in_executor(self._executor, self.engine.step, items)
@@ -102,24 +127,88 @@ class Lane:
                 results = [exc] * len(items)
             self._metrics.lane_step_seconds.labels(self.name).observe(time.perf_counter() - started)
             self._metrics.lane_batch_size.labels(self.name).observe(len(items))
-            for (_, future), result in zip(batch, results, strict=True):
+            for entry, result in zip(batch, results, strict=True):
+                future = entry[3]
                 if future.done():
                     continue
                 if isinstance(result, BaseException):
                     future.set_exception(result)
                 else:
                     future.set_result(result)
+            self._scheduler.lane_progressed()
 
     async def close(self) -> None:
-        for task in self._runners:
-            task.cancel()
-        for task in self._runners:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for _, future in self._queue:
-            future.cancel()
+        await _cancel_all(self._runners)
+        for entry in self._queue:
+            entry[3].cancel()
         self._queue.clear()
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+class TickLane:
+    """A lane that runs every `period_ms`: `collect()` on the loop gathers the work
+    of every live session, `process(work)` runs it as one batched step in the
+    lane's thread, `deliver(results)` hands the results back on the loop. A tick
+    whose step outlasts the period counts a deadline miss."""
+
+    def __init__(self, engine: Engine, period_ms: float, collect: Callable[[], Any], process: Callable[[Any], Any],
+                 deliver: Callable[[Any], None], scheduler: Scheduler) -> None:
+        self.engine = engine
+        self.name = engine.name
+        self.period = period_ms / 1000
+        self.priority = Priority.REALTIME
+        self._collect, self._process, self._deliver = collect, process, deliver
+        self._metrics = scheduler.metrics
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"tick-{self.name}")
+        self._task: asyncio.Task[None] | None = None
+        self.ticks = 0
+
+    @property
+    def waiting(self) -> int:
+        return 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"tick-{self.name}")
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_tick = loop.time()
+        while True:
+            next_tick += self.period
+            work = self._collect()
+            if work:
+                started = time.perf_counter()
+                try:
+                    results = await loop.run_in_executor(self._executor, self._process, work)
+                except Exception:
+                    self._metrics.lane_step_failures.labels(self.name).inc()
+                    log.exception("tick lane %s: step failed", self.name)
+                else:
+                    self._deliver(results)
+                elapsed = time.perf_counter() - started
+                self._metrics.lane_step_seconds.labels(self.name).observe(elapsed)
+                self._metrics.lane_batch_size.labels(self.name).observe(len(work))
+                if elapsed > self.period:
+                    self._metrics.lane_deadline_misses.labels(self.name).inc()
+            self.ticks += 1
+            delay = next_tick - loop.time()
+            if delay < 0:  # fell behind: skip the missed ticks rather than bursting
+                next_tick = loop.time()
+                delay = 0
+            await asyncio.sleep(delay)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            await _cancel_all([self._task])
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+async def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 class Scheduler:
@@ -128,31 +217,49 @@ class Scheduler:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self.lanes: dict[str, Lane] = {}
+        self.tick_lanes: dict[str, TickLane] = {}
+        self._progress = asyncio.Event()
 
     def add(self, engine: Engine, policy: LanePolicy) -> Lane:
-        lane = Lane(engine, policy, self.metrics)
+        lane = Lane(engine, policy, self)
         self.lanes[lane.name] = lane
+        return lane
+
+    def add_tick(self, lane: TickLane) -> TickLane:
+        self.tick_lanes[lane.name] = lane
         return lane
 
     def engine(self, name: str) -> Any:
         return self.lanes[name].engine
 
+    def lane_progressed(self) -> None:
+        self._progress.set()
+
+    async def wait_realtime_idle(self) -> None:
+        """Return once no REALTIME or INTERACTIVE lane has queued work."""
+        while any(lane.waiting for lane in self.lanes.values() if lane.policy.priority < Priority.BULK):
+            self._progress.clear()
+            await self._progress.wait()
+
     async def load(self) -> None:
         """Load and warm up every engine, off the event loop."""
-        for lane in self.lanes.values():
+        for lane in [*self.lanes.values(), *self.tick_lanes.values()]:
             started = time.perf_counter()
             await asyncio.to_thread(lane.engine.load)
             await asyncio.to_thread(lane.engine.warmup)
             log.info("engine %s ready in %.2f s", lane.name, time.perf_counter() - started)
 
     def start(self) -> None:
-        for lane in self.lanes.values():
+        for lane in [*self.lanes.values(), *self.tick_lanes.values()]:
             lane.start()
 
-    async def submit(self, lane: str, item: Any) -> Any:
-        return await self.lanes[lane].submit(item)
+    async def submit(self, lane: str, item: Any, priority: Priority | None = None) -> Any:
+        return await self.lanes[lane].submit(item, priority)
 
     async def close(self) -> None:
+        for tick in self.tick_lanes.values():
+            await tick.close()
+            await asyncio.to_thread(tick.engine.close)
         for lane in self.lanes.values():
             await lane.close()
             await asyncio.to_thread(lane.engine.close)

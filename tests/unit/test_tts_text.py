@@ -56,3 +56,19 @@ def test_local_voice_needs_its_config(tmp_path):
     model.write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=r"x\.onnx\.json"):
         voice_from_path(model)
+
+
+@pytest.mark.parametrize("text", [
+    "Hello there, how are you today? Fine.",
+    "one two three four five six seven eight nine ten",
+    "You said: the weather is nice, and the sky is blue today. Goodbye!",
+])
+def test_streamed_text_chunks_like_the_whole_text(text):
+    from rtmedia.engines.tts import TextChunker
+
+    for step in (1, 2, 3, 7):
+        chunker = TextChunker()
+        chunks = []
+        for i in range(0, len(text), step):
+            chunks += chunker.feed(text[i:i + step])
+        assert chunks + chunker.flush() == split_text(text), step

@@ -1,0 +1,64 @@
+"""Responders: the "brain" that turns a conversation into reply text.
+
+A responder streams text deltas for one reply; the session speaks them chunk
+by chunk (SPEC 2.2) as they arrive, so audio starts before the text is
+complete. Responders hold no per-session state: the session passes its
+conversation (already truncated to what the user heard) with each request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # "user" or "assistant"
+    text: str
+
+
+@dataclass
+class ReplyRequest:
+    history: list[Message]
+    instructions: str = ""
+    max_output_tokens: int = 0  # 0: the responder's own limit
+    images: list[bytes] = field(default_factory=list)  # camera frames, oldest first
+
+
+class Responder(Protocol):
+    name: str
+
+    def reply(self, request: ReplyRequest) -> AsyncIterator[str]:
+        """Stream the reply's text deltas."""
+        ...
+
+
+class EchoResponder:
+    """Deterministic: repeats the user's last words ("You said: ..."). For tests and
+    capacity runs, where the brain must cost nothing and be predictable."""
+
+    name = "echo"
+
+    async def reply(self, request: ReplyRequest) -> AsyncIterator[str]:
+        last = next((m.text for m in reversed(request.history) if m.role == "user"), "").strip()
+        text = f"You said: {last}" if last else "I did not catch that."
+        words = text.split()
+        if request.max_output_tokens:
+            words = words[: request.max_output_tokens]
+        for n, word in enumerate(words):
+            yield word if n == len(words) - 1 else word + " "
+            await asyncio.sleep(0)  # a streaming source: let other sessions run between deltas
+
+
+RESPONDERS: dict[str, type] = {"echo": EchoResponder}
+
+
+def make_responder(name: str) -> Responder:
+    """The named responder; KeyError lists the available ones."""
+    try:
+        return RESPONDERS[name]()
+    except KeyError:
+        raise KeyError(f"responder {name!r} is not available; available: {', '.join(sorted(RESPONDERS))}") from None

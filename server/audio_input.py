@@ -1,0 +1,181 @@
+"""Session audio input: a bounded inbox on the loop, everything else in the VAD tick.
+
+Per incoming chunk the event loop does constant work: `AudioInput.append`
+checks the byte count and appends to a bytearray. Every 32 ms the VAD tick
+lane takes the inboxes of all sessions that have input (`collect`), and in
+its thread decodes, resamples to 16 kHz, cuts 512-sample windows, runs ONE
+batched Silero call over every session's windows, and feeds each session's
+turn detector (`process`). The results go back to the sessions on the loop
+as ordered actions (`deliver`):
+
+    ("started", audio_start_ms)   speech started (server_vad)
+    ("audio", pcm16_16k_bytes)    turn audio for the recogniser, prefix padding included
+    ("stopped", audio_end_ms)     the turn ended
+
+Sessions without VAD (manual, none) get all their audio as turn audio.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from rtmedia.engines.resample import (
+    alaw_to_float,
+    float_to_pcm16,
+    make_resampler,
+    pcm16_to_float,
+    ulaw_to_float,
+)
+from rtmedia.engines.vad import WINDOW, VadEngine, VadItem, VadStream
+from rtmedia.server.session_config import ALAW, PCM16, ULAW, SessionSettings
+from rtmedia.server.turns import TurnDetector
+
+RATE = 16000
+WINDOW_MS = WINDOW * 1000 // RATE
+HISTORY_SAMPLES = 2 * RATE  # prefix padding is at most 2000 ms
+DECODERS = {PCM16: pcm16_to_float, ULAW: ulaw_to_float, ALAW: alaw_to_float}
+BYTES_PER_SAMPLE = {PCM16: 2, ULAW: 1, ALAW: 1}
+
+Action = tuple[str, Any]
+
+
+@dataclass
+class _Frontend:
+    """Thread-owned state: decoder, resampler, window buffer, VAD row, turn detector."""
+
+    settings: SessionSettings
+    vad: VadStream | None
+    detector: TurnDetector | None
+    resampler: Any = None
+    pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    history: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+
+    def __post_init__(self) -> None:
+        self.resampler = make_resampler(self.settings.input_rate, RATE)
+
+
+class AudioInput:
+    """One session's input path. The loop calls `append`, `clear` and `reconfigure`;
+    the VAD tick thread owns the frontend."""
+
+    def __init__(self, settings: SessionSettings, inbox_ms: int, deliver: Callable[[list[Action]], None],
+                 vad: VadStream | None) -> None:
+        self.deliver = deliver
+        self.inbox = bytearray()
+        self.inbox_ms = inbox_ms
+        self._settings = settings
+        self._vad_stream = vad
+        self._next: _Frontend | None = None  # replaces the frontend at the next tick
+        self._frontend = self._make_frontend(settings)
+        self.collected_at = 0.0  # perf_counter when the tick last took this inbox
+
+    def _make_frontend(self, settings: SessionSettings) -> _Frontend:
+        detector = None
+        if settings.turn_type == "server_vad" and self._vad_stream is not None:
+            self._vad_stream.reset()
+            detector = TurnDetector(settings.threshold, settings.prefix_padding_ms, settings.silence_duration_ms)
+        return _Frontend(settings, self._vad_stream if detector else None, detector)
+
+    @property
+    def bytes_per_ms(self) -> float:
+        return self._settings.input_rate * BYTES_PER_SAMPLE[self._settings.input_encoding] / 1000
+
+    # ---- loop side -------------------------------------------------------
+    def append(self, data: bytes) -> int:
+        """Queue input; returns the ms discarded when the inbox overflowed, else 0. The
+        queued audio is discarded and the new chunk kept, unless it alone is too big."""
+        limit = self.inbox_ms * self.bytes_per_ms
+        if len(self.inbox) + len(data) <= limit:
+            self.inbox += data
+            return 0
+        dropped = len(self.inbox)
+        self.inbox.clear()
+        if len(data) <= limit:
+            self.inbox += data
+        else:
+            dropped += len(data)
+        return max(1, round(dropped / self.bytes_per_ms))
+
+    def reconfigure(self, settings: SessionSettings, reset: bool) -> None:
+        """New settings from session.update. Turn parameters change live; a new input
+        format or turn type (or `reset`) starts a fresh frontend at the next tick."""
+        old, self._settings = self._settings, settings
+        if reset or old.input_format != settings.input_format or old.turn_type != settings.turn_type:
+            self._next = self._make_frontend(settings)
+        elif self._frontend.detector is not None:
+            self._next = None
+            self._frontend.settings = settings
+
+    def clear(self) -> int:
+        """Drop queued and buffered input (input_audio_buffer.clear); returns the ms dropped."""
+        dropped = round(len(self.inbox) / self.bytes_per_ms)
+        self.inbox.clear()
+        self._next = self._make_frontend(self._settings)
+        return dropped
+
+    def take(self) -> tuple[bytes, _Frontend]:
+        data = bytes(self.inbox)
+        self.inbox.clear()
+        if self._next is not None:
+            self._frontend, self._next = self._next, None
+        self.collected_at = time.perf_counter()
+        return data, self._frontend
+
+
+class VadTick:
+    """The VAD tick lane's collect / process / deliver over all registered inputs."""
+
+    def __init__(self, engine: VadEngine) -> None:
+        self.engine = engine
+        self.inputs: set[AudioInput] = set()
+
+    def collect(self) -> list[tuple[AudioInput, bytes, _Frontend]]:
+        return [(inp, *inp.take()) for inp in self.inputs if inp.inbox]
+
+    def process(self, work: list[tuple[AudioInput, bytes, _Frontend]]) -> list[tuple[AudioInput, list[Action]]]:
+        windows: list[tuple[int, np.ndarray]] = []  # (work index, window)
+        actions: list[list[Action]] = []
+        for n, (_, data, fe) in enumerate(work):
+            samples = fe.resampler.process(DECODERS[fe.settings.input_encoding](data))
+            if fe.detector is None:
+                actions.append([("audio", float_to_pcm16(samples))] if len(samples) else [])
+                continue
+            actions.append([])
+            fe.pending = np.concatenate([fe.pending, samples])
+            count = len(fe.pending) // WINDOW
+            windows += [(n, fe.pending[i * WINDOW:(i + 1) * WINDOW]) for i in range(count)]
+            fe.pending = fe.pending[count * WINDOW:]
+        if windows:
+            probs = self.engine.step([VadItem(work[n][2].vad, w) for n, w in windows])  # type: ignore[arg-type]
+            for (n, window), prob in zip(windows, probs, strict=True):
+                _turn_window(work[n][2], window, prob, actions[n])
+        return [(inp, acts) for (inp, _, _), acts in zip(work, actions, strict=True) if acts]
+
+    @staticmethod
+    def deliver(results: list[tuple[AudioInput, list[Action]]]) -> None:
+        for inp, actions in results:
+            inp.deliver(actions)
+
+
+def _turn_window(fe: _Frontend, window: np.ndarray, prob: float, out: list[Action]) -> None:
+    """Feed one window's probability to the detector; route its audio."""
+    detector = fe.detector
+    assert detector is not None
+    s = fe.settings
+    detector.update(threshold=s.threshold, prefix_padding_ms=s.prefix_padding_ms,
+                    silence_duration_ms=s.silence_duration_ms)
+    event = detector.push(prob)
+    if event is not None and event.kind == "speech_started":
+        out.append(("started", event.audio_ms))
+        pad = min(len(fe.history), s.prefix_padding_ms * RATE // 1000)
+        out.append(("audio", float_to_pcm16(np.concatenate([fe.history[len(fe.history) - pad:], window]))))
+    elif detector.in_speech:
+        out.append(("audio", float_to_pcm16(window)))
+    elif event is not None:  # speech_stopped: this window is the last of the turn
+        out.append(("audio", float_to_pcm16(window)))
+        out.append(("stopped", event.audio_ms))
+    fe.history = np.concatenate([fe.history, window])[-HISTORY_SAMPLES:]

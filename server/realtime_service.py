@@ -1,0 +1,139 @@
+"""RealtimeService.Converse: one duplex speech session per stream (SPEC §1)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any
+
+import grpc
+from rtmedia.engines.asr import AsrEngine
+from rtmedia.engines.responder import RESPONDERS
+from rtmedia.engines.tts import TtsEngine
+from rtmedia.engines.vad import VadEngine
+from rtmedia.server.audio_input import WINDOW_MS, VadTick
+from rtmedia.server.errors import abort
+from rtmedia.server.scheduler import Scheduler, TickLane
+from rtmedia.server.session import Limits, Session
+from rtmedia.server.session_config import SessionSettings
+from rtmedia.v1 import realtime_pb2_grpc
+
+log = logging.getLogger(__name__)
+HOUSEKEEPING_S = 1.0
+
+
+class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
+    """Admits sessions, runs each stream's reader and writer, and closes sessions on
+    idle timeout, max duration, disconnect and drain."""
+
+    def __init__(self, scheduler: Scheduler, vad: VadEngine, max_sessions: int = 256, lm_slots: int = 16,
+                 limits: Limits | None = None, defaults: SessionSettings | None = None) -> None:
+        self.scheduler = scheduler
+        self.metrics = scheduler.metrics
+        self.tts: TtsEngine = scheduler.engine("tts")
+        self.asr: AsrEngine = scheduler.engine("asr")
+        self.vad = vad
+        self.vad_tick = VadTick(vad)
+        scheduler.add_tick(TickLane(vad, WINDOW_MS, self.vad_tick.collect, self.vad_tick.process,
+                                    self.vad_tick.deliver, scheduler))
+        self.max_sessions = max_sessions
+        self.lm_slots = lm_slots
+        self.limits = limits or Limits()
+        self.defaults = defaults or SessionSettings()
+        self.responders = set(RESPONDERS)
+        self.sessions: dict[str, Session] = {}
+        self.draining = False
+        self._all_closed = asyncio.Event()
+        self._housekeeper: asyncio.Task[None] | None = None
+
+    @property
+    def voices(self) -> dict[str, list[int]]:
+        """Voice name -> supported output rates, the default voice first."""
+        names = [self.tts.default_voice, *(n for n in self.tts.voices if n != self.tts.default_voice)]
+        return {n: self.tts.voices[n].supported_rates for n in names}
+
+    def start(self) -> None:
+        self._housekeeper = asyncio.create_task(self._housekeeping(), name="realtime-housekeeping")
+
+    async def Converse(self, request_iterator, context) -> None:
+        if len(self.sessions) >= self.max_sessions:
+            self.metrics.sessions_total.labels("rejected").inc()
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "MAX_SESSIONS",
+                        f"the server is at its limit of {self.max_sessions} concurrent sessions; retry later")
+        session = Session(f"sess_{uuid.uuid4().hex[:12]}", self, self.defaults)
+        self.sessions[session.id] = session
+        self.metrics.sessions_active.set(len(self.sessions))
+        self.metrics.sessions_total.labels("admitted").inc()
+        log.info("session opened", extra={"session_id": session.id, "peer": context.peer()})
+        reader = asyncio.create_task(self._read(session, request_iterator), name=f"session-{session.id}-reader")
+        outcome = "completed"
+        try:
+            await context.write(session.created_event())
+            while (event := await session.outbox.get(session.epoch)) is not None:
+                await context.write(event)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except OverflowError as exc:  # the client stopped reading
+            outcome = "failed"
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "CLIENT_TOO_SLOW", str(exc))
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            await session.close()
+            del self.sessions[session.id]
+            if not self.sessions:
+                self._all_closed.set()
+            self.metrics.sessions_active.set(len(self.sessions))
+            self.metrics.sessions_total.labels(outcome).inc()
+            log.info("session closed", extra={"session_id": session.id, "reason": session.closing_reason or outcome})
+
+    async def _read(self, session: Session, request_iterator: Any) -> None:
+        """The reader: every client event goes to the session as it arrives."""
+        try:
+            async for request in request_iterator:
+                session.handle(request)
+                if session.closing_reason is not None:
+                    return
+        except OverflowError as exc:
+            session.error("client_too_slow", str(exc))
+            session.finish("client_too_slow")
+            return
+        # The client finished sending: let a response in flight complete, then close.
+        response = session.response
+        if response is not None and response.task is not None:
+            await asyncio.wait([response.task])
+        session.finish("client_closed")
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_S)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                settings = session.settings
+                if now - session.started > settings.max_session_s:
+                    session.finish("max_session_duration")
+                elif now - session.last_input > settings.idle_timeout_s and not session.responding:
+                    session.finish("idle_timeout")
+
+    async def drain(self, grace_s: float) -> None:
+        """SIGTERM: active sessions finish their current response, then close with
+        session.closed{server_shutdown}; at the grace deadline the rest are closed."""
+        self.draining = True
+        for session in list(self.sessions.values()):
+            session.finish("server_shutdown")
+        if self.sessions:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._all_closed.wait(), grace_s)
+        for session in list(self.sessions.values()):
+            session.shutdown_now()
+
+    async def close(self) -> None:
+        if self._housekeeper is not None:
+            self._housekeeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._housekeeper

@@ -1,0 +1,134 @@
+"""A session's effective configuration (SPEC 1.1): defaults, validated updates,
+and the proto form that session.created / session.updated carry."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from rtmedia.v1 import common_pb2, realtime_pb2
+
+PCM16 = common_pb2.AUDIO_ENCODING_PCM16
+ULAW = common_pb2.AUDIO_ENCODING_G711_ULAW
+ALAW = common_pb2.AUDIO_ENCODING_G711_ALAW
+INPUT_RATES = {PCM16: (8000, 16000, 24000), ULAW: (8000,), ALAW: (8000,)}
+TURN_TYPES = {
+    realtime_pb2.TURN_DETECTION_TYPE_SERVER_VAD: "server_vad",
+    realtime_pb2.TURN_DETECTION_TYPE_MANUAL: "manual",
+    realtime_pb2.TURN_DETECTION_TYPE_NONE: "none",
+}
+TURN_BOUNDS = {"threshold": (0.05, 0.95), "prefix_padding_ms": (0, 2000), "silence_duration_ms": (100, 5000)}
+SESSION_BOUNDS = {"max_output_tokens": (1, 4096), "max_session_s": (1, 86400), "idle_timeout_s": (1, 86400)}
+
+
+class ConfigError(ValueError):
+    """An invalid session setting; `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    input_encoding: int = PCM16
+    input_rate: int = 24000
+    output_rate: int = 0  # 0: the voice's native rate
+    transcription: bool = True
+    turn_type: str = "server_vad"
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+    instructions: str = ""
+    voice: str = ""
+    responder: str = "echo"
+    max_output_tokens: int = 4096
+    max_session_s: int = 3600
+    idle_timeout_s: int = 60
+
+    @property
+    def input_format(self) -> tuple[int, int]:
+        return self.input_encoding, self.input_rate
+
+    def updated(self, config: realtime_pb2.SessionConfig, voices: dict[str, list[int]],
+                responders: set[str]) -> SessionSettings:
+        """The settings with `config`'s set fields applied; ConfigError names the first bad field.
+        `voices` maps voice names (first: the default) to their supported output rates."""
+        changes: dict[str, object] = {}
+        if config.HasField("input_audio_format"):
+            fmt = config.input_audio_format
+            encoding = fmt.encoding or self.input_encoding
+            rate = fmt.sample_rate or (8000 if encoding != PCM16 else self.input_rate)
+            if encoding not in INPUT_RATES:
+                raise ConfigError("input_audio_format.encoding", f"input_audio_format.encoding={fmt.encoding} is not supported")
+            if rate not in INPUT_RATES[encoding]:
+                name = common_pb2.AudioEncoding.Name(encoding)
+                allowed = ", ".join(map(str, INPUT_RATES[encoding]))
+                raise ConfigError("input_audio_format.sample_rate",
+                                  f"input_audio_format.sample_rate={rate} is not supported for {name}; supported: {allowed}")
+            if fmt.channels not in (0, 1):
+                raise ConfigError("input_audio_format.channels",
+                                  f"input_audio_format.channels={fmt.channels}: only mono input is accepted")
+            changes.update(input_encoding=encoding, input_rate=rate)
+        if config.HasField("input_audio_transcription") and config.input_audio_transcription.HasField("enabled"):
+            changes["transcription"] = config.input_audio_transcription.enabled
+        if config.HasField("turn_detection"):
+            changes.update(_turn_changes(config.turn_detection))
+        for name in ("instructions", "voice", "responder", "output_sample_rate", "max_output_tokens",
+                     "max_session_s", "idle_timeout_s"):
+            if config.HasField(name):
+                changes["output_rate" if name == "output_sample_rate" else name] = getattr(config, name)
+        for name, (low, high) in SESSION_BOUNDS.items():
+            value = changes.get(name)
+            if value is not None and not low <= value <= high:  # type: ignore[operator]
+                raise ConfigError(name, f"{name}={value} is outside {low}..{high}")
+        result = dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        voice = result.voice or next(iter(voices))
+        if voice not in voices:
+            raise ConfigError("voice", f"voice {result.voice!r} is not known; voices: {', '.join(sorted(voices))}")
+        if result.output_rate and result.output_rate not in voices[voice]:
+            rates = ", ".join(map(str, voices[voice]))
+            raise ConfigError("output_sample_rate", f"sample_rate={result.output_rate} is not supported by voice "
+                                                    f"{voice}; supported rates: {rates}")
+        if result.responder not in responders:
+            raise ConfigError("responder", f"responder {result.responder!r} is not available; "
+                                           f"available: {', '.join(sorted(responders))}")
+        return result
+
+    def to_proto(self) -> realtime_pb2.SessionConfig:
+        turn_type = next(k for k, v in TURN_TYPES.items() if v == self.turn_type)
+        return realtime_pb2.SessionConfig(
+            input_audio_format=common_pb2.AudioFormat(encoding=self.input_encoding, sample_rate=self.input_rate,
+                                                      channels=1),
+            output_sample_rate=self.output_rate,
+            input_audio_transcription=realtime_pb2.InputAudioTranscription(enabled=self.transcription),
+            turn_detection=realtime_pb2.TurnDetection(
+                type=turn_type, threshold=self.threshold, prefix_padding_ms=self.prefix_padding_ms,
+                silence_duration_ms=self.silence_duration_ms, create_response=self.create_response,
+                interrupt_response=self.interrupt_response,
+            ),
+            instructions=self.instructions, voice=self.voice, responder=self.responder,
+            max_output_tokens=self.max_output_tokens, max_session_s=self.max_session_s,
+            idle_timeout_s=self.idle_timeout_s,
+        )
+
+
+def _turn_changes(turn: realtime_pb2.TurnDetection) -> dict[str, object]:
+    changes: dict[str, object] = {}
+    if turn.type:
+        if turn.type not in TURN_TYPES:
+            raise ConfigError("turn_detection.type", f"turn_detection.type={turn.type} is not a turn detection type")
+        changes["turn_type"] = TURN_TYPES[turn.type]
+    for name, (low, high) in TURN_BOUNDS.items():
+        if turn.HasField(name):
+            value = getattr(turn, name)
+            if not low <= value <= high:
+                shown = round(value, 4) if isinstance(value, float) else value
+                raise ConfigError(f"turn_detection.{name}", f"turn_detection.{name}={shown} is outside {low}..{high}")
+            changes[name] = value
+    for name in ("create_response", "interrupt_response"):
+        if turn.HasField(name):
+            changes[name] = getattr(turn, name)
+    return changes

@@ -1,0 +1,389 @@
+"""RealtimeService.Converse in-process with the real engines and the echo responder."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import multiprocessing
+import threading
+
+import grpc
+import numpy as np
+import pytest
+from rtmedia.server.app import RtmediaServer
+from rtmedia.server.config import ServerConfig
+from rtmedia.server.errors import error_reason
+from rtmedia.v1 import common_pb2, realtime_pb2, speech_pb2, speech_pb2_grpc
+
+from tests.support.converse import Conversation
+from tests.support.speech import normalise, wer
+
+RATE = 24000
+SENTENCE = "Please remember to buy milk and bread on your way home."
+LONG = ("The weather today is sunny with a light breeze from the west, and tomorrow it will rain "
+        "in the morning, then clear up in the afternoon.")
+
+
+@pytest.fixture(scope="module")
+async def server():
+    srv = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=2, max_sessions=64))
+    await srv.start()
+    yield srv
+    await srv.stop(0)
+
+
+@pytest.fixture(scope="module")
+async def channel(server):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        yield ch
+
+
+def utterance(speaker, text: str, rate: int = RATE, lead: float = 0.6, tail: float = 1.2):
+    """PCM16 bytes: silence, speech, silence; and the speech's true bounds in ms."""
+    speech = speaker.say(text, rate)
+    voiced = np.flatnonzero(np.abs(speech) > 0.005 * 32768)
+    start_ms = lead * 1000 + voiced[0] * 1000 / rate
+    end_ms = lead * 1000 + (voiced[-1] + 1) * 1000 / rate
+    pcm = np.concatenate([speaker.silence(lead, rate), speech, speaker.silence(tail, rate)]).tobytes()
+    return pcm, start_ms, end_ms
+
+
+def reply_audio(c: Conversation, response_id: str) -> tuple[bytes, int]:
+    deltas = [e for e in c.of_type("response.output_audio.delta") if e["response_id"] == response_id]
+    return b"".join(base64.b64decode(e["audio"]) for e in deltas), deltas[0]["sample_rate"]
+
+
+async def transcribe(channel, pcm: bytes, rate: int) -> str:
+    stub = speech_pb2_grpc.SpeechServiceStub(channel)
+
+    async def requests():
+        yield speech_pb2.TranscribeRequest(config=speech_pb2.TranscribeConfig(
+            audio_format=common_pb2.AudioFormat(sample_rate=rate)))
+        for i in range(0, len(pcm), rate // 5):
+            yield speech_pb2.TranscribeRequest(audio=pcm[i:i + rate // 5])
+
+    return " ".join([r.text async for r in stub.Transcribe(requests()) if r.is_final])
+
+
+async def test_server_vad_turn(channel, speaker):
+    pcm, start_ms, end_ms = utterance(speaker, SENTENCE)
+    async with Conversation(channel) as c:
+        created = await c.wait_for("session.created")
+        assert created["session"]["turn_detection"]["type"] == "server_vad"
+        assert created["limits"]["inbox_ms"] == 2000
+        await c.stream(pcm, RATE, speed=2.0)
+        done = await c.wait_for("response.done", timeout=20)
+        assert done["status"] == "completed"
+        started = c.of_type("input_audio_buffer.speech_started")
+        stopped = c.of_type("input_audio_buffer.speech_stopped")
+        assert len(started) == len(stopped) == 1
+        assert abs(started[0]["audio_start_ms"] - start_ms) <= 100, (started, start_ms)
+        assert abs(stopped[0]["audio_end_ms"] - end_ms) <= 100, (stopped, end_ms)
+        completed = c.of_type("conversation.item.input_audio_transcription.completed")[0]
+        assert wer(SENTENCE, completed["transcript"]) < 0.4, completed["transcript"]
+        deltas = c.of_type("conversation.item.input_audio_transcription.delta")
+        partial = "".join(d["delta"] for d in deltas)
+        assert partial and partial == " ".join(partial.split()), "deltas concatenate into words"
+        order = c.types()
+        for a, b in [("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped"),
+                     ("input_audio_buffer.speech_stopped", "input_audio_buffer.committed"),
+                     ("input_audio_buffer.committed", "response.created"),
+                     ("response.created", "response.output_audio.delta"),
+                     ("response.output_audio.delta", "response.output_text.done"),
+                     ("response.output_audio.done", "response.done")]:
+            assert order.index(a) < order.index(b), (a, b, order)
+        text = c.of_type("response.output_text.done")[0]["text"]
+        assert text == f"You said: {completed['transcript']}"
+        audio, rate = reply_audio(c, done["response_id"])
+        assert all(e["channels"] == 1 and e["sample_rate"] == 22050 for e in c.of_type("response.output_audio.delta"))
+        assert done["usage"]["output_audio_ms"] == pytest.approx(len(audio) / 2 / rate * 1000, abs=2)
+
+
+async def test_reply_audio_speaks_the_users_words(channel, speaker):
+    pcm, _, _ = utterance(speaker, SENTENCE)
+    async with Conversation(channel) as c:
+        c.send("session.update", session={"output_sample_rate": 24000})
+        await c.stream(pcm, RATE, speed=2.0)
+        done = await c.wait_for("response.done", timeout=20)
+        audio, rate = reply_audio(c, done["response_id"])
+        assert rate == 24000
+    heard = normalise(await transcribe(channel, audio, rate)).split()
+    words = normalise(SENTENCE).split()
+    assert sum(w in heard for w in words) / len(words) >= 0.6, heard
+
+
+async def test_manual_mode(channel, speaker):
+    pcm, _, _ = utterance(speaker, SENTENCE, tail=0.3)
+    async with Conversation(channel) as c:
+        c.send("session.update", session={"turn_detection": {"type": "manual"}})
+        await c.wait_for("session.updated")
+        await c.stream(pcm, RATE, speed=4.0)
+        c.send("input_audio_buffer.commit")
+        committed = await c.wait_for("input_audio_buffer.committed")
+        assert committed["audio_ms"] == pytest.approx(len(pcm) / 2 / RATE * 1000, abs=25)
+        completed = await c.wait_for("conversation.item.input_audio_transcription.completed")
+        assert completed["item_id"] == committed["item_id"]
+        assert not c.of_type("response.created"), "manual mode responds only on response.create"
+        c.send("response.create")
+        done = await c.wait_for("response.done", timeout=20)
+        assert done["status"] == "completed"
+        assert not c.of_type("input_audio_buffer.speech_started")
+        assert wer(SENTENCE, completed["transcript"]) < 0.4
+
+
+async def test_none_mode_uses_buffered_audio(channel, speaker):
+    pcm, _, _ = utterance(speaker, SENTENCE, tail=0.3)
+    async with Conversation(channel) as c:
+        c.send("session.update", session={"turn_detection": {"type": "none"}})
+        await c.stream(pcm, RATE, speed=4.0)
+        await asyncio.sleep(0.3)
+        assert not c.of_type("response.created") and not c.of_type("input_audio_buffer.speech_started")
+        c.send("response.create")
+        await c.wait_for("input_audio_buffer.committed")
+        done = await c.wait_for("response.done", timeout=20)
+        assert done["status"] == "completed"
+        text = c.of_type("response.output_text.done")[0]["text"]
+        transcript = c.of_type("conversation.item.input_audio_transcription.completed")[0]["transcript"]
+        assert text == f"You said: {transcript}" and transcript
+
+
+async def test_typed_text_turn(channel):
+    async with Conversation(channel) as c:
+        c.send("conversation.item.create", item={"role": "user", "text": "typed words travel too"})
+        c.send("response.create")
+        done = await c.wait_for("response.done", timeout=20)
+        assert done["status"] == "completed"
+        assert c.of_type("response.output_text.done")[0]["text"] == "You said: typed words travel too"
+        assert c.of_type("response.output_audio.delta")
+
+
+async def test_mu_law_input(channel, speaker):
+    from rtmedia.engines.resample import float_to_ulaw
+
+    speech = np.concatenate([speaker.silence(0.6, 8000), speaker.say(SENTENCE, 8000), speaker.silence(1.2, 8000)])
+    ulaw = float_to_ulaw(speech.astype(np.float32) / 32768)
+    async with Conversation(channel) as c:
+        c.send("session.update", session={"input_audio_format": {"encoding": "g711_ulaw", "sample_rate": 8000}})
+        updated = await c.wait_for("session.updated")
+        assert updated["session"]["input_audio_format"] == {"encoding": "g711_ulaw", "sample_rate": 8000,
+                                                            "channels": 1}
+        await c.stream(ulaw, 8000, speed=2.0, bytes_per_sample=1)
+        done = await c.wait_for("response.done", timeout=20)
+        assert done["status"] == "completed"
+        started = c.of_type("input_audio_buffer.speech_started")[0]
+        assert abs(started["audio_start_ms"] - 600) < 250
+
+
+async def test_barge_in(channel, speaker):
+    first, _, _ = utterance(speaker, LONG, tail=0.8)
+    second, second_start_ms, _ = utterance(speaker, "Stop, please wait a moment.", lead=0.2, tail=1.2)
+    async with Conversation(channel) as c:
+        await c.stream(first, RATE, speed=2.0)
+        await c.wait_for("response.output_audio.delta", timeout=20)
+        await asyncio.sleep(0.3)
+        response_id = c.of_type("response.created")[0]["response_id"]
+        sent_at = await c.stream(second[: len(second) // 2], RATE)  # interrupt at real-time pace
+        speech_sent = sent_at + second_start_ms / 1000
+        cleared = await c.wait_for("output_audio_buffer.cleared", timeout=5)
+        cancelled = await c.wait_for("response.done", response_id=response_id)
+        assert cleared["response_id"] == response_id and cancelled["status"] == "cancelled"
+        assert cleared["t"] - speech_sent < 0.8, cleared["t"] - speech_sent
+        await c.stream(second[len(second) // 2:], RATE, speed=2.0)
+        second_done = await c.wait_for("response.done", count=2, timeout=20)
+        assert second_done["status"] == "completed" and second_done["response_id"] != response_id
+        stale = [e for e in c.events if e.get("response_id") == response_id and e["t"] > cancelled["t"]]
+        assert not stale, "nothing of the cancelled epoch is sent after the cancel"
+
+
+async def test_history_truncated_by_playback_ack(server, channel, speaker):
+    first, _, _ = utterance(speaker, LONG, tail=0.8)
+    interrupt, _, _ = utterance(speaker, "Wait.", lead=0.2, tail=1.0)
+    async with Conversation(channel) as c:
+        await c.stream(first, RATE, speed=2.0)
+        created = await c.wait_for("response.created", timeout=20)
+        await c.wait_for("response.output_audio.delta", count=3, timeout=20)
+        c.send("playback.ack", response_id=created["response_id"], played_ms=400)
+        ack = await c.wait_for("playback.acknowledged")
+        assert ack["played_ms"] == 400
+        await c.stream(interrupt, RATE)
+        await c.wait_for("output_audio_buffer.cleared", timeout=5)
+        session = next(s for s in server.realtime.sessions.values() if created["response_id"] in s.responses)
+        said = next(m.text for m in session.history if m.role == "assistant")
+        full = f"You said: {c.of_type('conversation.item.input_audio_transcription.completed')[0]['transcript']}"
+        assert said and full.startswith(said) and len(said.split()) < len(full.split()), (said, full)
+        assert len(said.split()) <= 4  # 400 ms of a clause-by-clause reply is a few words at most
+
+
+async def test_history_truncated_by_item_truncate(server, channel):
+    async with Conversation(channel) as c:
+        c.send("conversation.item.create", item={"text": "one two three four five six seven eight nine ten"})
+        c.send("response.create")
+        created = await c.wait_for("response.created")
+        await c.wait_for("response.done", timeout=20)
+        session = next(s for s in server.realtime.sessions.values() if created["response_id"] in s.responses)
+        response = session.responses[created["response_id"]]
+        c.send("conversation.item.truncate", item_id=created["item_id"], audio_end_ms=response.clauses[0][2])
+        c.send("conversation.item.truncate", item_id="item_nope", audio_end_ms=10)
+        error = await c.wait_for("error")
+        assert error["code"] == "item_not_found" and error["param"] == "item_id"
+        assert session.history[-1].text == response.clauses[0][0]
+
+
+async def test_no_response_during_silence(channel):
+    rng = np.random.default_rng(0)
+    noise = (rng.standard_normal(RATE * 4) * 60).astype(np.int16).tobytes()  # about -55 dBFS
+    async with Conversation(channel) as c:
+        await c.stream(noise, RATE, speed=4.0)
+        await asyncio.sleep(0.5)
+        assert not c.of_type("input_audio_buffer.speech_started")
+        assert not c.of_type("response.created")
+
+
+BAD = [
+    ("session.update", {"session": {"turn_detection": {"threshold": 1.2}}}, "invalid_value",
+     "turn_detection.threshold", "outside 0.05..0.95"),
+    ("session.update", {"session": {"input_audio_format": {"sample_rate": 44100}}}, "invalid_value",
+     "input_audio_format.sample_rate", "44100 is not supported"),
+    ("session.update", {"session": {"voice": "nobody"}}, "invalid_value", "voice", "voice 'nobody' is not known"),
+    ("session.update", {"session": {"responder": "oracle"}}, "invalid_value", "responder",
+     "responder 'oracle' is not available"),
+    ("session.update", {"session": {"output_sample_rate": 7}}, "invalid_value", "output_sample_rate",
+     "sample_rate=7 is not supported by voice en_US-joe-medium"),
+    ("input_audio_buffer.append", {"audio": b"\x00" * 1001}, "invalid_audio", "audio", "1001 bytes"),
+    ("input_audio_buffer.commit", {}, "invalid_state", "", "server_vad commits turns itself"),
+    ("playback.ack", {"response_id": "resp_nope", "played_ms": 5}, "response_not_found", "response_id", "resp_nope"),
+    ("conversation.item.truncate", {"item_id": "item_nope", "audio_end_ms": 5}, "item_not_found", "item_id",
+     "item_nope"),
+    ("camera.frame", {"image": b"\xff\xd8\xff" + b"\x00" * (2 * 1024 * 1024), "mime_type": "image/jpeg"},
+     "invalid_value", "image", "over the 2097152-byte limit"),
+    ("camera.frame", {"image": b"GIF89a....", "mime_type": "image/gif"}, "invalid_value", "image",
+     "neither JPEG nor PNG"),
+    ("conversation.item.create", {"item": {"role": "system", "text": "x"}}, "invalid_value", "item.role", "system"),
+    ("response.cancel", {}, "response_not_found", "response_id", "no response"),
+]
+
+
+@pytest.mark.parametrize("name,fields,code,param,message", BAD, ids=[f"{b[0]}-{b[2]}-{i}" for i, b in enumerate(BAD)])
+async def test_bad_input_is_an_error_event_and_the_session_goes_on(channel, name, fields, code, param, message):
+    async with Conversation(channel) as c:
+        c.send(name, event_id="evt_bad", **fields)
+        error = await c.wait_for("error")
+        assert (error["code"], error["param"], error["event_id"]) == (code, param, "evt_bad"), error
+        assert message in error["message"], error["message"]
+        c.send("conversation.item.create", item={"text": "still here"})
+        c.send("response.create")
+        assert (await c.wait_for("response.done", timeout=20))["status"] == "completed"
+
+
+async def test_unknown_event_and_mode_errors(channel, speaker):
+    async with Conversation(channel) as c:
+        c._requests.put_nowait(realtime_pb2.ConverseRequest(event_id="evt_empty"))
+        error = await c.wait_for("error")
+        assert error["code"] == "unknown_event" and error["event_id"] == "evt_empty"
+        c.send("session.update", session={"turn_detection": {"type": "manual"}})
+        await c.wait_for("session.updated")
+        c.send("input_audio_buffer.commit")
+        assert (await c.wait_for("error", count=2))["code"] == "input_audio_buffer_commit_empty"
+        pcm, _, _ = utterance(speaker, "Hello there.", tail=0.2)
+        await c.stream(pcm[: RATE], RATE, speed=8.0)
+        c.send("session.update", session={"input_audio_format": {"sample_rate": 16000}})
+        error = await c.wait_for("error", count=3)
+        assert error["code"] == "invalid_state" and "mid-turn" in error["message"]
+        c.send("conversation.item.create", item={"text": "a long reply " * 30})
+        c.send("response.create")
+        await c.wait_for("response.created")
+        c.send("response.create")
+        assert (await c.wait_for("error", count=4))["code"] == "response_in_progress"
+        c.send("input_audio_buffer.clear")
+        cleared = await c.wait_for("input_audio_buffer.cleared")
+        assert cleared["reason"] == "client" and cleared["discarded_ms"] > 0
+
+
+async def test_backpressure_says_what_was_discarded(channel):
+    async with Conversation(channel) as c:
+        await c.wait_for("session.created")
+        c.send("input_audio_buffer.append", audio=b"\x00\x00" * (RATE * 3))  # 3 s: more than the 2 s inbox
+        error = await c.wait_for("error")
+        cleared = await c.wait_for("input_audio_buffer.cleared")
+        assert error["code"] == "input_backpressure" and "discarded" in error["message"]
+        assert cleared["reason"] == "input_backpressure" and cleared["discarded_ms"] == 3000
+
+
+async def test_max_sessions(server, channel):
+    limit, server.realtime.max_sessions = server.realtime.max_sessions, len(server.realtime.sessions) + 1
+    try:
+        async with Conversation(channel) as held:
+            await held.wait_for("session.created")
+            async with Conversation(channel) as refused:
+                await refused.ended()
+                assert refused.error is not None
+                assert refused.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert error_reason(refused.error) == "MAX_SESSIONS"
+    finally:
+        server.realtime.max_sessions = limit
+
+
+async def test_idle_timeout_and_max_duration(channel):
+    async with Conversation(channel) as idle, Conversation(channel) as long:
+        idle.send("session.update", session={"idle_timeout_s": 1})
+        long.send("session.update", session={"max_session_s": 2})
+        for _ in range(40):  # the long session keeps talking (silence) so it is not idle
+            long.send("input_audio_buffer.append", audio=b"\x00\x00" * (RATE // 10))
+            await asyncio.sleep(0.1)
+            if long.of_type("session.closed"):
+                break
+        assert (await idle.wait_for("session.closed", timeout=5))["reason"] == "idle_timeout"
+        assert (await long.wait_for("session.closed", timeout=5))["reason"] == "max_session_duration"
+        await idle.ended()
+        await long.ended()
+        assert idle.error is None and long.error is None
+
+
+async def test_abrupt_disconnects_leave_nothing_behind(server, channel, speaker):
+    pcm, _, _ = utterance(speaker, "Hello there, how are you?", tail=0.1)
+    await asyncio.sleep(0.5)
+    tasks_before = len(asyncio.all_tasks())
+    threads_before = threading.active_count()
+    children_before = len(multiprocessing.active_children())
+    for n in range(100):
+        async with Conversation(channel) as c:
+            await c.wait_for("session.created")
+            c.send("input_audio_buffer.append", audio=pcm[(n % 5) * 9600:(n % 5 + 1) * 9600 + 19200])
+            if n % 10 == 0:
+                c.send("conversation.item.create", item={"text": "interrupted reply"})
+                c.send("response.create")
+            await asyncio.sleep(0.01 * (n % 4))
+        # leaving the block cancels the call: an abrupt disconnect
+    for _ in range(50):
+        if not server.realtime.sessions:
+            break
+        await asyncio.sleep(0.05)
+    assert not server.realtime.sessions
+    assert not server.realtime.vad_tick.inputs
+    assert server.scheduler.engine("asr").open_streams == 0
+    await asyncio.sleep(0.2)
+    assert len(asyncio.all_tasks()) <= tasks_before
+    assert threading.active_count() <= threads_before
+    assert len(multiprocessing.active_children()) == children_before
+
+
+async def test_32_concurrent_sessions(channel, speaker):
+    sentences = [SENTENCE, "The weather today is sunny with a light breeze.", "Our meeting starts at nine o'clock."]
+    clips = [utterance(speaker, s)[0] for s in sentences]
+
+    async def one(n: int) -> tuple[str, dict]:
+        await asyncio.sleep(n * 0.25)  # arrivals over 8 s: PocketSphinx needs ~0.13 core per speaker
+        async with Conversation(channel) as c:
+            await c.stream(clips[n % 3], RATE)
+            done = await c.wait_for("response.done", timeout=60)
+            completed = c.of_type("conversation.item.input_audio_transcription.completed")
+            transcript = completed[0]["transcript"] if completed else None
+            text = c.of_type("response.output_text.done")[0]["text"] if done["status"] == "completed" else ""
+            return sentences[n % 3], {"done": done, "transcript": transcript, "text": text, "types": c.types()}
+
+    results = await asyncio.gather(*(one(n) for n in range(32)))
+    for sentence, r in results:
+        assert r["done"]["status"] == "completed", r
+        assert r["transcript"] is not None, r["types"]
+        assert r["text"] == f"You said: {r['transcript']}"
+        assert wer(sentence, r["transcript"]) < 0.5, (sentence, r["transcript"])

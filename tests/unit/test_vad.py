@@ -1,0 +1,185 @@
+"""Silero VAD engine: batched across streams equals per-stream sequential, matches the silero_vad
+package's own OnnxWrapper, separates silence from Piper speech; throughput is reported."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from rtmedia.engines.base import EngineError
+from rtmedia.engines.vad import SAMPLE_RATE, WINDOW, VadEngine, VadItem, VadStream, model_path
+
+from tests.support.speech import Speaker
+
+SENTENCES = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Please call me back tomorrow afternoon at the office.",
+)
+N_WINDOWS = 60  # ~1.9 s per stream
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[VadEngine]:
+    eng = VadEngine()
+    eng.load()
+    eng.warmup()
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def speech(speaker: Speaker) -> list[np.ndarray]:
+    """Float32 16 kHz speech, one array per sentence."""
+    return [speaker.say(s).astype(np.float32) / 32768 for s in SENTENCES]
+
+
+def _windows(audio: np.ndarray, n: int) -> list[np.ndarray]:
+    audio = np.pad(audio, (0, max(0, n * WINDOW - len(audio))))
+    return [audio[i * WINDOW : (i + 1) * WINDOW] for i in range(n)]
+
+
+def _stream_audio(speech: list[np.ndarray], n_streams: int) -> list[list[np.ndarray]]:
+    """Different audio per stream: sentence, start offset, gain and background noise all vary."""
+    rng = np.random.default_rng(7)
+    out = []
+    for k in range(n_streams):
+        lead = np.zeros(k * 1500, np.float32)
+        audio = np.concatenate([lead, speech[k % 2] * (0.4 + 0.1 * k)])
+        audio = audio + rng.normal(0, 0.002 * k, len(audio)).astype(np.float32)
+        out.append(_windows(audio, N_WINDOWS))
+    return out
+
+
+def _sequential(engine: VadEngine, windows: list[np.ndarray]) -> list[float]:
+    stream = engine.open_stream()
+    return [engine.step_unbatched([VadItem(stream, w)])[0] for w in windows]
+
+
+def test_batched_equals_sequential(engine: VadEngine, speech: list[np.ndarray]) -> None:
+    audio = _stream_audio(speech, 8)
+    expected = np.array([_sequential(engine, w) for w in audio])  # [stream, window]
+    streams = [engine.open_stream() for _ in audio]
+    got = np.array(
+        [
+            engine.step([VadItem(s, a[i]) for s, a in zip(streams, audio, strict=True)])
+            for i in range(N_WINDOWS)
+        ]
+    ).T
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
+    assert got.max() > 0.9  # the comparison covers speech, not only silence
+
+
+def test_repeated_streams_in_one_batch_run_in_order(engine: VadEngine, speech: list[np.ndarray]) -> None:
+    audio = _stream_audio(speech, 8)
+    expected = [_sequential(engine, w) for w in audio]
+    streams = [engine.open_stream() for _ in audio]
+    cursor = [0] * len(audio)
+    got: list[list[float]] = [[] for _ in audio]
+    rng = np.random.default_rng(3)
+    while min(cursor) < N_WINDOWS:
+        # A batch holds 0..4 consecutive windows of each stream, shuffled across streams.
+        order = []
+        for k in range(len(audio)):
+            take = min(int(rng.integers(0, 5)), N_WINDOWS - cursor[k])
+            order += [k] * take
+        rng.shuffle(order)
+        items = []
+        for k in order:
+            items.append(VadItem(streams[k], audio[k][cursor[k]]))
+            cursor[k] += 1
+        for k, p in zip(order, engine.step(items), strict=True):
+            got[k].append(p)
+    for k in range(len(audio)):
+        np.testing.assert_allclose(got[k], expected[k], atol=1e-5, rtol=0)
+
+
+def test_matches_silero_onnx_wrapper(engine: VadEngine, speech: list[np.ndarray]) -> None:
+    import torch
+    from silero_vad.utils_vad import OnnxWrapper
+
+    audio = _stream_audio(speech, 8)
+    wrapper = OnnxWrapper(model_path(), force_onnx_cpu=True)
+    streams = [engine.open_stream() for _ in audio]
+    for i in range(N_WINDOWS):
+        batch = np.stack([a[i] for a in audio])
+        want = wrapper(torch.from_numpy(batch), SAMPLE_RATE).numpy()[:, 0]
+        got = engine.step([VadItem(s, a[i]) for s, a in zip(streams, audio, strict=True)])
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_silence_low_speech_high(engine: VadEngine, speech: list[np.ndarray]) -> None:
+    stream = engine.open_stream()
+    silence = engine.step([VadItem(stream, np.zeros(WINDOW, np.float32)) for _ in range(30)])
+    assert max(silence) < 0.2
+    stream.reset()  # (a jump from digital zero to noise reads ~0.25 for one window)
+    quiet = np.random.default_rng(0).normal(0, 3e-3, 30 * WINDOW).astype(np.float32)
+    assert max(engine.step([VadItem(stream, w) for w in _windows(quiet, 30)])) < 0.2
+    for audio in speech:
+        stream.reset()
+        probs = np.array(engine.step([VadItem(stream, w) for w in _windows(audio, len(audio) // WINDOW)]))
+        middle = probs[len(probs) // 5 : -len(probs) // 5]
+        assert np.mean(middle > 0.7) > 0.8, probs.round(2)
+
+
+def test_reset_forgets_history(engine: VadEngine, speech: list[np.ndarray]) -> None:
+    windows = _windows(speech[0], 20)
+    stream = engine.open_stream()
+    first = engine.step([VadItem(stream, w) for w in windows])
+    assert np.any(stream.state != 0) and np.any(stream.context != 0)
+    stream.reset()
+    assert not np.any(stream.state) and not np.any(stream.context)
+    assert engine.step([VadItem(stream, w) for w in windows]) == pytest.approx(first, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("window", "shape"),
+    [
+        (np.zeros(511, np.float32), "(511,)"),
+        (np.zeros((1, 512), np.float32), "(1, 512)"),
+        (np.zeros(1024, np.float32), "(1024,)"),
+        (np.zeros(512, np.int16), "int16"),
+        ([0.0] * 512, "None"),
+    ],
+)
+def test_bad_windows_raise(engine: VadEngine, window: object, shape: str) -> None:
+    stream = engine.open_stream()
+    good = VadItem(stream, np.zeros(WINDOW, np.float32))
+    with pytest.raises(ValueError, match=f"512 float samples.*{shape}"):
+        engine.step([good, VadItem(stream, window)])  # type: ignore[arg-type]
+    assert not np.any(stream.state)  # nothing ran: the batch is checked first
+    with pytest.raises(ValueError, match=shape):
+        engine.step_unbatched([VadItem(stream, window)])  # type: ignore[arg-type]
+
+
+def test_float64_window_accepted_and_empty_batch(engine: VadEngine) -> None:
+    a, b = VadStream(), VadStream()
+    w = np.random.default_rng(1).normal(0, 0.1, WINDOW)
+    assert engine.step([VadItem(a, w)]) == pytest.approx(engine.step([VadItem(b, w.astype(np.float32))]))
+    assert engine.step([]) == []
+
+
+def test_not_loaded_raises() -> None:
+    with pytest.raises(EngineError, match="not loaded"):
+        VadEngine().step([VadItem(VadStream(), np.zeros(WINDOW, np.float32))])
+
+
+def test_report_throughput(engine: VadEngine, capsys: pytest.CaptureFixture[str]) -> None:
+    """Windows per second on one intra-op thread (reported, not asserted)."""
+    rng = np.random.default_rng(0)
+    lines = []
+    for batch in (1, 32, 64, 128):
+        items = [VadItem(VadStream(), rng.normal(0, 0.1, WINDOW).astype(np.float32)) for _ in range(batch)]
+        run = engine.step_unbatched if batch == 1 else engine.step
+        run(items)
+        done, start = 0, time.perf_counter()
+        while time.perf_counter() - start < 0.3:
+            run(items)
+            done += batch
+        rate = done / (time.perf_counter() - start)
+        lines.append(
+            f"batch {batch:>3}: {rate:>7.0f} windows/s = {rate * WINDOW / SAMPLE_RATE:>4.0f} sessions"
+        )
+    with capsys.disabled():
+        print("\nVAD throughput, 1 thread: " + "; ".join(lines))
