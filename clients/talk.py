@@ -247,12 +247,10 @@ class Talk:
         self.early.clear()
 
     # ---- sending ----------------------------------------------------------------------
-    async def write(self, name: str, **fields: Any) -> float:
+    async def write(self, name: str, **fields: Any) -> None:
         async with self.write_lock:
-            sent = time.perf_counter()
             if not self.closing:  # nothing goes after session.close
                 await self.call.write(client_event(name, **fields))
-            return sent
 
     async def drive(self) -> None:
         """Configure, stream the file, end the turn (manual/none), wait for idle, close.
@@ -282,12 +280,10 @@ class Talk:
                 voiced_t = self.last_voiced_t(self.turn_floor_ms, math.inf)
                 self.turn_floor_ms = audio.starts_ms[-1] + audio.chunk_ms
                 self.create_pending = True
+                self.trigger = (time.perf_counter(), voiced_t)  # set before the server can answer
                 if args.mode == "manual":
-                    trigger = await self.write("input_audio_buffer.commit", event_id=COMMIT_ID)
-                    self.trigger = (trigger, voiced_t)
-                    await self.write("response.create", event_id=CREATE_ID)
-                else:
-                    self.trigger = (await self.write("response.create", event_id=CREATE_ID), voiced_t)
+                    await self.write("input_audio_buffer.commit", event_id=COMMIT_ID)
+                await self.write("response.create", event_id=CREATE_ID)
             await self.wait_idle()
         async with self.write_lock:
             self.closing = True

@@ -72,7 +72,7 @@ class Conversation:
 
     async def stream(self, pcm: bytes, rate: int, chunk_ms: int = 20, speed: float = 1.0,
                      bytes_per_sample: int = 2) -> float:
-        """Send audio in chunks, paced at `speed` × real time; returns when it started."""
+        """Send audio in chunks, paced at `speed` times real time; returns when it started."""
         step = rate * chunk_ms // 1000 * bytes_per_sample
         started = self.now
         for n, offset in enumerate(range(0, len(pcm), step)):

@@ -6,6 +6,7 @@ import itertools
 import multiprocessing
 import re
 import threading
+import time
 from collections.abc import Iterator
 
 import jiwer
@@ -245,6 +246,141 @@ def test_close_stream_and_close_leave_no_processes(speech: dict[str, np.ndarray]
     assert all(not p.is_alive() for p in mine)
     assert set(multiprocessing.active_children()) <= before
     eng.close_stream(s2)  # a no-op once closed
+
+
+# ----------------------------------------------------------------------------- segment=False: the caller's turns
+
+
+def _turns(engine: AsrEngine, stream: AsrStream, turns: list[np.ndarray]) -> list[list[list[AsrEvent]]]:
+    """Stream each turn in 100 ms chunks, the last with end=True; the events of each step, per turn."""
+    out = []
+    for pcm in turns:
+        chunks = _chunks(pcm) or [b""]
+        out.append(
+            [engine.step([AsrItem(stream, ch, end=i == len(chunks) - 1)])[0] for i, ch in enumerate(chunks)]
+        )
+    return out
+
+
+def _check_turn(steps: list[list[AsrEvent]], index: int, start_ms: int, pcm: np.ndarray) -> AsrEvent:
+    """One final, on the end=True step, after partials every <= 300 ms of the turn's audio (append-only)."""
+    assert all(not ev.is_final for events in steps[:-1] for ev in events)
+    *partials, final = [ev for events in steps for ev in events]
+    assert final.is_final and [ev.is_final for ev in steps[-1]][-1]
+    assert {ev.utterance_index for ev in (*partials, final)} == {index}
+    assert {ev.start_ms for ev in (*partials, final)} == {start_ms}
+    assert final.end_ms == start_ms + len(pcm) * 1000 // RATE
+    ends = [start_ms] + [ev.end_ms for ev in (*partials, final)]
+    assert all(0 < b - a <= 300 for a, b in itertools.pairwise(ends)) or ends == [start_ms] * 2, ends
+    text = ""
+    for ev in partials:
+        assert ev.text == " ".join(p for p in (text, ev.delta) if p), (text, ev.delta, ev.text)
+        text = ev.text
+    assert final.delta == ""
+    assert " ".join(w for w, *_ in final.words) == final.text
+    for _, w_start, w_end, conf in final.words:
+        assert final.start_ms <= w_start < w_end <= final.end_ms
+        assert 0.0 <= conf <= 1.0
+    return final
+
+
+def test_default_stream_mode(engine: AsrEngine) -> None:
+    stream = engine.open_stream()
+    try:
+        assert (stream.segment, stream.fast_final) == (True, False)
+    finally:
+        engine.close_stream(stream)
+
+
+@pytest.mark.parametrize("fast_final", [False, True])
+def test_unsegmented_turns_end_only_on_end(
+    engine: AsrEngine, speech: dict[str, np.ndarray], fast_final: bool
+) -> None:
+    turns = [
+        np.concatenate([_silence(0.3), speech[FOX], _silence(1.2)]),  # trailing silence does not end it
+        speech[CALL],
+        np.concatenate([_silence(0.2), speech[CALL], _silence(0.4)]),
+    ]
+    stream = engine.open_stream(segment=False, fast_final=fast_final)
+    try:
+        steps = _turns(engine, stream, turns)
+    finally:
+        engine.close_stream(stream)
+    at = 0
+    for index, (turn_steps, pcm, text) in enumerate(zip(steps, turns, (FOX, CALL, CALL), strict=True)):
+        final = _check_turn(turn_steps, index, at, pcm)  # offsets count from the stream's start
+        assert _wer(text, final.text) < 0.35, (text, final.text)
+        at += len(pcm) * 1000 // RATE
+
+
+def test_unsegmented_turn_is_not_split_by_silences(engine: AsrEngine, speech: dict[str, np.ndarray]) -> None:
+    turn = np.concatenate([_silence(0.5), speech[FOX], _silence(3.0), speech[CALL], _silence(2.0)])
+    stream = engine.open_stream(segment=False)
+    try:
+        [steps] = _turns(engine, stream, [turn])
+    finally:
+        engine.close_stream(stream)
+    final = _check_turn(steps, 0, 0, turn)
+    assert _wer(f"{FOX} {CALL}", final.text) < 0.35, final.text
+
+
+def test_unsegmented_turns_without_words_give_one_empty_final(
+    engine: AsrEngine, speech: dict[str, np.ndarray]
+) -> None:
+    rng = np.random.default_rng(0)
+    hiss = rng.normal(0.0, 30.0, RATE).astype(np.int16)
+    turns = [_silence(1.0), _silence(0.0), _silence(0.02), hiss, speech[CALL], _silence(0.0)]
+    stream = engine.open_stream(segment=False)
+    try:
+        steps = _turns(engine, stream, turns)
+    finally:
+        engine.close_stream(stream)
+    at = 0
+    for index, (turn_steps, pcm) in enumerate(zip(steps, turns, strict=True)):
+        final = _check_turn(turn_steps, index, at, pcm)
+        at += len(pcm) * 1000 // RATE
+        if index == 4:
+            assert _wer(CALL, final.text) < 0.35, final.text
+        else:
+            assert (final.text, final.words) == ("", []), (index, final)
+
+
+def test_results_do_not_depend_on_decoder_history(engine: AsrEngine, speech: dict[str, np.ndarray]) -> None:
+    """Decoders are lent per utterance; what one decoded before must not change the next result."""
+    rng = np.random.default_rng(1)
+    loud = np.concatenate([rng.normal(0.0, 3000.0, RATE).astype(np.int16), speech[FOX]])
+    pcm = np.concatenate([_silence(0.2), speech[CALL], _silence(0.2)])
+    finals = []
+    for turns in ([pcm], [loud], [pcm]):
+        stream = engine.open_stream(segment=False)  # every stream here starts on the same (idle) worker
+        try:
+            steps = _turns(engine, stream, turns)
+        finally:
+            engine.close_stream(stream)
+        finals.append(steps[-1][-1][-1])
+    assert finals[0] == finals[2]
+
+
+def test_fast_final_is_faster(engine: AsrEngine, speech: dict[str, np.ndarray]) -> None:
+    """fast_final skips the decoder's second pass over the utterance in the final (see the module doc)."""
+    pcm = np.concatenate([_silence(0.2), speech[FOX], _silence(0.3)])
+    *head, tail = _chunks(pcm)
+    latency = {}
+    for fast_final in (False, True):
+        stream = engine.open_stream(segment=False, fast_final=fast_final)
+        times = []
+        try:
+            for _ in range(3):
+                for chunk in head:
+                    engine.step([AsrItem(stream, chunk)])
+                started = time.perf_counter()
+                [events] = engine.step([AsrItem(stream, tail, end=True)])
+                times.append(time.perf_counter() - started)
+                assert _wer(FOX, events[-1].text) < 0.35
+        finally:
+            engine.close_stream(stream)
+        latency[fast_final] = min(times)
+    assert latency[True] < 0.8 * latency[False], latency
 
 
 def test_odd_byte_count_is_rejected(engine: AsrEngine) -> None:

@@ -1,0 +1,146 @@
+"""The scheduler as pure logic: fake engines at the edge, real lanes and ticks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from rtmedia.server.metrics import Metrics
+from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler, TickLane
+
+
+class FakeEngine:
+    """Records batches; results are the items doubled, or an exception for "boom"."""
+
+    def __init__(self, name: str, delay: float = 0.0) -> None:
+        self.name = name
+        self.delay = delay
+        self.batches: list[list] = []
+        self.threads: set[str] = set()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def load(self) -> None: ...
+    def warmup(self) -> None: ...
+    def close(self) -> None: ...
+
+    def step(self, items):
+        self.gate.wait(5)
+        self.threads.add(threading.current_thread().name)
+        self.batches.append(list(items))
+        time.sleep(self.delay)
+        if "fail-batch" in items:
+            raise RuntimeError("the whole batch failed")
+        return [ValueError(f"bad item {i}") if i == "boom" else i * 2 for i in items]
+
+
+@pytest.fixture
+async def scheduler():
+    s = Scheduler(Metrics())
+    yield s
+    await s.close()
+
+
+async def test_batches_run_off_the_loop_and_resolve_in_order(scheduler):
+    engine = FakeEngine("e")
+    scheduler.add(engine, LanePolicy(max_batch=8, max_wait_ms=20))
+    scheduler.start()
+    results = await asyncio.gather(*(scheduler.submit("e", i) for i in range(5)))
+    assert results == [0, 2, 4, 6, 8]
+    assert engine.batches == [[0, 1, 2, 3, 4]], "max_wait_ms gathers the items into one batch"
+    assert engine.threads == {"engine-e_0"}
+    assert scheduler.metrics.registry.get_sample_value("rtmedia_lane_batch_size_sum", {"lane": "e"}) == 5
+
+
+async def test_max_batch_splits(scheduler):
+    engine = FakeEngine("e")
+    scheduler.add(engine, LanePolicy(max_batch=2, max_wait_ms=20))
+    scheduler.start()
+    await asyncio.gather(*(scheduler.submit("e", i) for i in range(5)))
+    assert [len(b) for b in engine.batches] == [2, 2, 1]
+
+
+async def test_item_and_batch_failures(scheduler):
+    scheduler.add(FakeEngine("e"), LanePolicy(max_batch=8, max_wait_ms=20))
+    scheduler.start()
+    ok, bad = await asyncio.gather(scheduler.submit("e", 1), scheduler.submit("e", "boom"), return_exceptions=True)
+    assert ok == 2 and isinstance(bad, ValueError) and "bad item boom" in str(bad)
+    with pytest.raises(RuntimeError, match="whole batch"):
+        await scheduler.submit("e", "fail-batch")
+    assert await scheduler.submit("e", 3) == 6, "the lane goes on after a failed batch"
+    assert scheduler.metrics.registry.get_sample_value("rtmedia_lane_step_failures_total", {"lane": "e"}) == 1
+
+
+async def test_priority_order_within_a_lane(scheduler):
+    engine = FakeEngine("e")
+    engine.gate.clear()  # hold the first batch so the rest queue up
+    scheduler.add(engine, LanePolicy(max_batch=1))
+    scheduler.start()
+    first = asyncio.ensure_future(scheduler.submit("e", 0))
+    await asyncio.sleep(0.05)
+    order = []
+
+    async def tracked(item, priority):
+        await scheduler.submit("e", item, priority)
+        order.append(item)
+
+    tasks = [asyncio.ensure_future(tracked(1, Priority.BULK)), asyncio.ensure_future(tracked(2, Priority.INTERACTIVE)),
+             asyncio.ensure_future(tracked(3, Priority.REALTIME)), asyncio.ensure_future(tracked(4, Priority.REALTIME))]
+    await asyncio.sleep(0.05)
+    engine.gate.set()
+    await asyncio.gather(first, *tasks)
+    assert order == [3, 4, 2, 1]
+
+
+async def test_cancelled_caller_withdraws_its_item(scheduler):
+    engine = FakeEngine("e")
+    engine.gate.clear()
+    scheduler.add(engine, LanePolicy(max_batch=4))
+    scheduler.start()
+    first = asyncio.ensure_future(scheduler.submit("e", 0))
+    await asyncio.sleep(0.05)
+    withdrawn = asyncio.ensure_future(scheduler.submit("e", 1))
+    kept = asyncio.ensure_future(scheduler.submit("e", 2))
+    await asyncio.sleep(0.01)
+    withdrawn.cancel()
+    engine.gate.set()
+    assert await first == 0 and await kept == 4
+    assert [1] not in engine.batches and all(1 not in b for b in engine.batches)
+
+
+async def test_bulk_lane_waits_for_realtime_work(scheduler):
+    """A BULK step starts only once no speech item is waiting (it may overlap the last one)."""
+    starts: list[str] = []
+    speech, video = FakeEngine("speech", delay=0.05), FakeEngine("video")
+    for engine in (speech, video):
+        step = engine.step
+        engine.step = lambda items, step=step, name=engine.name: starts.append(name) or step(items)
+    scheduler.add(speech, LanePolicy(Priority.REALTIME, max_batch=1))
+    scheduler.add(video, LanePolicy(Priority.BULK, max_batch=1))
+    scheduler.start()
+    await asyncio.gather(*(scheduler.submit("speech", i) for i in range(3)), scheduler.submit("video", 9))
+    assert starts == ["speech", "speech", "speech", "video"], starts
+
+
+async def test_tick_lane_collects_processes_delivers_and_counts_misses(scheduler):
+    delivered = []
+    calls = {"n": 0}
+
+    def collect():
+        calls["n"] += 1
+        return [calls["n"]] if calls["n"] <= 3 else []
+
+    def process(work):
+        time.sleep(0.03 if work == [2] else 0)
+        return [w * 10 for w in work]
+
+    tick = TickLane(FakeEngine("vad"), 20, collect, process, delivered.append, scheduler)
+    scheduler.add_tick(tick)
+    scheduler.start()
+    await asyncio.sleep(0.2)
+    assert delivered == [[10], [20], [30]]
+    assert tick.ticks >= 5
+    assert scheduler.metrics.registry.get_sample_value("rtmedia_lane_deadline_misses_total", {"lane": "vad"}) == 1
