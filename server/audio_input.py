@@ -9,8 +9,10 @@ turn detector (`process`). The results go back to the sessions on the loop
 as ordered actions (`deliver`):
 
     ("started", audio_start_ms)   speech started (server_vad)
-    ("audio", pcm16_16k_bytes)    turn audio for the recogniser, prefix padding included
+    ("audio", (offset_ms, pcm))   turn audio for the recogniser (16 kHz PCM16), prefix
+                                  padding included; offset_ms: where it starts in the input
     ("stopped", audio_end_ms)     the turn ended
+    ("marker", callback)          a commit or response.create queued behind the input
 
 Sessions without VAD (manual, none) get all their audio as turn audio.
 """
@@ -53,6 +55,7 @@ class _Frontend:
     resampler: Any = None
     pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     history: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    samples: int = 0  # 16 kHz samples taken in (VAD: in whole windows)
 
     def __post_init__(self) -> None:
         self.resampler = make_resampler(self.settings.input_rate, RATE)
@@ -72,6 +75,8 @@ class AudioInput:
         self._next: _Frontend | None = None  # replaces the frontend at the next tick
         self._frontend = self._make_frontend(settings)
         self.collected_at = 0.0  # perf_counter when the tick last took this inbox
+        # Input frozen by a marker (commit), each followed by its callback.
+        self.segments: list[tuple[bytes, Callable[[], None]]] = []
 
     def _make_frontend(self, settings: SessionSettings) -> _Frontend:
         detector = None
@@ -111,19 +116,27 @@ class AudioInput:
             self._frontend.settings = settings
 
     def clear(self) -> int:
-        """Drop queued and buffered input (input_audio_buffer.clear); returns the ms dropped."""
+        """Drop queued and buffered input (input_audio_buffer.clear); returns the ms dropped.
+        Markers already queued still run, after the input before them."""
         dropped = round(len(self.inbox) / self.bytes_per_ms)
         self.inbox.clear()
         self._next = self._make_frontend(self._settings)
         return dropped
 
-    def take(self) -> tuple[bytes, _Frontend]:
-        data = bytes(self.inbox)
+    def after_input(self, callback: Callable[[], None]) -> None:
+        """Run `callback` on the loop once the input queued so far (and nothing sent
+        after this call) has been delivered."""
+        self.segments.append((bytes(self.inbox), callback))
+        self.inbox.clear()
+
+    def take(self) -> tuple[list[tuple[bytes, Callable[[], None] | None]], _Frontend]:
+        segments: list[tuple[bytes, Callable[[], None] | None]] = [*self.segments, (bytes(self.inbox), None)]
+        self.segments = []
         self.inbox.clear()
         if self._next is not None:
             self._frontend, self._next = self._next, None
         self.collected_at = time.perf_counter()
-        return data, self._frontend
+        return segments, self._frontend
 
 
 class VadTick:
@@ -133,18 +146,27 @@ class VadTick:
         self.engine = engine
         self.inputs: set[AudioInput] = set()
 
-    def collect(self) -> list[tuple[AudioInput, bytes, _Frontend]]:
-        return [(inp, *inp.take()) for inp in self.inputs if inp.inbox]
+    def collect(self) -> list[tuple[AudioInput, list[tuple[bytes, Callable[[], None] | None]], _Frontend]]:
+        return [(inp, *inp.take()) for inp in self.inputs if inp.inbox or inp.segments]
 
-    def process(self, work: list[tuple[AudioInput, bytes, _Frontend]]) -> list[tuple[AudioInput, list[Action]]]:
+    def process(self, work: list[tuple[AudioInput, list[tuple[bytes, Callable[[], None] | None]], _Frontend]]
+                ) -> list[tuple[AudioInput, list[Action]]]:
         windows: list[tuple[int, np.ndarray]] = []  # (work index, window)
         actions: list[list[Action]] = []
-        for n, (_, data, fe) in enumerate(work):
-            samples = fe.resampler.process(DECODERS[fe.settings.input_encoding](data))
-            if fe.detector is None:
-                actions.append([("audio", float_to_pcm16(samples))] if len(samples) else [])
+        for n, (_, segments, fe) in enumerate(work):
+            decode = DECODERS[fe.settings.input_encoding]
+            acts: list[Action] = []
+            actions.append(acts)
+            if fe.detector is None:  # all input is turn audio, markers in their place
+                for data, marker in segments:
+                    samples = fe.resampler.process(decode(data))
+                    if len(samples):
+                        acts.append(("audio", (fe.samples * 1000 // RATE, float_to_pcm16(samples))))
+                        fe.samples += len(samples)
+                    if marker is not None:
+                        acts.append(("marker", marker))
                 continue
-            actions.append([])
+            samples = fe.resampler.process(decode(b"".join(data for data, _ in segments)))
             fe.pending = np.concatenate([fe.pending, samples])
             count = len(fe.pending) // WINDOW
             windows += [(n, fe.pending[i * WINDOW:(i + 1) * WINDOW]) for i in range(count)]
@@ -153,6 +175,9 @@ class VadTick:
             probs = self.engine.step([VadItem(work[n][2].vad, w) for n, w in windows])  # type: ignore[arg-type]
             for (n, window), prob in zip(windows, probs, strict=True):
                 _turn_window(work[n][2], window, prob, actions[n])
+        for (_, segments, fe), acts in zip(work, actions, strict=True):
+            if fe.detector is not None:  # with VAD, markers follow the tick's windows
+                acts += [("marker", marker) for _, marker in segments if marker is not None]
         return [(inp, acts) for (inp, _, _), acts in zip(work, actions, strict=True) if acts]
 
     @staticmethod
@@ -169,13 +194,16 @@ def _turn_window(fe: _Frontend, window: np.ndarray, prob: float, out: list[Actio
     detector.update(threshold=s.threshold, prefix_padding_ms=s.prefix_padding_ms,
                     silence_duration_ms=s.silence_duration_ms)
     event = detector.push(prob)
+    offset_ms = fe.samples * 1000 // RATE
     if event is not None and event.kind == "speech_started":
         out.append(("started", event.audio_ms))
         pad = min(len(fe.history), s.prefix_padding_ms * RATE // 1000)
-        out.append(("audio", float_to_pcm16(np.concatenate([fe.history[len(fe.history) - pad:], window]))))
+        audio = np.concatenate([fe.history[len(fe.history) - pad:], window])
+        out.append(("audio", (offset_ms - pad * 1000 // RATE, float_to_pcm16(audio))))
     elif detector.in_speech:
-        out.append(("audio", float_to_pcm16(window)))
+        out.append(("audio", (offset_ms, float_to_pcm16(window))))
     elif event is not None:  # speech_stopped: this window is the last of the turn
-        out.append(("audio", float_to_pcm16(window)))
+        out.append(("audio", (offset_ms, float_to_pcm16(window))))
         out.append(("stopped", event.audio_ms))
     fe.history = np.concatenate([fe.history, window])[-HISTORY_SAMPLES:]
+    fe.samples += len(window)

@@ -37,6 +37,8 @@ from rtmedia.server.session_config import PCM16, SessionSettings
 from rtmedia.v1 import realtime_pb2
 
 log = logging.getLogger(__name__)
+ACK_FRESH_S = 1.0  # an ack older than this no longer tells where playback is
+PLAYED_TOLERANCE_MS = 40
 
 
 @dataclass
@@ -70,6 +72,10 @@ class Turn:
     stopped_at: float = 0.0  # perf_counter of speech_stopped / commit
     audio_ms: int = 0
     partial: str = ""  # the transcription deltas sent so far, concatenated
+    # Where the turn's audio starts in the session input and in the recogniser's
+    # stream (which joins every turn's audio): word timings are shifted by the difference.
+    input_offset_ms: int | None = None
+    asr_offset_ms: int = 0
 
 
 @dataclass
@@ -83,21 +89,23 @@ class Response:
     sent_ms: int = 0
     first_audio_at: float = 0.0
     heard_ms: int | None = None  # from playback.ack / conversation.item.truncate
+    heard_at: float = 0.0  # when the last ack arrived
+    truncated: bool = False  # the client said playback stopped
     done: bool = False
     history_index: int = -1  # its assistant message in the history
 
     def played_ms(self, now: float) -> int:
-        """Where the client's playback is: its last ack (or truncate), else the wall
-        time since the first audio was sent, at most what was sent."""
-        if self.heard_ms is not None:
+        """Where the client's playback is: its ack while fresh (under ACK_FRESH_S old),
+        else the wall time since the first audio was sent; at most what was sent."""
+        if self.heard_ms is not None and (self.truncated or now - self.heard_at < ACK_FRESH_S):
             return min(self.heard_ms, self.sent_ms)
         if not self.first_audio_at:
             return 0
         return int(min(self.sent_ms, (now - self.first_audio_at) * 1000))
 
     def audible(self, now: float) -> bool:
-        """Generating, or still playing at the client."""
-        return not self.done or self.played_ms(now) < self.sent_ms
+        """Generating, or still playing at the client (within a rounding tolerance)."""
+        return not self.done or (not self.truncated and self.played_ms(now) < self.sent_ms - PLAYED_TOLERANCE_MS)
 
     def heard_text(self) -> str:
         """The reply as far as it was heard: whole clauses, then the played fraction
@@ -175,6 +183,8 @@ class Session:
         self.pending_turns: deque[Turn] = deque()  # turns sent to the recogniser, oldest first
         self.buffer_ms = 0.0  # uncommitted input audio (manual / none)
         self.speech_start_ms = 0
+        self.response_requested = False  # a response.create waits behind queued input
+        self._asr_samples = 0  # 16 kHz samples sent to the recogniser
         self.camera: deque[bytes] = deque()
         self._asr_queue: deque[tuple[str, Turn, bytes]] = deque()
         self._asr_ready = asyncio.Event()
@@ -216,7 +226,7 @@ class Session:
 
     @property
     def responding(self) -> bool:
-        return self.response is not None and not self.response.done
+        return self.response_requested or (self.response is not None and not self.response.done)
 
     # ---- client events ---------------------------------------------------
     def handle(self, request: realtime_pb2.ConverseRequest) -> None:
@@ -277,8 +287,8 @@ class Session:
         elif self.buffer_ms < 1 and not self.input.inbox:
             self.error("input_audio_buffer_commit_empty", "the input audio buffer is empty: nothing to commit",
                        event_id)
-        else:
-            self._commit()
+        else:  # behind the audio still queued for the VAD tick
+            self.input.after_input(self._commit)
 
     def _commit(self) -> Turn:
         turn = self.turn or self._start_turn()
@@ -318,23 +328,37 @@ class Session:
             self.error("invalid_value", f"conversation.item.truncate: audio_end_ms={event.audio_end_ms} is outside "
                        f"0..{response.sent_ms} (the audio sent for {event.item_id})", event_id, "audio_end_ms")
             return
-        response.heard_ms = event.audio_end_ms
+        response.heard_ms, response.truncated = event.audio_end_ms, True
         self._truncate_history(response)
 
     def on_response_create(self, event: Any, event_id: str) -> None:
         if self.responding:
             self.error("response_in_progress", "a response is already in progress; cancel it first", event_id)
             return
-        turn = None
-        if self.settings.turn_type == "none" and (self.buffer_ms >= 1 or self.input.inbox):
-            turn = self._commit()  # none mode responds to the buffered audio
-        if turn is None and not self.history and not self.pending_turns:
+        instructions = event.instructions if event.HasField("instructions") else None
+        max_tokens = event.max_output_tokens if event.HasField("max_output_tokens") else None
+        # none mode responds to the buffered audio (committing it); a commit still
+        # queued behind input goes first. Either way the response waits its turn.
+        commit = self.settings.turn_type == "none" and (self.buffer_ms >= 1 or bool(self.input.inbox))
+        if commit or self.input.segments:
+            self.response_requested = True
+
+            def respond_after_input() -> None:
+                self.response_requested = False
+                self._respond_to(self._commit() if commit else None, instructions, max_tokens, event_id)
+
+            self.input.after_input(respond_after_input)
+        else:
+            self._respond_to(None, instructions, max_tokens, event_id)
+
+    def _respond_to(self, turn: Turn | None, instructions: str | None, max_tokens: int | None,
+                    event_id: str) -> None:
+        turn = turn or (self.pending_turns[-1] if self.pending_turns else None)
+        if turn is None and not self.history:
             self.error("invalid_state", "response.create: there is nothing to respond to (no audio, turn or text)",
                        event_id)
             return
-        self._start_response(turn or (self.pending_turns[-1] if self.pending_turns else None),
-                             instructions=event.instructions if event.HasField("instructions") else None,
-                             max_tokens=event.max_output_tokens if event.HasField("max_output_tokens") else None)
+        self._start_response(turn, instructions, max_tokens)
 
     def on_response_cancel(self, event: Any, event_id: str) -> None:
         response = self.response
@@ -354,7 +378,7 @@ class Session:
             self.error("invalid_value", f"playback.ack: played_ms={event.played_ms} is outside 0..{response.sent_ms}",
                        event_id, "played_ms")
             return
-        response.heard_ms = event.played_ms
+        response.heard_ms, response.heard_at = event.played_ms, time.perf_counter()
         self.send("playback.acknowledged", response_id=response.response_id, played_ms=event.played_ms)
 
     def on_camera_frame(self, event: Any, event_id: str) -> None:
@@ -381,11 +405,16 @@ class Session:
                 self._on_speech_started(value)
             elif kind == "audio":
                 if self.settings.transcription:
-                    if self.turn is None:
-                        self._start_turn()
-                    self._to_asr("audio", self.turn, value)
+                    offset_ms, pcm = value
+                    turn = self.turn or self._start_turn()
+                    if turn.input_offset_ms is None:
+                        turn.input_offset_ms, turn.asr_offset_ms = offset_ms, self._asr_samples // 16
+                    self._asr_samples += len(pcm) // 2
+                    self._to_asr("audio", turn, pcm)
             elif kind == "stopped":
                 self._on_speech_stopped(value)
+            elif kind == "marker":
+                value()
 
     def _to_asr(self, kind: str, turn: Turn, audio: bytes = b"") -> None:
         self._asr_queue.append((kind, turn, audio))
@@ -457,7 +486,9 @@ class Session:
                 turn.partial += delta
                 self.send("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, delta=delta)
             return
-        words = [{"word": w, "start_ms": s, "end_ms": e, "confidence": c} for w, s, e, c in event.words]
+        shift = (turn.input_offset_ms or 0) - turn.asr_offset_ms  # recogniser stream -> session input
+        words = [{"word": w, "start_ms": s + shift, "end_ms": e + shift, "confidence": c}
+                 for w, s, e, c in event.words]
         self.send("conversation.item.input_audio_transcription.completed", item_id=turn.item_id,
                   transcript=event.text, words=words)
         if turn in self.pending_turns:

@@ -306,11 +306,11 @@ def test_unsegmented_turns_end_only_on_end(
         steps = _turns(engine, stream, turns)
     finally:
         engine.close_stream(stream)
-    at = 0
+    at = 0  # samples; offsets count from the stream's start
     for index, (turn_steps, pcm, text) in enumerate(zip(steps, turns, (FOX, CALL, CALL), strict=True)):
-        final = _check_turn(turn_steps, index, at, pcm)  # offsets count from the stream's start
+        final = _check_turn(turn_steps, index, at * 1000 // RATE, pcm)
         assert _wer(text, final.text) < 0.35, (text, final.text)
-        at += len(pcm) * 1000 // RATE
+        at += len(pcm)
 
 
 def test_unsegmented_turn_is_not_split_by_silences(engine: AsrEngine, speech: dict[str, np.ndarray]) -> None:
@@ -335,10 +335,10 @@ def test_unsegmented_turns_without_words_give_one_empty_final(
         steps = _turns(engine, stream, turns)
     finally:
         engine.close_stream(stream)
-    at = 0
+    at = 0  # samples
     for index, (turn_steps, pcm) in enumerate(zip(steps, turns, strict=True)):
-        final = _check_turn(turn_steps, index, at, pcm)
-        at += len(pcm) * 1000 // RATE
+        final = _check_turn(turn_steps, index, at * 1000 // RATE, pcm)
+        at += len(pcm)
         if index == 4:
             assert _wer(CALL, final.text) < 0.35, final.text
         else:
