@@ -130,6 +130,7 @@ class Outbox:
         self._ready = asyncio.Event()
         self._limit = limit
         self.closed = False
+        self._last: realtime_pb2.ConverseResponse | None = None
 
     def control(self, event: realtime_pb2.ConverseResponse) -> None:
         self._control.append(event)
@@ -141,8 +142,10 @@ class Outbox:
         self._media.append((epoch, event))
         self._ready.set()
 
-    def close(self) -> None:
-        self.closed = True
+    def close(self, last: realtime_pb2.ConverseResponse | None = None) -> None:
+        """No more events but `last`, which goes out after everything queued."""
+        if not self.closed:
+            self.closed, self._last = True, last
         self._ready.set()
 
     async def get(self, epoch: int) -> realtime_pb2.ConverseResponse | None:
@@ -155,7 +158,8 @@ class Outbox:
                 if event_epoch == epoch:
                     return event
             if self.closed:
-                return None
+                last, self._last = self._last, None
+                return last
             self._ready.clear()
             await self._ready.wait()
 
@@ -594,8 +598,7 @@ class Session:
         self.send_media(response, "response.done", response_id=rid, status=status, status_reason=reason,
                         usage=usage)
         if self.closing_reason is not None:  # draining: the response was allowed to finish
-            self.send("session.closed", reason=self.closing_reason)
-            self.outbox.close()
+            self.outbox.close(server_event("session.closed", reason=self.closing_reason))
 
     def cancel_response(self, reason: str) -> None:
         """Barge-in or response.cancel: stop generation, fence off its epoch, tell the client."""
@@ -633,16 +636,13 @@ class Session:
             return  # _finish_response closes the outbox after the response
         if self.responding:
             self.cancel_response(reason)
-        self.send("session.closed", reason=reason)
-        self.outbox.close()
+        self.outbox.close(server_event("session.closed", reason=reason))
 
     def shutdown_now(self) -> None:
         """The drain grace period ended: close even if a response is still running."""
         if self.responding:
             self.cancel_response("server_shutdown")
-        if not self.outbox.closed:
-            self.send("session.closed", reason="server_shutdown")
-            self.outbox.close()
+        self.outbox.close(server_event("session.closed", reason="server_shutdown"))
 
     async def close(self) -> None:
         """Free every resource of the session: tasks, VAD row, recogniser state."""
