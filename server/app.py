@@ -58,7 +58,7 @@ class RtmediaServer:
         self.scheduler = Scheduler(self.metrics)
         voices = default_voices() + [voice_from_path(p) for p in config.voices]
         self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads), LanePolicy(max_batch=4))
-        self.scheduler.add(AsrEngine(workers=config.asr_workers),
+        self.scheduler.add(AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders),
                            LanePolicy(Priority.REALTIME, max_batch=64, concurrency=1))
         self.realtime = RealtimeService(self.scheduler, VadEngine(), max_sessions=config.max_sessions,
                                         lm_slots=config.lm_slots)

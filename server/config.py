@@ -23,6 +23,9 @@ class ServerConfig:
     max_send_bytes: int = 4 * MiB
     max_text_chars: int = 5000
     asr_workers: int = 2
+    # Fast-final PocketSphinx decoders built per worker at start (~95 MB each): the
+    # user turns a worker decodes at once before building more on demand.
+    asr_decoders: int = 6
     # Concurrent Converse sessions; one more is refused with RESOURCE_EXHAUSTED.
     max_sessions: int = 256
     # LM slots (a separate, smaller pool; sessions wait for one, never refused).

@@ -49,7 +49,7 @@ class Limits:
     max_camera_total_bytes: int = 4 * 1024 * 1024
     max_text_chars: int = 5000
     max_outbox_events: int = 4096
-    transcript_wait_s: float = 10.0
+    transcript_wait_s: float = 20.0  # a late reply beats a failed one under overload
     # Reply audio goes out in deltas of this length, at most output_lead_ms ahead of
     # the client's playback (acked position, or wall clock since the first delta).
     output_delta_ms: int = 200

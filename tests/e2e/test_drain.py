@@ -9,8 +9,8 @@ import subprocess
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from rtmedia.server.errors import error_reason
+
 from tests.support.converse import Conversation
 from tests.support.serve import RTMEDIA, free_port, wait_serving
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 
 async def test_sigterm_drains_sessions(tmp_path):
     port = free_port()
-    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 (closed below)
+    log = open(tmp_path / "serve.log", "wb")
     process = subprocess.Popen([RTMEDIA, "serve", "--port", str(port), "--metrics-port", "0", "--grace", "20"],
                                stdout=log, stderr=subprocess.STDOUT)
     target = f"127.0.0.1:{port}"

@@ -7,7 +7,6 @@ import threading
 import time
 
 import pytest
-
 from rtmedia.server.metrics import Metrics
 from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler, TickLane
 
