@@ -43,11 +43,13 @@ CONFIG_ID, COMMIT_ID, CREATE_ID = "talk-config", "talk-commit", "talk-response-c
 DESCRIPTION = """\
 Open a duplex speech session, stream IN.wav to it as the user's voice, and show
 what happens: your turns as the server transcribed them, its replies, latencies
-(SPEC 1.5) and barge-ins. The reply audio can be saved with -o.
+and barge-ins. The reply audio can be saved with -o.
 
 The file is sent in --chunk-ms chunks, at real-time pace with --realtime and
 otherwise as fast as allowed but at most 10x real time: the server's input inbox
 holds 2 s of audio and answers an overflow with an input_backpressure error.
+In server_vad mode one second of silence follows the file, as a live microphone
+would keep sending, so that the last turn ends.
 The reply is played on a simulated clock (real time, from its first audio
 delta), acknowledged with playback.ack every ~200 ms of play time. After the
 file (and, in manual/none mode, commit/response.create) the command waits until
@@ -117,7 +119,9 @@ class InputAudio:
         return min(len(self.chunks) - 1, max(0, int(ms // self.chunk_ms)))
 
 
-def load_input(path: Path, chunk_ms: int) -> InputAudio:
+def load_input(path: Path, chunk_ms: int, tail_ms: int = 0) -> InputAudio:
+    """The file as chunks, plus `tail_ms` of silence after it (as a live microphone would
+    keep sending, so that a file ending right after speech still ends its turn)."""
     if not 1 <= chunk_ms <= 1000:
         raise CliError(f"--chunk-ms must be 1..1000, got {chunk_ms}")
     audio = read_wav(path)
@@ -129,6 +133,7 @@ def load_input(path: Path, chunk_ms: int) -> InputAudio:
         samples, rate = np.frombuffer(pcm, "<i2"), RESAMPLE_TO
     if not len(samples):
         raise CliError(f"{path}: the file holds no audio")
+    samples = np.concatenate([samples, np.zeros(rate * tail_ms // 1000, samples.dtype)])
     step = max(1, rate * chunk_ms // 1000)
     chunks, voiced = [], []
     for offset in range(0, len(samples), step):
@@ -541,7 +546,8 @@ async def _converse(args: argparse.Namespace, audio: InputAudio) -> Talk:
 
 
 def cmd_talk(args: argparse.Namespace) -> None:
-    audio = load_input(args.input, args.chunk_ms)
+    # server_vad: a second of silence after the file, as a live microphone keeps sending
+    audio = load_input(args.input, args.chunk_ms, tail_ms=1000 if args.mode == "server_vad" else 0)
     if args.timeout <= 0:
         raise CliError(f"--timeout must be positive, got {args.timeout}")
     talk = asyncio.run(_converse(args, audio))

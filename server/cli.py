@@ -15,6 +15,7 @@ rtmedia: a realtime media server over gRPC.
   rtmedia voices                         list voices and their output rates
   rtmedia synth "Hello." -o hello.wav    streaming text-to-speech into a file
   rtmedia transcribe hello.wav           streaming speech-to-text of a WAV file
+  rtmedia talk question.wav -o reply.wav a duplex voice session: turns, replies, barge-in
 
 Every client command takes --target HOST:PORT and --json. Run `rtmedia COMMAND --help` for details.
 """
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML deploy file (its `server:` keys; flags override it)")
     p.add_argument("--grace", dest="grace_s", type=float, default=None, help="drain grace period in seconds (30)")
     p.add_argument("--asr-workers", type=int, default=None, help="PocketSphinx worker processes (2)")
+    p.add_argument("--max-sessions", type=int, default=None, help="concurrent Converse sessions (256)")
     p.add_argument("--voice", dest="voices", action="append", default=None,
                    help="extra Piper voice: a local .onnx with .onnx.json beside it (repeatable)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
@@ -51,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = ServerConfig.load(
             args.config, host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_s,
-            asr_workers=args.asr_workers, voices=args.voices, log_level=args.log_level, log_format=args.log_format,
+            asr_workers=args.asr_workers, max_sessions=args.max_sessions, voices=args.voices, log_level=args.log_level, log_format=args.log_format,
         )
     except (OSError, ValueError) as exc:
         print(f"rtmedia serve: {exc}", file=sys.stderr)

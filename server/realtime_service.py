@@ -33,6 +33,7 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
                  limits: Limits | None = None, defaults: SessionSettings | None = None) -> None:
         self.scheduler = scheduler
         self.metrics = scheduler.metrics
+        self.bytes_in = self.metrics.bytes_total.labels("in")  # counted per audio chunk
         self.tts: TtsEngine = scheduler.engine("tts")
         self.asr: AsrEngine = scheduler.engine("asr")
         self.vad = vad

@@ -180,7 +180,6 @@ class Session:
         self.closing_reason: str | None = None
         self._ids = itertools.count(1)
         self.history: list[Message] = []
-        self.items: dict[str, int] = {}  # assistant item id -> history index
         self.responses: dict[str, Response] = {}
         self.response: Response | None = None  # the latest response
         self.turn: Turn | None = None  # the turn being spoken or committed
@@ -192,7 +191,7 @@ class Session:
         self.camera: deque[bytes] = deque()
         self._asr_queue: deque[tuple[str, Turn, bytes]] = deque()
         self._asr_ready = asyncio.Event()
-        self._asr_stream = None
+        self._asr_stream: Any = None
         self._tasks: set[asyncio.Task[Any]] = set()
         vad = services.vad.open_stream()
         self.input = AudioInput(settings, self.limits.inbox_ms, self.on_audio, vad)
@@ -236,8 +235,7 @@ class Session:
     def handle(self, request: realtime_pb2.ConverseRequest) -> None:
         kind = request.WhichOneof("event")
         event_id = request.event_id
-        if kind != "input_audio_buffer_append":
-            self.last_input = time.monotonic()
+        self.last_input = time.monotonic()
         handler = getattr(self, f"on_{kind}", None)
         if handler is None:
             self.error("unknown_event", "the request carries no known event (empty oneof or a newer client)",
@@ -247,12 +245,11 @@ class Session:
 
     def on_input_audio_buffer_append(self, event: Any, event_id: str) -> None:
         data = event.audio
-        self.last_input = time.monotonic()
         if self.settings.input_encoding == PCM16 and len(data) % 2:
             self.error("invalid_audio", f"input_audio_buffer.append: {len(data)} bytes is not a whole number of "
                        "PCM16 samples; the chunk was dropped", event_id, "audio")
             return
-        self.services.metrics.bytes_total.labels("in").inc(len(data))
+        self.services.bytes_in.inc(len(data))
         discarded = self.input.append(data)
         if self.settings.turn_type != "server_vad":
             self.buffer_ms += len(data) / self.input.bytes_per_ms
@@ -655,7 +652,7 @@ class Session:
                 await asyncio.wait_for(task, 5)
         if self._asr_stream is not None:
             await asyncio.to_thread(self.services.asr.close_stream, self._asr_stream)
-            self._asr_stream = None
+            self._asr_stream: Any = None
         for turn in [self.turn, *self.pending_turns]:
             if turn is not None and not turn.transcript.done():
                 turn.transcript.cancel()

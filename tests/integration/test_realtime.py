@@ -10,8 +10,6 @@ import threading
 import grpc
 import numpy as np
 import pytest
-from rtmedia.server.app import RtmediaServer
-from rtmedia.server.config import ServerConfig
 from rtmedia.server.errors import error_reason
 from rtmedia.v1 import common_pb2, realtime_pb2, speech_pb2, speech_pb2_grpc
 
@@ -22,20 +20,6 @@ RATE = 24000
 SENTENCE = "Please remember to buy milk and bread on your way home."
 LONG = ("The weather today is sunny with a light breeze from the west, and tomorrow it will rain "
         "in the morning, then clear up in the afternoon.")
-
-
-@pytest.fixture(scope="module")
-async def server():
-    srv = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=2, max_sessions=64))
-    await srv.start()
-    yield srv
-    await srv.stop(0)
-
-
-@pytest.fixture(scope="module")
-async def channel(server):
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
-        yield ch
 
 
 def utterance(speaker, text: str, rate: int = RATE, lead: float = 0.6, tail: float = 1.2):

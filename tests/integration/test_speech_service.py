@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from rtmedia.server.app import RtmediaServer
-from rtmedia.server.config import ServerConfig
 from rtmedia.server.errors import error_reason
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 
@@ -24,20 +22,6 @@ SENTENCES = [
     "Our meeting starts at nine o'clock in the large conference room.",
 ]
 VOICE = "en_US-joe-medium"
-
-
-@pytest.fixture(scope="module")
-async def server():
-    srv = RtmediaServer(ServerConfig(port=0, metrics_port=0, asr_workers=2, grace_s=1))
-    await srv.start()
-    yield srv
-    await srv.stop(0)
-
-
-@pytest.fixture(scope="module")
-async def channel(server):
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
-        yield ch
 
 
 @pytest.fixture(scope="module")
