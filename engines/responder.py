@@ -9,7 +9,7 @@ conversation (already truncated to what the user heard) with each request.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,6 +26,9 @@ class ReplyRequest:
     instructions: str = ""
     max_output_tokens: int = 0  # 0: the responder's own limit
     images: list[bytes] = field(default_factory=list)  # camera frames, oldest first
+    # Called with the queue position when the reply must wait for a shared resource
+    # (an LM slot); the session tells its client.
+    on_wait: Callable[[int], None] | None = None
 
 
 class Responder(Protocol):
@@ -34,6 +37,10 @@ class Responder(Protocol):
     def reply(self, request: ReplyRequest) -> AsyncIterator[str]:
         """Stream the reply's text deltas."""
         ...
+
+
+class ResponderError(RuntimeError):
+    """A responder could not produce a reply; the message says why."""
 
 
 class EchoResponder:
@@ -52,13 +59,3 @@ class EchoResponder:
             yield word if n == len(words) - 1 else word + " "
             await asyncio.sleep(0)  # a streaming source: let other sessions run between deltas
 
-
-RESPONDERS: dict[str, type] = {"echo": EchoResponder}
-
-
-def make_responder(name: str) -> Responder:
-    """The named responder; KeyError lists the available ones."""
-    try:
-        return RESPONDERS[name]()
-    except KeyError:
-        raise KeyError(f"responder {name!r} is not available; available: {', '.join(sorted(RESPONDERS))}") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 
@@ -13,13 +14,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 from rtmedia.engines.asr import AsrEngine
+from rtmedia.engines.lm import LmEngine
+from rtmedia.engines.lm_models import embedded_model_dir
+from rtmedia.engines.openai_chat import OpenAIResponder
 from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
 from rtmedia.engines.vad import VadEngine
 from rtmedia.server.config import ServerConfig
 from rtmedia.server.interceptors import ServerInterceptor
+from rtmedia.server.lm_lane import LmLane
 from rtmedia.server.metrics import Metrics
 from rtmedia.server.realtime_service import RealtimeService
+from rtmedia.server.responders import build_responders
 from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler
+from rtmedia.server.session_config import SessionSettings
 from rtmedia.server.speech_service import SpeechService
 from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc, speech_pb2, speech_pb2_grpc, video_pb2
 
@@ -60,8 +67,24 @@ class RtmediaServer:
         self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads), LanePolicy(max_batch=4))
         self.scheduler.add(AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders),
                            LanePolicy(Priority.REALTIME, max_batch=64, concurrency=1))
+        self._embedded_lm: LmEngine | None = None
+        lanes = {}
+        if config.llm:
+            self._embedded_lm = LmEngine(None, slots=config.lm_slots, context=config.lm_context)
+            lanes["llm"] = self.scheduler.add_lm("llm", LmLane(self._embedded_lm, self.metrics))
+        if config.transformers_model:
+            engine = LmEngine(config.transformers_model, slots=config.lm_slots, context=config.lm_context)
+            lanes["transformers"] = self.scheduler.add_lm("transformers", LmLane(engine, self.metrics))
+        extra = {}
+        if config.openai_url:
+            extra["openai"] = OpenAIResponder(config.openai_url, config.openai_model, os.environ.get("OPENAI_API_KEY"))
+        responders = build_responders(lanes, extra)
+        if config.default_responder not in responders:
+            raise ValueError(f"default_responder {config.default_responder!r} is not available; "
+                             f"available: {', '.join(sorted(responders))}")
         self.realtime = RealtimeService(self.scheduler, VadEngine(), max_sessions=config.max_sessions,
-                                        lm_slots=config.lm_slots)
+                                        lm_slots=config.lm_slots, responders=responders,
+                                        defaults=SessionSettings(responder=config.default_responder))
         self.health = health.aio.HealthServicer()
         self.state = "starting"
         self.port = 0
@@ -99,6 +122,8 @@ class RtmediaServer:
         await server.start()
         self._server = server
         log.info("listening", extra={"host": self.config.host, "port": self.port})
+        if self._embedded_lm is not None:  # converts the GGUF once, then loads from the cache
+            self._embedded_lm.model_dir = await asyncio.to_thread(embedded_model_dir)
         await self.scheduler.load()
         self.scheduler.start()
         self.realtime.start()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 
 from rtmedia.clients import cli as client_cli
+from rtmedia.server.config import ServerConfig
 
 DESCRIPTION = """\
 rtmedia: a realtime media server over gRPC.
@@ -36,6 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", dest="grace_s", type=float, default=None, help="drain grace period in seconds (30)")
     p.add_argument("--asr-workers", type=int, default=None, help="PocketSphinx worker processes (2)")
     p.add_argument("--max-sessions", type=int, default=None, help="concurrent Converse sessions (256)")
+    p.add_argument("--responder", dest="default_responder", default=None,
+                   help="default responder of a session: llm (default), echo, transformers, openai")
+    p.add_argument("--no-llm", dest="llm", action="store_false", default=None,
+                   help="do not load the embedded SmolLM2-135M-Instruct (responder llm)")
+    p.add_argument("--transformers-model", default=None, metavar="DIR",
+                   help="a local Hugging Face causal-LM directory, offered as responder transformers")
+    p.add_argument("--openai-url", default=None, metavar="URL",
+                   help="an OpenAI-compatible chat-completions base URL (e.g. http://host:8000/v1), offered as "
+                        "responder openai; the key is read from OPENAI_API_KEY")
+    p.add_argument("--openai-model", default=None, help="the model name sent to --openai-url")
+    p.add_argument("--lm-slots", type=int, default=None, help="LM KV-cache slots shared by sessions (16)")
     p.add_argument("--voice", dest="voices", action="append", default=None,
                    help="extra Piper voice: a local .onnx with .onnx.json beside it (repeatable)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
@@ -48,20 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace) -> int:
     from rtmedia.server import logs
     from rtmedia.server.app import serve
-    from rtmedia.server.config import ServerConfig
 
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
     try:
-        config = ServerConfig.load(
-            args.config, host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace_s,
-            asr_workers=args.asr_workers, max_sessions=args.max_sessions, voices=args.voices, log_level=args.log_level, log_format=args.log_format,
-        )
+        config = ServerConfig.load(args.config, **overrides)
     except (OSError, ValueError) as exc:
         print(f"rtmedia serve: {exc}", file=sys.stderr)
         return 2
     logs.configure(config.log_level, config.log_format)
     try:
         asyncio.run(serve(config))
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(f"rtmedia serve: {exc}", file=sys.stderr)
         return 1
     return 0

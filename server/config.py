@@ -30,6 +30,18 @@ class ServerConfig:
     max_sessions: int = 256
     # LM slots (a separate, smaller pool; sessions wait for one, never refused).
     lm_slots: int = 16
+    # Tokens of KV cache per slot (prompt + reply).
+    lm_context: int = 2048
+    # The responder a session uses unless it asks for another: llm, echo, transformers, openai.
+    default_responder: str = "llm"
+    # Load the embedded SmolLM2-135M-Instruct (responder "llm").
+    llm: bool = True
+    # A local Hugging Face causal-LM directory (responder "transformers").
+    transformers_model: str | None = None
+    # An OpenAI-compatible chat-completions server (responder "openai"); the key comes
+    # from the OPENAI_API_KEY environment variable.
+    openai_url: str | None = None
+    openai_model: str = "gpt-4o-mini"
     # onnxruntime intra-op threads for TTS (0: onnxruntime's default).
     tts_threads: int = 0
     # Extra Piper voices: paths of `.onnx` files with `.onnx.json` beside them.

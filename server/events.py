@@ -67,6 +67,7 @@ SERVER_EVENTS: dict[str, str] = {
     "response.output_text.done": "response_output_text_done",
     "response.output_audio.done": "response_output_audio_done",
     "response.done": "response_done",
+    "response.waiting": "response_waiting",  # (ext)
     "output_audio_buffer.cleared": "output_audio_buffer_cleared",
     "playback.acknowledged": "playback_acknowledged",  # (ext)
     "session.closed": "session_closed",  # (ext)

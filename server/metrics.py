@@ -56,6 +56,9 @@ class Metrics:
             "rtmedia_barge_in_seconds", "Interrupting audio taken by the VAD tick to output_audio_buffer.cleared",
             buckets=STEP_BUCKETS, registry=r,
         )
+        self.lm_slots = Gauge(
+            "rtmedia_lm_slots", "LM KV-cache slots: busy, free, and generations waiting for one", ["state"], registry=r
+        )
         self.input_backpressure = Counter(
             "rtmedia_input_backpressure_total", "Times a session's input inbox overflowed", registry=r
         )

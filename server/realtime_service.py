@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 from rtmedia.engines.asr import AsrEngine
-from rtmedia.engines.responder import RESPONDERS
+from rtmedia.engines.responder import EchoResponder, Responder
 from rtmedia.engines.tts import TtsEngine
 from rtmedia.engines.vad import VadEngine
 from rtmedia.server.audio_input import WINDOW_MS, VadTick
@@ -30,7 +30,8 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
     idle timeout, max duration, disconnect and drain."""
 
     def __init__(self, scheduler: Scheduler, vad: VadEngine, max_sessions: int = 256, lm_slots: int = 16,
-                 limits: Limits | None = None, defaults: SessionSettings | None = None) -> None:
+                 limits: Limits | None = None, defaults: SessionSettings | None = None,
+                 responders: dict[str, Responder] | None = None) -> None:
         self.scheduler = scheduler
         self.metrics = scheduler.metrics
         self.bytes_in = self.metrics.bytes_total.labels("in")  # counted per audio chunk
@@ -44,7 +45,7 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
         self.lm_slots = lm_slots
         self.limits = limits or Limits()
         self.defaults = defaults or SessionSettings()
-        self.responders = set(RESPONDERS)
+        self.responders = responders or {"echo": EchoResponder()}
         self.sessions: dict[str, Session] = {}
         self.draining = False
         self._all_closed = asyncio.Event()

@@ -218,6 +218,7 @@ class Scheduler:
         self.metrics = metrics
         self.lanes: dict[str, Lane] = {}
         self.tick_lanes: dict[str, TickLane] = {}
+        self.lm_lanes: dict[str, Any] = {}  # name -> LmLane (server/lm_lane.py)
         self._progress = asyncio.Event()
 
     def add(self, engine: Engine, policy: LanePolicy) -> Lane:
@@ -228,6 +229,14 @@ class Scheduler:
     def add_tick(self, lane: TickLane) -> TickLane:
         self.tick_lanes[lane.name] = lane
         return lane
+
+    def add_lm(self, name: str, lane: Any) -> Any:
+        self.lm_lanes[name] = lane
+        return lane
+
+    @property
+    def all_lanes(self) -> list[Any]:
+        return [*self.lanes.values(), *self.tick_lanes.values(), *self.lm_lanes.values()]
 
     def engine(self, name: str) -> Any:
         return self.lanes[name].engine
@@ -243,23 +252,20 @@ class Scheduler:
 
     async def load(self) -> None:
         """Load and warm up every engine, off the event loop."""
-        for lane in [*self.lanes.values(), *self.tick_lanes.values()]:
+        for lane in self.all_lanes:
             started = time.perf_counter()
             await asyncio.to_thread(lane.engine.load)
             await asyncio.to_thread(lane.engine.warmup)
             log.info("engine %s ready in %.2f s", lane.name, time.perf_counter() - started)
 
     def start(self) -> None:
-        for lane in [*self.lanes.values(), *self.tick_lanes.values()]:
+        for lane in self.all_lanes:
             lane.start()
 
     async def submit(self, lane: str, item: Any, priority: Priority | None = None) -> Any:
         return await self.lanes[lane].submit(item, priority)
 
     async def close(self) -> None:
-        for tick in self.tick_lanes.values():
-            await tick.close()
-            await asyncio.to_thread(tick.engine.close)
-        for lane in self.lanes.values():
+        for lane in self.all_lanes:
             await lane.close()
             await asyncio.to_thread(lane.engine.close)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rtmedia.engines.asr import AsrEvent, AsrItem
-from rtmedia.engines.responder import Message, ReplyRequest, make_responder
+from rtmedia.engines.responder import Message, ReplyRequest
 from rtmedia.engines.tts import TextChunker, TtsItem
 from rtmedia.server.audio_input import Action, AudioInput
 from rtmedia.server.events import server_event
@@ -523,6 +523,9 @@ class Session:
                 instructions=settings.instructions if instructions is None else instructions,
                 max_output_tokens=settings.max_output_tokens if max_tokens is None else max_tokens,
                 images=list(self.camera),
+                on_wait=lambda position: self.send_media(response, "response.waiting",
+                                                         response_id=response.response_id, reason="lm_slot",
+                                                         queue_position=position),
             )
             tts = services.tts.open_stream(settings.voice, settings.output_rate)
 
@@ -535,10 +538,12 @@ class Session:
                 for chunk in chunks + ([""] if final else []):  # "" flushes the resampler's tail
                     await drain()  # in order: at most one clause in flight
                     item = TtsItem(tts, chunk, final=final and not chunk)
-                    speaking.append((chunk, asyncio.ensure_future(services.scheduler.submit("tts", item))))
+                    # The first clause is what the user is waiting for; later ones have the output lead.
+                    priority = Priority.INTERACTIVE if response.first_audio_at else Priority.REALTIME
+                    speaking.append((chunk, asyncio.ensure_future(services.scheduler.submit("tts", item, priority))))
 
             chunker = TextChunker()
-            async for delta in make_responder(settings.responder).reply(request):
+            async for delta in services.responders[settings.responder].reply(request):
                 text += delta
                 self.send_media(response, "response.output_text.delta", response_id=response.response_id,
                                 item_id=response.item_id, delta=delta)

@@ -4,6 +4,7 @@ and the proto form that session.created / session.updated carry."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from rtmedia.v1 import common_pb2, realtime_pb2
@@ -43,8 +44,8 @@ class SessionSettings:
     interrupt_response: bool = True
     instructions: str = ""
     voice: str = ""
-    responder: str = "echo"
-    max_output_tokens: int = 4096
+    responder: str = "llm"
+    max_output_tokens: int = 256  # voice replies are short
     max_session_s: int = 3600
     idle_timeout_s: int = 60
 
@@ -53,7 +54,7 @@ class SessionSettings:
         return self.input_encoding, self.input_rate
 
     def updated(self, config: realtime_pb2.SessionConfig, voices: dict[str, list[int]],
-                responders: set[str]) -> SessionSettings:
+                responders: Collection[str]) -> SessionSettings:
         """The settings with `config`'s set fields applied; ConfigError names the first bad field.
         `voices` maps voice names (first: the default) to their supported output rates."""
         changes: dict[str, object] = {}

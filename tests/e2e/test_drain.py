@@ -22,7 +22,8 @@ pytestmark = pytest.mark.e2e
 def server(tmp_path):
     port = free_port()
     with open(tmp_path / "serve.log", "wb") as log:
-        process = subprocess.Popen([RTMEDIA, "serve", "--port", str(port), "--metrics-port", "0", "--grace", "20"],
+        process = subprocess.Popen([RTMEDIA, "serve", "--port", str(port), "--metrics-port", "0", "--grace", "20",
+                                    "--responder", "echo"],
                                    stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_serving(f"127.0.0.1:{port}", process)

@@ -28,7 +28,8 @@ def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "wb") as log_file:
         process = subprocess.Popen(
-            [RTMEDIA, "serve", "--port", str(port), "--metrics-port", str(metrics_port), "--grace", "5"],
+            [RTMEDIA, "serve", "--port", str(port), "--metrics-port", str(metrics_port), "--grace", "5",
+             "--no-llm", "--responder", "echo"],
             stdout=log_file, stderr=subprocess.STDOUT,
         )
     target = f"127.0.0.1:{port}"

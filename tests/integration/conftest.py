@@ -1,4 +1,7 @@
-"""An in-process rtmedia server per test module, with the real embedded engines."""
+"""An in-process rtmedia server per test module, with the real embedded engines.
+
+Modules answer with the echo responder and skip loading the LM unless they set
+`SERVER_OPTIONS` (ServerConfig fields) themselves."""
 
 from __future__ import annotations
 
@@ -9,8 +12,9 @@ from rtmedia.server.config import ServerConfig
 
 
 @pytest.fixture(scope="module")
-async def server():
-    srv = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1, max_sessions=64))
+async def server(request):
+    options = {"llm": False, "default_responder": "echo", **getattr(request.module, "SERVER_OPTIONS", {})}
+    srv = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1, max_sessions=64, **options))
     await srv.start()
     yield srv
     await srv.stop(0)

@@ -174,7 +174,7 @@ def main() -> None:
     args = parser.parse_args()
     port, metrics_port = free_port(), free_port()
     server = subprocess.Popen([RTMEDIA, "serve", "--port", str(port), "--metrics-port", str(metrics_port),
-                               "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               "--log-level", "WARNING", "--no-llm", "--responder", "echo"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         target = f"127.0.0.1:{port}"
         wait_serving(target, server)

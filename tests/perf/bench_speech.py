@@ -110,7 +110,7 @@ def main() -> None:
     port = free_port()
     server = subprocess.Popen(
         [RTMEDIA, "serve", "--port", str(port), "--metrics-port", "0",
-         "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         "--log-level", "WARNING", "--no-llm", "--responder", "echo"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         target = f"127.0.0.1:{port}"
         wait_serving(target, server)

@@ -1045,6 +1045,37 @@ class SessionClosedEvent(_message.Message):
 Global___SessionClosedEvent: _TypeAlias = SessionClosedEvent  # noqa: Y015
 
 @_typing.final
+class ResponseWaitingEvent(_message.Message):
+    """(ext) The response is queued: all LM slots are taken. It starts when one frees;
+    the session is never refused for it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    QUEUE_POSITION_FIELD_NUMBER: _builtins.int
+    response_id: _builtins.str
+    reason: _builtins.str
+    """"lm_slot" """
+    queue_position: _builtins.int
+    """Responses ahead of this one in the queue."""
+    def __init__(
+        self,
+        *,
+        response_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        queue_position: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue_position", b"queue_position", "reason", b"reason", "response_id", b"response_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResponseWaitingEvent: _TypeAlias = ResponseWaitingEvent  # noqa: Y015
+
+@_typing.final
 class ErrorEvent(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1098,6 +1129,7 @@ class ConverseResponse(_message.Message):
     PLAYBACK_ACKNOWLEDGED_FIELD_NUMBER: _builtins.int
     SESSION_CLOSED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    RESPONSE_WAITING_FIELD_NUMBER: _builtins.int
     event_id: _builtins.str
     @_builtins.property
     def session_created(self) -> Global___SessionCreatedEvent: ...
@@ -1135,6 +1167,8 @@ class ConverseResponse(_message.Message):
     def session_closed(self) -> Global___SessionClosedEvent: ...
     @_builtins.property
     def error(self) -> Global___ErrorEvent: ...
+    @_builtins.property
+    def response_waiting(self) -> Global___ResponseWaitingEvent: ...
     def __init__(
         self,
         *,
@@ -1157,12 +1191,13 @@ class ConverseResponse(_message.Message):
         playback_acknowledged: Global___PlaybackAcknowledgedEvent | None = ...,
         session_closed: Global___SessionClosedEvent | None = ...,
         error: Global___ErrorEvent | None = ...,
+        response_waiting: Global___ResponseWaitingEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "error", b"error", "event", b"event", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "error", b"error", "event", b"event", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "error", b"error", "event", b"event", "event_id", b"event_id", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "error", b"error", "event", b"event", "event_id", b"event_id", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_created", "session_updated", "input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", "input_audio_buffer_committed", "input_audio_buffer_cleared", "conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_completed", "response_created", "response_output_audio_delta", "response_output_text_delta", "response_output_text_done", "response_output_audio_done", "response_done", "output_audio_buffer_cleared", "playback_acknowledged", "session_closed", "error"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_created", "session_updated", "input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", "input_audio_buffer_committed", "input_audio_buffer_cleared", "conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_completed", "response_created", "response_output_audio_delta", "response_output_text_delta", "response_output_text_done", "response_output_audio_done", "response_done", "output_audio_buffer_cleared", "playback_acknowledged", "session_closed", "error", "response_waiting"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 

@@ -1,0 +1,162 @@
+"""The LM lane: continuous batching of every generating session on one LM engine.
+
+A generation asks for a KV-cache slot; while none is free it waits in FIFO
+order (its session says so with response.waiting; it is never refused). Once
+admitted its prompt is prefilled into the slot, then each iteration of the
+lane's loop runs ONE batched decode step for all generations in the decode
+phase, samples the next tokens (greedy), and hands them to their consumers.
+A generation ends on an end-of-sequence token, at its token limit, or when
+its consumer goes away (barge-in); its slot is freed within that iteration.
+The engine runs in the lane's own thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from rtmedia.server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Generation:
+    prompt: list[int]
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    slot: int | None = None
+    last: int | None = None  # the token to feed next
+    produced: int = 0
+    cancelled: bool = False
+    error: BaseException | None = None
+
+
+class LmLane:
+    """Owns one LM engine (`acquire/release/prefill/decode`, see engines/lm.py)."""
+
+    def __init__(self, engine: Any, metrics: Metrics) -> None:
+        self.engine = engine
+        self.name = engine.name
+        self._metrics = metrics
+        self._waiting: deque[Generation] = deque()
+        self._active: list[Generation] = []
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{self.name}")
+        self._task: asyncio.Task[None] | None = None
+        self.prompts: deque[list[int]] = deque(maxlen=64)  # recent prompts, for tests and debugging
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"lm-lane-{self.name}")
+
+    async def generate(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                       on_wait: Callable[[int], None] | None = None) -> AsyncIterator[int]:
+        """Stream generated token ids. `on_wait(position)` is called if no slot is free."""
+        generation = Generation(list(prompt), max_new_tokens, frozenset(stop_ids))
+        self.prompts.append(generation.prompt)
+        if on_wait is not None and (self._waiting or not self.engine.slots_free):
+            on_wait(len(self._waiting))
+        self._waiting.append(generation)
+        self._update_gauges()
+        self._wake.set()
+        try:
+            while (token := await generation.tokens.get()) is not None:
+                yield token
+            if generation.error is not None:
+                raise generation.error
+        finally:
+            generation.cancelled = True  # the loop frees its slot (or drops it from the queue)
+            self._wake.set()
+
+    def _update_gauges(self) -> None:
+        busy = self.engine.slots_total - self.engine.slots_free
+        self._metrics.lm_slots.labels("busy").set(busy)
+        self._metrics.lm_slots.labels("free").set(self.engine.slots_free)
+        self._metrics.lm_slots.labels("waiting").set(len(self._waiting))
+
+    def _finish(self, generation: Generation, error: BaseException | None = None) -> None:
+        if generation.slot is not None:
+            self.engine.release(generation.slot)
+            generation.slot = None
+        generation.error = error
+        generation.tokens.put_nowait(None)
+
+    def _emit(self, generation: Generation, logits: Any) -> None:
+        token = int(logits.argmax())
+        generation.produced += 1
+        if token in generation.stop_ids:
+            self._finish(generation)
+            return
+        generation.tokens.put_nowait(token)
+        generation.last = token
+        if generation.produced >= generation.max_new_tokens:
+            self._finish(generation)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            # Drop consumers that went away, admit waiting generations into free slots.
+            for generation in [g for g in self._active if g.cancelled]:
+                self._finish(generation)
+            self._active = [g for g in self._active if g.slot is not None]
+            self._waiting = deque(g for g in self._waiting if not g.cancelled)
+            admitted = []
+            while self._waiting and (slot := self.engine.acquire()) is not None:
+                generation = self._waiting.popleft()
+                generation.slot = slot
+                admitted.append(generation)
+            self._update_gauges()
+            if not admitted and not self._active:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = time.perf_counter()
+            for generation in admitted:
+                try:
+                    logits = await loop.run_in_executor(self._executor, self.engine.prefill, generation.slot,
+                                                        generation.prompt)
+                except Exception as exc:
+                    log.exception("LM prefill failed")
+                    self._finish(generation, exc)
+                    continue
+                self._active.append(generation)
+                self._emit(generation, logits)
+            decoding = [g for g in self._active if g.slot is not None and g.last is not None and not g.cancelled]
+            decoding = [g for g in decoding if g not in admitted]
+            if decoding:
+                tokens = {g.slot: g.last for g in decoding}
+                try:
+                    results = await loop.run_in_executor(self._executor, self.engine.decode, tokens)
+                except Exception as exc:
+                    log.exception("LM decode step failed")
+                    self._metrics.lane_step_failures.labels(self.name).inc()
+                    for generation in decoding:
+                        self._finish(generation, exc)
+                else:
+                    for generation in decoding:
+                        if generation.slot is not None and not generation.cancelled:
+                            self._emit(generation, results[generation.slot])
+                self._metrics.lane_batch_size.labels(self.name).observe(len(tokens))
+            self._metrics.lane_step_seconds.labels(self.name).observe(time.perf_counter() - started)
+            await asyncio.sleep(0)  # let consumers run between steps
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for generation in [*self._active, *self._waiting]:
+            self._finish(generation)
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,71 @@
+"""The responders a server offers, and the LM-backed one (`llm`, `transformers`).
+
+An LM responder turns the conversation into a chat prompt, streams tokens
+from its LM lane (shared by every session generating on that model) and
+detokenizes them incrementally into text deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from rtmedia.engines.lm_models import chat_prompt_ids
+from rtmedia.engines.responder import EchoResponder, ReplyRequest, Responder, ResponderError
+from rtmedia.server.lm_lane import LmLane
+
+# Voice replies are short: the cap when a request leaves max_output_tokens at its default.
+DEFAULT_MAX_TOKENS = 256
+
+
+class LmResponder:
+    """Replies from a local causal LM through an LmLane."""
+
+    def __init__(self, name: str, lane: LmLane) -> None:
+        self.name = name
+        self.lane = lane
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.lane.engine.tokenizer
+
+    def prompt(self, request: ReplyRequest, max_new: int) -> list[int]:
+        """The chat prompt; the oldest turns go first when it would not fit the context."""
+        history = list(request.history)
+        context = self.lane.engine.context
+        while True:
+            ids = chat_prompt_ids(self.tokenizer, history, request.instructions)
+            if len(ids) + max_new <= context or len(history) <= 1:
+                break
+            history.pop(0)
+        if len(ids) + max_new > context:
+            raise ResponderError(f"the prompt ({len(ids)} tokens) and the reply ({max_new}) do not fit the "
+                                 f"LM context of {context} tokens")
+        return ids
+
+    async def reply(self, request: ReplyRequest) -> AsyncIterator[str]:
+        max_new = min(request.max_output_tokens or DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS)
+        tokenizer = self.tokenizer
+        prompt = await asyncio.to_thread(self.prompt, request, max_new)
+        stop = {t for t in (tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None)) if t is not None}
+        ids: list[int] = []
+        sent = ""
+        async for token in self.lane.generate(prompt, max_new, sorted(stop), request.on_wait):
+            ids.append(token)
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+                continue
+            if len(text) > len(sent):
+                delta = text[len(sent):] if sent else text.lstrip()
+                sent = text
+                if delta:
+                    yield delta
+
+
+def build_responders(lanes: dict[str, LmLane], extra: dict[str, Responder] | None = None) -> dict[str, Responder]:
+    """Every responder this server offers: echo, one per LM lane, and any others given."""
+    responders: dict[str, Responder] = {"echo": EchoResponder()}
+    responders.update({name: LmResponder(name, lane) for name, lane in lanes.items()})
+    responders.update(extra or {})
+    return responders
