@@ -174,6 +174,9 @@ class LmEngine:
             self.model = self._given
             if self.model is None:
                 from transformers import AutoModelForCausalLM, AutoTokenizer
+                from transformers.utils import logging as hf_logging
+
+                hf_logging.disable_progress_bar()  # no progress bars in server logs
 
                 assert self.model_dir is not None
                 self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)

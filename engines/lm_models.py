@@ -113,6 +113,7 @@ def embedded_model_dir(cache_dir: Path | None = None) -> Path:
         (tmp / _COMPLETE).write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size,
                                                   "convert_version": CONVERT_VERSION,
                                                   "seconds": round(seconds, 2)}) + "\n")
+        _share(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process renamed its copy in first
@@ -122,6 +123,26 @@ def embedded_model_dir(cache_dir: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _share(d: Path) -> None:
+    """Ordinary permissions (the umask's) for the entry: mkdtemp makes the directory 0700 and
+    safetensors writes 0600, which would lock out other users of a shared cache."""
+    umask = _umask()
+    d.chmod(0o777 & ~umask)
+    for f in d.iterdir():
+        f.chmod(0o666 & ~umask)
+
+
+def _umask() -> int:
+    """The process umask, read without setting it (os.umask would change it for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def _remove_stale_temps(cache: Path, older_than_s: float = 3600) -> None:

@@ -68,10 +68,11 @@ class RtmediaServer:
                            LanePolicy(Priority.REALTIME, max_batch=64, concurrency=1))
         lanes = {}
         if config.llm:
-            engine = EmbeddedLmEngine(slots=config.lm_slots, context=config.lm_context)
+            engine = EmbeddedLmEngine(slots=config.lm_slots, context=config.lm_context, threads=config.lm_threads)
             lanes["llm"] = self.scheduler.add_lm("llm", LmLane(engine, self.metrics))
         if config.transformers_model:
-            engine = LmEngine(config.transformers_model, slots=config.lm_slots, context=config.lm_context)
+            engine = LmEngine(config.transformers_model, slots=config.lm_slots, context=config.lm_context,
+                              threads=config.lm_threads)
             lanes["transformers"] = self.scheduler.add_lm("transformers", LmLane(engine, self.metrics))
         extra = {}
         if config.openai_url:

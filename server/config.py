@@ -32,6 +32,9 @@ class ServerConfig:
     lm_slots: int = 16
     # Tokens of KV cache per slot (prompt + reply).
     lm_context: int = 2048
+    # torch threads for the LM (process-wide). The cores are shared with the ASR
+    # workers and TTS; with 2 threads a contended 2-core box spins (seconds per step).
+    lm_threads: int = 1
     # The responder a session uses unless it asks for another: llm, echo, transformers, openai.
     default_responder: str = "llm"
     # Load the embedded SmolLM2-135M-Instruct (responder "llm").

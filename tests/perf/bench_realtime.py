@@ -69,11 +69,12 @@ class Clip:
         self.pcm = np.concatenate([speaker.silence(lead, RATE), speech, speaker.silence(tail, RATE)]).tobytes()
 
 
-async def talk_turns(channel, clips: list[Clip], turns: int, delay: float, out: dict) -> None:
+async def talk_turns(channel, clips: list[Clip], turns: int, delay: float, out: dict,
+                     session: dict | None = None) -> None:
     """One session: `turns` turns at real-time pace, each after the previous reply."""
     await asyncio.sleep(delay)
     async with Conversation(channel) as c:
-        c.send("session.update", session={"output_sample_rate": 24000})
+        c.send("session.update", session={"output_sample_rate": 24000, **(session or {})})
         for turn in range(turns):
             clip = clips[turn % len(clips)]
             started = await c.stream(clip.pcm, RATE, CHUNK_MS)

@@ -200,6 +200,10 @@ def test_an_incomplete_entry_is_converted_again(tmp_path: Path, monkeypatch: pyt
     model_dir = embedded_model_dir(tmp_path)
     assert model_dir == stale and len(calls) == 1
     assert sorted(p.name for p in model_dir.iterdir()) == ["config.json", "rtmedia-converted.json"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert model_dir.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
+    assert (model_dir / "config.json").stat().st_mode & 0o777 == 0o666 & ~umask
     assert embedded_model_dir(tmp_path) == model_dir and len(calls) == 1
     assert not killed.exists() and recent.exists()
 

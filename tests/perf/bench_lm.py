@@ -1,0 +1,100 @@
+"""LM benchmark: batched decode throughput against one-by-one decode, and the
+response latency of the `llm` responder.
+
+    .venv/bin/python tests/perf/bench_lm.py [--steps 32] [--turns 5]
+
+1. The embedded SmolLM2-135M-Instruct on the LM engine: N sessions (1, 4, 16)
+   with their own prompts decode `--steps` tokens each, once with one batched
+   step for all N per token and once one session at a time, in the same run.
+2. A real `rtmedia serve` (default responder `llm`): spoken questions at
+   real-time pace; response latency = speech_stopped received -> first reply
+   audio byte (SPEC 1.5), at one session.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from rtmedia.engines.lm import EmbeddedLmEngine  # noqa: E402
+from rtmedia.engines.lm_models import chat_prompt_ids  # noqa: E402
+from rtmedia.engines.responder import Message  # noqa: E402
+
+from tests.perf.bench_realtime import Clip, summary, talk_turns  # noqa: E402
+from tests.perf.bench_speech import machine  # noqa: E402
+from tests.support.serve import RTMEDIA, free_port, wait_serving  # noqa: E402
+from tests.support.speech import Speaker  # noqa: E402
+
+QUESTIONS = ["What is the capital of France?", "How many days are in a week?", "What color is the sky?"]
+
+
+def throughput(engine: EmbeddedLmEngine, sessions: int, steps: int) -> dict:
+    tokenizer = engine.tokenizer
+    prompts = [chat_prompt_ids(tokenizer, [Message("user", f"Tell me a story about the number {n}.")])
+               for n in range(sessions)]
+    results = {}
+    for mode in ("batched", "one_by_one"):
+        slots = [engine.acquire() for _ in range(sessions)]
+        last = {slot: int(engine.prefill(slot, ids).argmax()) for slot, ids in zip(slots, prompts, strict=True)}
+        started = time.perf_counter()
+        for _ in range(steps):
+            if mode == "batched":
+                logits = engine.decode(last)
+            else:
+                logits = {slot: engine.decode({slot: token})[slot] for slot, token in last.items()}
+            last = {slot: int(logits[slot].argmax()) for slot in last}
+        elapsed = time.perf_counter() - started
+        for slot in slots:
+            engine.release(slot)
+        results[mode] = round(sessions * steps / elapsed, 1)
+    results["ratio"] = round(results["batched"] / results["one_by_one"], 2)
+    return results
+
+
+async def latency(target: str, turns: int) -> dict:
+    speaker = Speaker()
+    clips = [Clip(speaker, q) for q in QUESTIONS]
+    out: dict = {"response": [], "v2v": [], "statuses": []}
+    async with grpc.aio.insecure_channel(target) as channel:
+        await talk_turns(channel, clips, turns, 0.0, out, session={"max_output_tokens": 48})
+    return {"response_latency_ms": summary(out["response"]), "voice_to_voice_ms": summary(out["v2v"]),
+            "completed": out["statuses"].count("completed"), "turns": len(out["statuses"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=5)
+    args = parser.parse_args()
+    engine = EmbeddedLmEngine(slots=16, context=1024, threads=1)  # as the server runs it
+    engine.load()
+    engine.warmup()
+    decode = {f"sessions_{n}": throughput(engine, n, args.steps) for n in (1, 4, 16)}
+    engine.close()
+    port = free_port()
+    server = subprocess.Popen([RTMEDIA, "serve", "--port", str(port), "--metrics-port", "0", "--log-level", "WARNING"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        target = f"127.0.0.1:{port}"
+        wait_serving(target, server)
+        llm = asyncio.run(latency(target, args.turns))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    print(json.dumps({"benchmark": "lm", "machine": machine(), "model": "SmolLM2-135M-Instruct (float32)",
+                      "decode_tokens_per_s": decode, "llm_one_session": llm}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
