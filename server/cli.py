@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import sys
 
 from rtmedia.clients import cli as client_cli
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # Idle OpenMP threads sleep instead of spinning (set before torch loads): the cores
+    # are shared with the ASR workers and TTS, and spinning threads starve them.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from rtmedia.server import logs
     from rtmedia.server.app import serve
 
