@@ -10,11 +10,10 @@ import grpc
 from aiohttp import web
 from rtmedia.server.app import RtmediaServer
 from rtmedia.server.config import ServerConfig
-from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 
 from tests.support.converse import Conversation
 from tests.support.serve import free_port
-from tests.support.speech import wer
+from tests.support.speech import transcribe, wer
 
 SERVER_OPTIONS = {"llm": True, "default_responder": "llm", "lm_slots": 2}
 RATE = 24000
@@ -23,18 +22,6 @@ RATE = 24000
 def prompt_text(server, n: int = -1) -> str:
     lane = server.scheduler.lm_lanes["llm"]
     return lane.engine.tokenizer.decode(lane.prompts[n])
-
-
-async def transcribe(channel, pcm: bytes, rate: int) -> str:
-    stub = speech_pb2_grpc.SpeechServiceStub(channel)
-
-    async def requests():
-        yield speech_pb2.TranscribeRequest(config=speech_pb2.TranscribeConfig(
-            audio_format=common_pb2.AudioFormat(sample_rate=rate)))
-        for i in range(0, len(pcm), rate // 5):
-            yield speech_pb2.TranscribeRequest(audio=pcm[i:i + rate // 5])
-
-    return " ".join([r.text async for r in stub.Transcribe(requests()) if r.is_final])
 
 
 async def test_spoken_question_gets_an_answer_with_paris(channel, speaker):

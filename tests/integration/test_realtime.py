@@ -11,10 +11,10 @@ import grpc
 import numpy as np
 import pytest
 from rtmedia.server.errors import error_reason
-from rtmedia.v1 import common_pb2, realtime_pb2, speech_pb2, speech_pb2_grpc
+from rtmedia.v1 import realtime_pb2
 
 from tests.support.converse import Conversation
-from tests.support.speech import normalise, wer
+from tests.support.speech import normalise, transcribe, wer
 
 RATE = 24000
 SENTENCE = "Please remember to buy milk and bread on your way home."
@@ -35,18 +35,6 @@ def utterance(speaker, text: str, rate: int = RATE, lead: float = 0.6, tail: flo
 def reply_audio(c: Conversation, response_id: str) -> tuple[bytes, int]:
     deltas = [e for e in c.of_type("response.output_audio.delta") if e["response_id"] == response_id]
     return b"".join(base64.b64decode(e["audio"]) for e in deltas), deltas[0]["sample_rate"]
-
-
-async def transcribe(channel, pcm: bytes, rate: int) -> str:
-    stub = speech_pb2_grpc.SpeechServiceStub(channel)
-
-    async def requests():
-        yield speech_pb2.TranscribeRequest(config=speech_pb2.TranscribeConfig(
-            audio_format=common_pb2.AudioFormat(sample_rate=rate)))
-        for i in range(0, len(pcm), rate // 5):
-            yield speech_pb2.TranscribeRequest(audio=pcm[i:i + rate // 5])
-
-    return " ".join([r.text async for r in stub.Transcribe(requests()) if r.is_final])
 
 
 async def test_server_vad_turn(channel, speaker):

@@ -37,3 +37,18 @@ class Speaker:
     @staticmethod
     def silence(seconds: float, rate: int = 16000) -> np.ndarray:
         return np.zeros(int(seconds * rate), np.int16)
+
+
+async def transcribe(channel, pcm: bytes, rate: int) -> str:
+    """The final transcripts of PCM16 audio sent through SpeechService.Transcribe."""
+    from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
+
+    stub = speech_pb2_grpc.SpeechServiceStub(channel)
+
+    async def requests():
+        yield speech_pb2.TranscribeRequest(config=speech_pb2.TranscribeConfig(
+            audio_format=common_pb2.AudioFormat(sample_rate=rate)))
+        for i in range(0, len(pcm), rate // 5):
+            yield speech_pb2.TranscribeRequest(audio=pcm[i:i + rate // 5])
+
+    return " ".join([r.text async for r in stub.Transcribe(requests()) if r.is_final])
