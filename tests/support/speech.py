@@ -40,9 +40,13 @@ class Speaker:
 
 
 async def transcribe(channel, pcm: bytes, rate: int) -> str:
-    """The final transcripts of PCM16 audio sent through SpeechService.Transcribe."""
+    """The final transcripts of PCM16 audio sent through SpeechService.Transcribe, with
+    0.5 s of silence around it as a recording has (the endpointer clips a first word
+    that starts at the very first sample)."""
     from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 
+    pad = bytes(rate)  # 0.5 s of PCM16 silence
+    pcm = pad + pcm + pad
     stub = speech_pb2_grpc.SpeechServiceStub(channel)
 
     async def requests():
