@@ -282,7 +282,11 @@ async def test_backpressure_says_what_was_discarded(channel):
 
 
 async def test_max_sessions(server, channel):
-    limit, server.realtime.max_sessions = server.realtime.max_sessions, len(server.realtime.sessions) + 1
+    for _ in range(100):  # sessions of earlier tests may still be closing
+        if not server.realtime.sessions:
+            break
+        await asyncio.sleep(0.05)
+    limit, server.realtime.max_sessions = server.realtime.max_sessions, 1
     try:
         async with Conversation(channel) as held:
             await held.wait_for("session.created")
