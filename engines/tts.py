@@ -37,6 +37,9 @@ CHUNK_MAX_WORDS = 40
 OUTPUT_GAIN = 1.5
 _CLAUSE_END = re.compile(r"[,;:.?!][\"')\]]*$")
 _SPEAKABLE = re.compile(r"\w")
+# A streamed word that already ends its clause: a comma-like mark, or a period after a
+# lowercase letter (not "3." of "3.14", nor "U." of "U.S.").
+_ENDS_CLAUSE_NOW = re.compile(r"(?:[,;:?!]|(?<=[a-z])\.)[\"')\]]*$")
 
 
 class TextChunker:
@@ -54,6 +57,9 @@ class TextChunker:
         text = self._tail + delta
         words = text.split()
         self._tail = words.pop() if words and not text[-1].isspace() else ""
+        if _ENDS_CLAUSE_NOW.search(self._tail):  # "there," or "France.": complete without the next space
+            words.append(self._tail)
+            self._tail = ""
         chunks = []
         for word in words:
             self._words.append(word)

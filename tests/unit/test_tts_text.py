@@ -72,3 +72,14 @@ def test_streamed_text_chunks_like_the_whole_text(text):
         for i in range(0, len(text), step):
             chunks += chunker.feed(text[i:i + step])
         assert chunks + chunker.flush() == split_text(text), step
+
+
+def test_a_streamed_clause_ends_when_its_punctuation_arrives():
+    from rtmedia.engines.tts import TextChunker
+
+    chunker = TextChunker()
+    assert chunker.feed("Paris is the capital of France") == []
+    assert chunker.feed(".") == ["Paris is the capital of France."]
+    assert chunker.feed(" Pi is 3.") == [] and chunker.feed("14, roughly") == ["Pi is 3.14,"]
+    assert chunker.feed(" in the U.") == [] and chunker.feed("S.") == []  # "U.S." may go on
+    assert chunker.flush() == ["roughly in the U.S."]
