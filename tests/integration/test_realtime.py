@@ -351,9 +351,10 @@ async def test_abrupt_disconnects_leave_nothing_behind(server, channel, speaker)
 
 
 async def test_32_concurrent_sessions(channel, speaker):
-    """32 sessions open at once, each speaking one turn. Speech starts 0.4 s apart, so about
-    nine people speak at any moment: PocketSphinx needs ~0.13 core per speaker and this box
-    has two cores (more simultaneous speech is a capacity question for the load tester)."""
+    """32 sessions open at once, each speaking one turn. Speech starts 0.6 s apart, so about
+    six people speak at any moment: PocketSphinx needs ~0.1 core per speaker and this box has
+    two cores, shared with everything else (more simultaneous speech is a capacity question
+    for the load tester, not a correctness test)."""
     sentences = [SENTENCE, "The weather today is sunny with a light breeze.", "Our meeting starts at nine o'clock."]
     clips = [utterance(speaker, s)[0] for s in sentences]
     all_open = asyncio.Event()
@@ -366,7 +367,7 @@ async def test_32_concurrent_sessions(channel, speaker):
             if len(opened) == 32:
                 all_open.set()
             await all_open.wait()
-            await asyncio.sleep(n * 0.4)
+            await asyncio.sleep(n * 0.6)
             await c.stream(clips[n % 3], RATE)
             done = await c.wait_for("response.done", timeout=60)
             completed = c.of_type("conversation.item.input_audio_transcription.completed")
