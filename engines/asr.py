@@ -31,14 +31,19 @@ the stream's cepstral mean and fresh noise statistics: pocketsphinx keeps its
 noise-removal estimate across utterances (`start_utt` does not reset it), so
 without the reset a hypothesis depended on whatever that decoder decoded last.
 
-`fast_final=True` streams decode on decoders built with `fwdflat=False`: no
-second (flat-lexicon) pass over the whole utterance in `end_utt` (a cost that
-grows with its length). On ~3 s Piper utterances the `end=True` step returned
-in ~26 ms instead of ~115 ms (median), for 1-3 points more WER. The lattice
-pass (`bestpath`) stays: it costs ~2 ms, and gives the words' confidences.
-Partials are the same in both (they come from the first pass). The setting is
-fixed when a decoder is built, so a worker keeps a pool per configuration; its
-first fast decoder is built when a fast stream first speaks.
+`fast_final=True` streams decode on decoders built with `_FAST_SEARCH`:
+`fwdflat=False`, i.e. no second (flat-lexicon) pass over the whole utterance in
+`end_utt` (a cost that grows with its length; on ~3 s Piper utterances the
+`end=True` step returned in ~26 ms instead of ~115 ms, median, for 1-3 points
+more WER), and a narrower first pass (at most 2000 active HMMs per frame, 2 of
+4 Gaussians per codebook, a narrower word-exit beam) that about halves their CPU
+per second of audio for ~2.4 points more WER (numbers at `_FAST_SEARCH`). The
+lattice pass (`bestpath`) stays: it costs ~2 ms, and gives the words'
+confidences. Partials come from the first pass (the narrower one, in fast
+mode). The settings are fixed when a decoder is built,
+so a worker keeps a pool per configuration; its first fast decoder is built
+when a fast stream first speaks. Default-mode decoders (the SpeechService's
+Transcribe) keep PocketSphinx's defaults.
 
 Every 300 ms of decoded speech emits a partial with append-only text: a word is
 committed once two consecutive hypotheses agree on it and it is not the newest
@@ -69,6 +74,35 @@ _REPLY_TIMEOUT_S = 60.0
 _ALTERNATE = re.compile(r"\(\d+\)$")
 # pocketsphinx finds no hypothesis in fewer than ~7 frames (and logs an error when asked for one)
 _MIN_FRAMES = 10
+
+# Settings of the fast-final decoders, used by the duplex sessions (the default-mode decoders keep
+# PocketSphinx's defaults: beam=pbeam=1e-48, wbeam=lponlybeam=7e-29, maxhmmpf=30000, topn=4).
+# - fwdflat=False: no flat-lexicon second pass in end_utt (see the module docstring).
+# - maxhmmpf=2000: at most 2000 active HMMs per frame (histogram pruning); the default beam often
+#   keeps more, most of all in noise, so this bounds the per-frame cost where it is worst.
+# - topn=2: Gaussian selection, 2 of each codebook's densities per frame instead of 4.
+# - wbeam=lponlybeam=1e-24: a narrower beam on word exits (default 7e-29).
+# Measured on this project's 2-core dev box, worker-side (rtmedia.engines.asr._Worker stepped
+# in-process, no pipe overhead), one segment=False stream, 100 ms chunks, one end=True per turn;
+# 28 Piper sentences in 3 renderings (deterministic; faster and quieter; 25 dB SNR white noise
+# + hum), each turn padded with 0.3 s/0.4 s silence; configs interleaved per turn, least CPU of
+# 2-3 runs kept; 3 runs on a machine shared with other jobs (CPU s per audio s, WER %
+# clean/fast/noisy, end=True step median clean/noisy):
+#   fwdflat=False only (before):  0.155-0.181 s/s   12.1 / 13.1 / 34.9 (avg 20.0)   19-21 / 32-37 ms
+#   these settings:               0.080-0.090 s/s   13.1 / 14.1 / 39.9 (avg 22.4)    8-9  /  9-10 ms
+# i.e. 1.94-2.01x less CPU (2.3-2.4x in the noisy rendering, 0.196-0.239 -> 0.085-0.100) for +2.4 WER.
+# Not taken: ds=2 or topn=1 on top (~10% less CPU for ~3 more WER, nearly all in noise);
+# maxhmmpf=1500 (~+3 WER); beam=pbeam=1e-46 (~5% less CPU, but at 1e-44 WER jumps from 20 to
+# 36, clean speech included: too near a cliff); pl_window=0 (1-2 points less WER, ~20% more CPU);
+# maxwpf=10 (no clear gain). Explicit feature settings (remove_noise, cmn, ...) have no effect:
+# the model's feat.params overrides them.
+_FAST_SEARCH: dict[str, Any] = {
+    "fwdflat": False,
+    "maxhmmpf": 2000,
+    "topn": 2,
+    "wbeam": 1e-24,
+    "lponlybeam": 1e-24,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +188,9 @@ class _Worker:
         self._streams: dict[int, _StreamState] = {}
 
     def _new_decoder(self, fast: bool) -> Any:
-        # fwdflat is read when the decoder is built (changing it needs a reinit, ~0.35 s): one pool each
-        extra = {"fwdflat": False} if fast else {}
+        # the search settings are read when the decoder is built (changing them needs a reinit,
+        # ~0.35 s): one pool each
+        extra = _FAST_SEARCH if fast else {}
         return self._ps.Decoder(samprate=SAMPLE_RATE, loglevel="ERROR", **extra)
 
     def _new_endpointer(self) -> Any:

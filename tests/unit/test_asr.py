@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import jiwer
 import numpy as np
 import pytest
-from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem, AsrStream
+from rtmedia.engines.asr import _FAST_SEARCH, AsrEngine, AsrEvent, AsrItem, AsrStream, _Worker
 
 RATE = 16000
 CHUNK = RATE // 10  # 100 ms of samples
@@ -381,6 +381,47 @@ def test_fast_final_is_faster(engine: AsrEngine, speech: dict[str, np.ndarray]) 
             engine.close_stream(stream)
         latency[fast_final] = min(times)
     assert latency[True] < 0.8 * latency[False], latency
+
+
+def test_fast_decoders_get_the_fast_search_settings() -> None:
+    """The fast pool is built with `_FAST_SEARCH` (a model's feat.params silently overrides some keys);
+    the default pool keeps PocketSphinx's defaults."""
+    import pocketsphinx
+
+    worker = _Worker()  # in this process: the code a worker process runs
+    fast, default = worker._new_decoder(fast=True), worker._new_decoder(fast=False)
+    defaults = pocketsphinx.Config()
+    assert {"fwdflat", "maxhmmpf", "topn"} <= _FAST_SEARCH.keys()
+    for key, value in _FAST_SEARCH.items():
+        assert fast.config[key] == pytest.approx(value, rel=1e-6), key
+        assert default.config[key] == pytest.approx(defaults[key], rel=1e-6), key
+    assert fast.config["bestpath"]  # the lattice pass gives the words' confidences
+
+
+def test_fast_final_transcribes_within_bounds(engine: AsrEngine, speech: dict[str, np.ndarray]) -> None:
+    """The fast pool's narrower search (see `_FAST_SEARCH`) keeps the WER bounds used above, and
+    stays usable in mild noise (30 dB SNR white noise; WER over both sentences)."""
+    rng = np.random.default_rng(2)
+
+    def noisy(pcm: np.ndarray) -> np.ndarray:
+        x = pcm.astype(np.float64)
+        x += rng.normal(0.0, np.sqrt(np.mean(x**2) / 1000.0), len(x))
+        return np.clip(x, -32768, 32767).astype(np.int16)
+
+    clean = [np.concatenate([_silence(0.3), speech[t], _silence(0.4)]) for t in (FOX, CALL)]
+    turns = [*clean, *(noisy(pcm) for pcm in clean)]
+    stream = engine.open_stream(segment=False, fast_final=True)
+    try:
+        steps = _turns(engine, stream, turns)
+    finally:
+        engine.close_stream(stream)
+    at, finals = 0, []
+    for index, (turn_steps, pcm) in enumerate(zip(steps, turns, strict=True)):
+        finals.append(_check_turn(turn_steps, index, at * 1000 // RATE, pcm).text)
+        at += len(pcm)
+    for text, final in zip((FOX, CALL), finals[:2], strict=True):
+        assert _wer(text, final) < 0.35, (text, final)
+    assert jiwer.wer([_norm(FOX), _norm(CALL)], [_norm(f) or "<empty>" for f in finals[2:]]) < 0.35, finals
 
 
 def test_odd_byte_count_is_rejected(engine: AsrEngine) -> None:
