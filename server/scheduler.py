@@ -18,7 +18,8 @@ all live sessions on the loop, processes it in one batched step in its
 thread, and hands the results back on the loop (the VAD lane).
 
 An engine reports a per-item failure by returning an exception instance as
-that item's result; an exception from `step` fails the whole batch.
+that item's result. When `step` raises for a batch, its items are stepped one
+by one, so one bad item (say, of a stream its session just closed) fails alone.
 """
 
 from __future__ import annotations
@@ -121,10 +122,12 @@ class Lane:
                 results = await loop.run_in_executor(self._executor, self.engine.step, items)
                 if len(results) != len(items):
                     raise EngineError(f"{self.name}.step returned {len(results)} results for {len(items)} items")
-            except Exception as exc:  # the whole batch failed
+            except Exception as exc:  # the batch failed: find out which items did, one by one
                 self._metrics.lane_step_failures.labels(self.name).inc()
                 log.exception("lane %s: step failed", self.name)
-                results = [exc] * len(items)
+                results = [exc] if len(items) == 1 else [
+                    await loop.run_in_executor(self._executor, self._step_one, item) for item in items
+                ]
             self._metrics.lane_step_seconds.labels(self.name).observe(time.perf_counter() - started)
             self._metrics.lane_batch_size.labels(self.name).observe(len(items))
             for entry, result in zip(batch, results, strict=True):
@@ -136,6 +139,12 @@ class Lane:
                 else:
                     future.set_result(result)
             self._scheduler.lane_progressed()
+
+    def _step_one(self, item: Any) -> Any:
+        try:
+            return self.engine.step([item])[0]
+        except Exception as exc:
+            return exc
 
     async def close(self) -> None:
         await _cancel_all(self._runners)

@@ -69,8 +69,11 @@ async def test_item_and_batch_failures(scheduler):
     assert ok == 2 and isinstance(bad, ValueError) and "bad item boom" in str(bad)
     with pytest.raises(RuntimeError, match="whole batch"):
         await scheduler.submit("e", "fail-batch")
+    bad, good = await asyncio.gather(scheduler.submit("e", "fail-batch"), scheduler.submit("e", 4),
+                                     return_exceptions=True)
+    assert isinstance(bad, RuntimeError) and good == 8, "a failing batch is retried item by item"
     assert await scheduler.submit("e", 3) == 6, "the lane goes on after a failed batch"
-    assert scheduler.metrics.registry.get_sample_value("rtmedia_lane_step_failures_total", {"lane": "e"}) == 1
+    assert scheduler.metrics.registry.get_sample_value("rtmedia_lane_step_failures_total", {"lane": "e"}) == 2
 
 
 async def test_priority_order_within_a_lane(scheduler):
