@@ -11,8 +11,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from rtmedia.engines.lm_models import chat_prompt_ids
-from rtmedia.engines.responder import EchoResponder, ReplyRequest, Responder, ResponderError
+from rtmedia.engines.lm_models import truncate_history_to_fit
+from rtmedia.engines.responder import EchoResponder, ReplyRequest, Responder
 from rtmedia.server.lm_lane import LmLane
 
 # Voice replies are short: the cap when a request leaves max_output_tokens at its default.
@@ -32,16 +32,8 @@ class LmResponder:
 
     def prompt(self, request: ReplyRequest, max_new: int) -> list[int]:
         """The chat prompt; the oldest turns go first when it would not fit the context."""
-        history = list(request.history)
-        context = self.lane.engine.context
-        while True:
-            ids = chat_prompt_ids(self.tokenizer, history, request.instructions)
-            if len(ids) + max_new <= context or len(history) <= 1:
-                break
-            history.pop(0)
-        if len(ids) + max_new > context:
-            raise ResponderError(f"the prompt ({len(ids)} tokens) and the reply ({max_new}) do not fit the "
-                                 f"LM context of {context} tokens")
+        _, ids = truncate_history_to_fit(self.tokenizer, request.history, request.instructions, max_new,
+                                         self.lane.engine.context)
         return ids
 
     async def reply(self, request: ReplyRequest) -> AsyncIterator[str]:

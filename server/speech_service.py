@@ -9,13 +9,11 @@ from collections.abc import AsyncIterator
 import grpc
 from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem
 from rtmedia.engines.resample import (
-    alaw_to_float,
     float_to_pcm16,
     make_resampler,
-    pcm16_to_float,
-    ulaw_to_float,
 )
 from rtmedia.engines.tts import TtsEngine, TtsItem, is_speakable, split_text, unsupported_rate_message
+from rtmedia.server.audio_input import DECODERS
 from rtmedia.server.errors import abort
 from rtmedia.server.scheduler import Scheduler
 from rtmedia.server.wav import wav_stream_header
@@ -27,11 +25,6 @@ TRANSCRIBE_RATES = {
     common_pb2.AUDIO_ENCODING_PCM16: (8000, 16000, 24000, 48000),
     common_pb2.AUDIO_ENCODING_G711_ULAW: (8000,),
     common_pb2.AUDIO_ENCODING_G711_ALAW: (8000,),
-}
-DECODERS = {
-    common_pb2.AUDIO_ENCODING_PCM16: pcm16_to_float,
-    common_pb2.AUDIO_ENCODING_G711_ULAW: ulaw_to_float,
-    common_pb2.AUDIO_ENCODING_G711_ALAW: alaw_to_float,
 }
 
 
