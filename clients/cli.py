@@ -1,4 +1,5 @@
-"""Client commands of the `rtmedia` CLI: voices, synth, transcribe, talk (in talk.py)."""
+"""Client commands of the `rtmedia` CLI: voices, synth, transcribe, talk (in talk.py),
+loadtest (in loadtest.py)."""
 
 from __future__ import annotations
 
@@ -55,9 +56,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     common(p)
     p.set_defaults(func=cmd_transcribe)
 
-    from rtmedia.clients.talk import add_talk_parser  # imported here: talk imports this module
+    from rtmedia.clients.loadtest import add_loadtest_parser  # imported here: both import this module
+    from rtmedia.clients.talk import add_talk_parser
 
     add_talk_parser(sub)
+    from rtmedia.clients.video import add_video_parser
+
+    add_video_parser(sub)
+    add_loadtest_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:

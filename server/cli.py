@@ -19,6 +19,9 @@ rtmedia: a realtime media server over gRPC.
   rtmedia synth "Hello." -o hello.wav    streaming text-to-speech into a file
   rtmedia transcribe hello.wav           streaming speech-to-text of a WAV file
   rtmedia talk question.wav -o reply.wav a duplex voice session: turns, replies, barge-in
+  rtmedia decode-video lat.npy -o a.mp4  chunked video decode of a latent, frames streamed as decoded
+  rtmedia web                            the browser page and WebRTC bridge (http://127.0.0.1:8080/)
+  rtmedia loadtest --sessions 50         many simulated sessions: latency percentiles, capacity
 
 Every client command takes --target HOST:PORT and --json. Run `rtmedia COMMAND --help` for details.
 """
@@ -50,12 +53,29 @@ def build_parser() -> argparse.ArgumentParser:
                         "responder openai; the key is read from OPENAI_API_KEY")
     p.add_argument("--openai-model", default=None, help="the model name sent to --openai-url")
     p.add_argument("--lm-slots", type=int, default=None, help="LM KV-cache slots shared by sessions (16)")
+    p.add_argument("--lm-quantize", choices=["int8", "none"], default=None,
+                   help="LM linear layers as per-row int8 matmuls (int8, default on CPU) or in the model's dtype")
     p.add_argument("--voice", dest="voices", action="append", default=None,
                    help="extra Piper voice: a local .onnx with .onnx.json beside it (repeatable)")
+    p.add_argument("--web", action="store_true", default=None,
+                   help="also serve the browser page and WebRTC bridge (see `rtmedia web --help`)")
+    p.add_argument("--web-port", type=int, default=None, help="port of the page and bridge (8080)")
+    p.add_argument("--web-tls-cert", default=None, metavar="FILE", help="PEM certificate: serve the page on https")
+    p.add_argument("--web-tls-key", default=None, metavar="FILE", help="PEM private key of --web-tls-cert")
+    p.add_argument("--web-max-peers", type=int, default=None, help="concurrent browser peers of the bridge (8)")
+    p.add_argument("--video-vae", default=None, metavar="DIR",
+                   help="a local diffusers AutoencoderKLWan directory (e.g. a Wan 2.1 vae/ folder); without it "
+                        "a small Wan-style VAE with seeded random weights is built (real decode path and timing, "
+                        "meaningless pictures)")
+    p.add_argument("--video-threads", type=int, default=None,
+                   help="torch intra-op threads for video decode (1; process-wide, shared with the LM)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
     p.add_argument("--log-format", choices=["json", "text"], default=None, help="log line format (json)")
     p.set_defaults(func=cmd_serve)
     client_cli.add_commands(sub)
+    from rtmedia.web.cli import add_web_parser
+
+    add_web_parser(sub)
     return parser
 
 

@@ -1,0 +1,693 @@
+"""`rtmedia loadtest`: many simulated people talking to a server at once, measured
+as SPEC §1.5 defines (RealtimeService.Converse through the generated stubs only).
+
+Each person is one Converse stream and two tasks: a sender that streams speech at
+real-time pace (one append event per --chunk-ms, silence between utterances, as a
+live microphone does) and acknowledges the reply it is "playing", and a reader
+that handles the server's events. Replies are played on a simulated clock that
+starts with their first audio delta.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rtmedia.clients.cli import CliError
+from rtmedia.clients.client import CHANNEL_OPTIONS, DEFAULT_TARGET
+from rtmedia.clients.loadtest_report import (
+    Stats,
+    build_report,
+    capacity,
+    key_latency,
+    next_level,
+    render_table,
+    slo_verdict,
+    summary_lines,
+    write_plot,
+)
+from rtmedia.clients.loadtest_speech import Clip, load_clips, synthesized, wav_files
+from rtmedia.server.errors import error_reason
+from rtmedia.server.events import client_event
+from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc
+
+PROFILES = ("listen", "transcribe", "talk", "llm", "mixed", "barge-in")
+MIXED = ("listen", "listen", "transcribe", "talk")  # mixed: sessions take these in turn
+RESPONDERS = {"talk": "echo", "barge-in": "echo", "llm": "llm"}
+INPUT_RATES = (8000, 16000, 24000)
+CONFIG_ID = "loadtest-config"
+PAUSE_S = (1.0, 2.5)  # silence between utterances when nothing answers
+GAP_S = (0.4, 1.2)  # after a reply has played, before speaking again
+BARGE_AFTER_S = (0.4, 0.9)  # barge-in: interrupt this long after the reply's first audio
+QUIET_S = 1.5  # at the end: this much silence after the last utterance, so its turn ends
+ACK_EVERY_MS = 200
+STARTED_BACK_MS = 700  # speech_started's audio_start_ms may lie this far before the voice (prefix padding)
+SESSIONS_PER_CONNECTION = 50
+CLOSE_WAIT_S = 10.0
+SETTLE_S = 3.0  # between capacity levels, for the server to close the last level's sessions
+
+DESCRIPTION = """\
+Simulate many people talking to an rtmedia server at once and measure what they
+experience. Each session streams real speech (Piper-synthesised sentences, or the
+WAV files of --audio DIR, one utterance per file) at real-time pace in --chunk-ms
+chunks with 1-2.5 s silences between utterances (talking profiles: the next
+utterance follows 0.4-1.2 s after the reply has played), plays replies on a
+simulated clock and acknowledges them with playback.ack every 200 ms of play.
+
+Profiles (session config):
+  listen       server VAD turn events only: transcription off, no responses
+  transcribe   plus streaming transcription of every turn
+  talk         full turns answered by the echo responder
+  llm          full turns answered by the llm responder
+  mixed        sessions take listen, listen, transcribe, talk in turn
+  barge-in     talk, interrupting --barge-in-share of the replies 0.4-0.9 s into them
+
+Measured on the client's clock (SPEC 1.5): response latency (speech_stopped
+received -> first reply audio), voice-to-voice (last voiced sample sent -> first
+reply audio), barge-in (first voiced sample of the interruption sent ->
+output_audio_buffer.cleared), VAD start (first voiced sample sent ->
+speech_started), final transcript (speech_stopped -> transcription .completed),
+jitter (how much later than the previous delta's play time each reply audio
+delta arrived) and underruns (a reply delta arriving after the audio before it
+had finished playing). Percentiles are p50/p95/p99/max.
+
+--find-capacity runs levels of sessions (starting at --sessions, growing 1.5x,
+then bisecting) until the SLO breaks: p95 of the profile's key latency (response
+latency; VAD start for listen, final transcript for transcribe) within
+--slo-p95-ms, no underruns, no errors, nobody rejected. It reports the largest
+level that held.
+"""
+
+
+def add_loadtest_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("loadtest", help="many simulated sessions at once: latency percentiles and capacity",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
+    p.add_argument("--tls", action="store_true", help="connect with TLS (system roots, or --ca)")
+    p.add_argument("--ca", type=Path, default=None, help="PEM root certificates for --tls")
+    p.add_argument("--sessions", type=int, default=10, help="concurrent sessions (default 10; the first "
+                                                            "level with --find-capacity)")
+    p.add_argument("--ramp-per-s", type=float, default=10.0, help="sessions started per second (default 10)")
+    p.add_argument("--duration", type=float, default=30.0,
+                   help="seconds from the first session's start until sessions stop speaking (default 30); "
+                        "they then finish their turn and close")
+    p.add_argument("--profile", choices=PROFILES, default="talk", help="what the sessions do (default talk)")
+    p.add_argument("--chunk-ms", type=int, default=20, help="audio per append event, 10..1000 (default 20)")
+    p.add_argument("--input-rate", type=int, default=16000, help="PCM16 input rate: 8000, 16000 (default), 24000")
+    p.add_argument("--turn-detection", choices=["server_vad", "none"], default="server_vad",
+                   help="listen only: none streams audio with no turn detection (the frame-path benchmark)")
+    p.add_argument("--barge-in-share", type=float, default=0.5,
+                   help="barge-in: the share of replies interrupted (default 0.5)")
+    p.add_argument("--audio", type=Path, default=None, metavar="DIR",
+                   help="speak the .wav files of DIR (16-bit PCM) instead of the built-in sentences")
+    p.add_argument("--seed", type=int, default=1, help="random seed for pauses and clip order (default 1)")
+    p.add_argument("--reply-timeout", type=float, default=30.0,
+                   help="seconds a turn may wait for its response before it counts as a no_response error")
+    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to reach the server (default 5)")
+    p.add_argument("--find-capacity", action="store_true", help="grow the session count until the SLO breaks")
+    p.add_argument("--capacity-limit", type=int, default=2000, help="--find-capacity stops here (default 2000)")
+    p.add_argument("--slo-p95-ms", type=float, default=500.0, help="SLO on the key latency's p95 (default 500)")
+    p.add_argument("--fail-on-slo", action="store_true", help="exit non-zero when the SLO did not hold")
+    p.add_argument("--report", type=Path, default=None, help="write the JSON report here")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG chart (latency and sessions over time)")
+    p.add_argument("--json", action="store_true", help="print the JSON report on stdout (the table goes to stderr)")
+    p.add_argument("--quiet", action="store_true", help="no live progress")
+    p.set_defaults(func=cmd_loadtest)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Impossible parameters are one-line errors."""
+    problems = [
+        (args.sessions < 1, f"--sessions must be at least 1, got {args.sessions}"),
+        (args.ramp_per_s <= 0, f"--ramp-per-s must be positive, got {args.ramp_per_s:g}"),
+        (args.duration <= 0, f"--duration must be positive, got {args.duration:g}"),
+        (not 10 <= args.chunk_ms <= 1000, f"--chunk-ms must be 10..1000, got {args.chunk_ms}"),
+        (args.input_rate not in INPUT_RATES,
+         f"--input-rate must be one of {', '.join(map(str, INPUT_RATES))}, got {args.input_rate}"),
+        (args.input_rate * args.chunk_ms % 1000 != 0,
+         f"--chunk-ms {args.chunk_ms} is not a whole number of samples at {args.input_rate} Hz"),
+        (not 0 <= args.barge_in_share <= 1, f"--barge-in-share must be 0..1, got {args.barge_in_share:g}"),
+        (args.turn_detection == "none" and args.profile != "listen",
+         "--turn-detection none is only for --profile listen"),
+        (args.slo_p95_ms <= 0, f"--slo-p95-ms must be positive, got {args.slo_p95_ms:g}"),
+        (args.reply_timeout <= 0, f"--reply-timeout must be positive, got {args.reply_timeout:g}"),
+        (args.connect_timeout <= 0, f"--connect-timeout must be positive, got {args.connect_timeout:g}"),
+        (args.find_capacity and args.capacity_limit < args.sessions,
+         f"--capacity-limit {args.capacity_limit} is below --sessions {args.sessions}"),
+        (args.ca is not None and not args.tls, "--ca needs --tls"),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise CliError(message)
+    top = args.capacity_limit if args.find_capacity else args.sessions
+    ramp_s = (top - 1) / args.ramp_per_s
+    if ramp_s >= args.duration:
+        raise CliError(f"starting {top} sessions at {args.ramp_per_s:g}/s takes {ramp_s:.1f} s, not less than "
+                       f"--duration {args.duration:g} s: raise --ramp-per-s or --duration")
+
+
+def session_config(profile: str, args: argparse.Namespace) -> dict[str, Any]:
+    turn: dict[str, Any] = {"type": args.turn_detection}
+    if profile in ("listen", "transcribe") and args.turn_detection == "server_vad":
+        turn["create_response"] = False
+    config: dict[str, Any] = {"input_audio_format": {"sample_rate": args.input_rate},
+                              "input_audio_transcription": {"enabled": profile != "listen"},
+                              "turn_detection": turn}
+    if profile in RESPONDERS:
+        config["responder"] = RESPONDERS[profile]
+    return config
+
+
+# ---- one simulated person --------------------------------------------------------------------------
+
+@dataclass
+class Utterance:
+    start_ms: float  # first and last voiced sample, in the session's input audio
+    end_ms: float
+    vad_seen: bool = False
+
+
+@dataclass
+class Reply:
+    response_id: str
+    created_t: float
+    trigger_t: float | None  # speech_stopped received
+    voiced_t: float | None  # the turn's last voiced sample sent
+    first_audio_t: float | None = None
+    status: str = ""
+    frames: int = 0
+    received_ms: int = 0
+    play_until: float = 0.0
+    acked_ms: int = 0
+    cleared: bool = False
+    last_t: float = 0.0
+    last_s: float = 0.0  # the last delta's duration
+
+    def played_ms(self, now: float) -> int:
+        return max(0, int(self.received_ms - max(0.0, self.play_until - now) * 1000))
+
+    def playing(self, now: float) -> bool:
+        return self.first_audio_t is not None and not self.cleared and now < self.play_until
+
+
+class Person:
+    def __init__(self, run: Run, index: int, profile: str) -> None:
+        self.run, self.index, self.profile = run, index, profile
+        self.rng = random.Random(run.args.seed * 1_000_003 + index)
+        self.stats = run.stats
+        self.responds = profile in RESPONDERS
+        self.transcribes = profile != "listen"
+        self.barge_share = run.args.barge_in_share if profile == "barge-in" else 0.0
+        self.call: Any = None
+        self.ended = False
+        self.cancelled = False  # by the sender, after the server did not close in time
+        self.admitted = False
+        self.closed_reason = ""
+        self.silence_ms = 500
+        self.sent_t: list[float] = []  # send time of every chunk
+        self.utterances: list[Utterance] = []
+        self.current: Clip | None = None
+        self.pos = 0
+        self.next_speech: float | None = None
+        self.barge_at: float | None = None
+        self.awaiting_since: float | None = None  # an utterance ended and no response was created since
+        self.last_end = 0.0
+        self.last_started: tuple[float, Utterance | None] | None = None
+        self.trigger: tuple[float, float | None] | None = None
+        self.stopped_at: dict[str, float] = {}
+        self.replies: dict[str, Reply] = {}
+        self.live_replies: list[Reply] = []
+        self.latencies: list[float] = []
+        self.errors = 0
+        self.underruns = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def live(self, start_at: float) -> None:
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        if time.perf_counter() >= self.run.stop_at:
+            return
+        stats = self.stats
+        stats.started += 1
+        stats.active += 1
+        self.call = self.run.stub_for(self.index).Converse()
+        reader = asyncio.create_task(self.read(), name=f"loadtest-{self.index}-read")
+        try:
+            await self.speak()
+            if not self.ended:
+                await self.call.write(client_event("session.close"))
+                await self.call.done_writing()
+                await asyncio.wait_for(asyncio.shield(reader), CLOSE_WAIT_S)
+        except TimeoutError:
+            self.error("close_timeout")
+        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass  # the stream ended under the sender: the reader recorded why
+        finally:
+            stats.active -= 1
+            if not reader.done():
+                self.cancelled = True
+                self.call.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    def error(self, code: str) -> None:
+        self.errors += 1
+        self.stats.error(code)
+
+    async def read(self) -> None:
+        try:
+            async for msg in self.call:
+                self.on_event(msg, time.perf_counter())
+            if self.closed_reason == "client":
+                self.stats.completed += 1
+            else:
+                self.error(f"closed:{self.closed_reason or 'no_session_closed'}")
+        except grpc.aio.AioRpcError as exc:
+            if not self.admitted and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.stats.rejected += 1
+            elif not self.cancelled:
+                reason = error_reason(exc)
+                self.error(f"grpc:{exc.code().name}" + (f":{reason}" if reason else ""))
+        finally:
+            self.ended = True
+
+    # ---- the sender ------------------------------------------------------------------------------
+    async def speak(self) -> None:
+        run, chunk_s = self.run, self.run.chunk_ms / 1000
+        await self.call.write(client_event("session.update", event_id=CONFIG_ID, session=run.configs[self.profile]))
+        t0 = time.perf_counter()
+        self.next_speech = t0 + self.rng.uniform(0.3, 1.5)
+        n = 0
+        while not self.ended:
+            now = time.perf_counter()
+            if now >= run.stop_at and self.finished(now):
+                return
+            if now >= run.drain_at:
+                if self.awaiting_since is not None or any(not r.status for r in self.live_replies):
+                    self.error("unfinished_at_stop")
+                return
+            msg = self.next_chunk(now, n, now < run.stop_at)
+            self.sent_t.append(now)
+            await self.call.write(msg)
+            await self.acknowledge(now)
+            n += 1
+            lag = time.perf_counter() - (t0 + n * chunk_s)
+            if lag < 0:
+                await asyncio.sleep(-lag)
+            elif lag > chunk_s:
+                self.stats.late_chunks += 1
+                self.stats.max_send_lag_ms = max(self.stats.max_send_lag_ms, lag * 1000)
+
+    def next_chunk(self, now: float, n: int, may_start: bool) -> Any:
+        if self.current is None:
+            if self.awaiting_since is not None and now - self.awaiting_since > self.run.args.reply_timeout:
+                self.error("no_response")
+                self.awaiting_since = None
+            if self.responds and self.next_speech is None and self.awaiting_since is None and self.replies_done(now):
+                self.next_speech = now + self.rng.uniform(*GAP_S)
+            due = [t for t in (self.next_speech, self.barge_at) if t is not None]
+            if not (may_start and due and now >= min(due)):
+                return self.run.silence
+            clip = self.current = self.run.clips[self.rng.randrange(len(self.run.clips))]
+            self.pos, self.next_speech, self.barge_at = 0, None, None
+            base = n * self.run.chunk_ms
+            self.utterances.append(Utterance(base + clip.voice_start_ms, base + clip.voice_end_ms))
+            self.stats.turns += 1
+        msg = self.current.chunks[self.pos]
+        self.pos += 1
+        if self.pos == len(self.current.chunks):
+            self.current, self.last_end = None, now
+            if self.responds:
+                self.awaiting_since = now
+            else:
+                self.next_speech = now + self.rng.uniform(*PAUSE_S)
+        return msg
+
+    def replies_done(self, now: float) -> bool:
+        return all(r.status and not r.playing(now) for r in self.live_replies)
+
+    def finished(self, now: float) -> bool:
+        return (self.current is None and self.awaiting_since is None and not self.stopped_at
+                and self.replies_done(now) and now - self.last_end >= QUIET_S)
+
+    async def acknowledge(self, now: float) -> None:
+        """playback.ack every ~200 ms of play, and once a reply has played out."""
+        if not self.live_replies:
+            return
+        keep = []
+        for reply in self.live_replies:
+            if reply.first_audio_t is not None and not reply.cleared:
+                played = reply.played_ms(now)
+                finished = bool(reply.status) and not reply.playing(now)
+                if played - reply.acked_ms >= ACK_EVERY_MS or (finished and played > reply.acked_ms):
+                    reply.acked_ms = played
+                    await self.call.write(client_event("playback.ack", response_id=reply.response_id,
+                                                       played_ms=played))
+                if finished and reply.acked_ms >= reply.received_ms:
+                    continue
+            elif reply.cleared or (reply.status and reply.first_audio_t is None):
+                continue
+            keep.append(reply)
+        self.live_replies = keep
+
+    # ---- timing helpers ---------------------------------------------------------------------------
+    def sent_at(self, ms: float) -> float | None:
+        n = int(ms // self.run.chunk_ms)
+        return self.sent_t[n] if 0 <= n < len(self.sent_t) else None
+
+    def utterance_at(self, ms: float) -> Utterance | None:
+        """The latest utterance starting at or before `ms` (allowing for prefix padding)."""
+        for utterance in reversed(self.utterances):
+            if utterance.start_ms - STARTED_BACK_MS <= ms:
+                return utterance
+        return None
+
+    # ---- server events ----------------------------------------------------------------------------
+    def on_event(self, msg: Any, now: float) -> None:
+        kind = msg.WhichOneof("event")
+        ev = getattr(msg, kind) if kind else None
+        stats = self.stats
+        if kind == "response_output_audio_delta":
+            self.on_audio(ev, now)
+        elif kind == "input_audio_buffer_speech_started":
+            utterance = self.utterance_at(ev.audio_start_ms)
+            if utterance is not None and ev.audio_start_ms > utterance.end_ms:
+                utterance = None  # started in the silence after it
+            self.last_started = (now, utterance)
+            if utterance is not None and not utterance.vad_seen:
+                utterance.vad_seen = True
+                if (sent := self.sent_at(utterance.start_ms)) is not None:
+                    stats.record("vad_start_ms", now - sent, now)
+        elif kind == "input_audio_buffer_speech_stopped":
+            decision_ms = ev.audio_end_ms + self.silence_ms
+            utterance = self.utterance_at(decision_ms)
+            voiced_t = None
+            if utterance is not None and utterance.start_ms < decision_ms:
+                voiced_t = self.sent_at(min(utterance.end_ms, decision_ms - 1))
+            self.trigger = (now, voiced_t)
+            if self.transcribes:
+                self.stopped_at[ev.item_id] = now
+        elif kind == "conversation_item_input_audio_transcription_completed":
+            if (stopped := self.stopped_at.pop(ev.item_id, None)) is not None:
+                stats.record("transcript_final_ms", now - stopped, now)
+        elif kind == "response_created":
+            trigger_t, voiced_t = self.trigger or (None, None)
+            self.trigger, self.awaiting_since = None, None
+            reply = self.replies[ev.response_id] = Reply(ev.response_id, now, trigger_t, voiced_t)
+            self.live_replies.append(reply)
+            stats.responses += 1
+        elif kind == "response_done":
+            if (reply := self.replies.pop(ev.response_id, None)) is not None:
+                reply.status = "done"
+            if ev.status not in (realtime_pb2.RESPONSE_STATUS_COMPLETED, realtime_pb2.RESPONSE_STATUS_CANCELLED):
+                self.error("response_failed")
+        elif kind == "output_audio_buffer_cleared":
+            self.on_cleared(ev, now)
+        elif kind == "error":
+            if ev.event_id == CONFIG_ID:
+                self.run.fail(f"the server rejected the session config: {ev.message}")
+            self.error(ev.code)
+        elif kind in ("session_created", "session_updated"):
+            self.admitted = True
+            self.silence_ms = ev.session.turn_detection.silence_duration_ms or self.silence_ms
+        elif kind == "session_closed":
+            self.closed_reason = ev.reason
+
+    def on_audio(self, ev: Any, now: float) -> None:
+        reply = next((r for r in self.live_replies if r.response_id == ev.response_id), None)
+        if reply is None or reply.cleared or not ev.audio:
+            return
+        stats = self.stats
+        seconds = len(ev.audio) / (2 * max(1, ev.channels) * ev.sample_rate)
+        if reply.first_audio_t is None:
+            reply.first_audio_t = reply.play_until = now
+            if reply.trigger_t is not None:
+                latency = now - reply.trigger_t
+                self.latencies.append(latency * 1000)
+                stats.record("response_latency_ms", latency, now)
+            if reply.voiced_t is not None:
+                stats.record("voice_to_voice_ms", now - reply.voiced_t, now)
+            if self.barge_share and self.rng.random() < self.barge_share:
+                self.barge_at = now + self.rng.uniform(*BARGE_AFTER_S)
+        else:
+            if now > reply.play_until:
+                self.underruns += 1
+                stats.underruns += 1
+            stats.record("jitter_ms", max(0.0, now - reply.last_t - reply.last_s), now)
+        reply.frames += len(ev.audio) // (2 * max(1, ev.channels))
+        reply.received_ms = reply.frames * 1000 // ev.sample_rate
+        reply.play_until = max(now, reply.play_until) + seconds
+        reply.last_t, reply.last_s = now, seconds
+
+    def on_cleared(self, ev: Any, now: float) -> None:
+        reply = next((r for r in self.live_replies if r.response_id == ev.response_id), None)
+        if reply is None:
+            return
+        reply.received_ms, reply.play_until, reply.cleared = reply.played_ms(now), now, True
+        if self.last_started is not None and self.last_started[0] >= reply.created_t:
+            utterance = self.last_started[1]
+            if utterance is not None and (sent := self.sent_at(utterance.start_ms)) is not None:
+                self.stats.record("barge_in_ms", now - sent, now)
+
+    def summary(self) -> dict[str, Any]:
+        latencies = sorted(self.latencies)
+        return {"index": self.index, "profile": self.profile, "admitted": self.admitted,
+                "closed_reason": self.closed_reason, "utterances": len(self.utterances),
+                "response_latency_p50_ms": round(latencies[len(latencies) // 2], 1) if latencies else None,
+                "responses": len(self.latencies), "errors": self.errors, "underruns": self.underruns}
+
+
+# ---- one run at a fixed session count -----------------------------------------------------------------
+
+@dataclass
+class Run:
+    args: argparse.Namespace
+    channels: list[grpc.aio.Channel]
+    clips: list[Clip]
+    sessions: int
+    stats: Stats = field(init=False)
+    silence: Any = field(init=False)
+    chunk_ms: int = field(init=False)
+    configs: dict[str, dict[str, Any]] = field(init=False)
+    stop_at: float = 0.0
+    drain_at: float = 0.0
+    failure: str = ""
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.chunk_ms = self.args.chunk_ms
+        self.stats = Stats(time.perf_counter())
+        samples = self.args.input_rate * self.chunk_ms // 1000
+        self.silence = client_event("input_audio_buffer.append", audio=bytes(2 * samples))
+        self.configs = {p: session_config(p, self.args) for p in PROFILES if p != "mixed"}
+        self.stubs = [realtime_pb2_grpc.RealtimeServiceStub(c) for c in self.channels]
+
+    def stub_for(self, index: int) -> realtime_pb2_grpc.RealtimeServiceStub:
+        return self.stubs[index % len(self.stubs)]
+
+    def fail(self, message: str) -> None:
+        if not self.failure:
+            self.failure = message
+            self.failed.set()
+
+    def profile_of(self, index: int) -> str:
+        return MIXED[index % len(MIXED)] if self.args.profile == "mixed" else self.args.profile
+
+    async def go(self, progress: Progress) -> dict[str, Any]:
+        args = self.args
+        cpu0, origin = _cpu_s(), time.perf_counter()
+        self.stats.origin = origin
+        self.stop_at = origin + args.duration
+        self.drain_at = self.stop_at + max(15.0, args.reply_timeout)
+        people = [Person(self, n, self.profile_of(n)) for n in range(self.sessions)]
+        tasks = [asyncio.create_task(p.live(origin + n / args.ramp_per_s), name=f"loadtest-{n}")
+                 for n, p in enumerate(people)]
+        everyone = asyncio.gather(*tasks)
+        failed = asyncio.create_task(self.failed.wait())
+        ticker = asyncio.create_task(progress.follow(self), name="loadtest-progress")
+        try:
+            await asyncio.wait([everyone, failed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (*tasks, failed, ticker):
+                task.cancel()
+            await asyncio.gather(everyone, failed, ticker, return_exceptions=True)
+        if self.failure:
+            raise CliError(self.failure)
+        await everyone  # a bug in a person surfaces here
+        self.stats.tick(time.perf_counter())
+        settings = {"profile": args.profile, "sessions": self.sessions, "ramp_per_s": args.ramp_per_s,
+                    "duration_s": args.duration, "chunk_ms": self.chunk_ms, "input_rate": args.input_rate,
+                    "turn_detection": args.turn_detection, "target": args.target,
+                    "audio": str(args.audio) if args.audio else "built-in Piper sentences"}
+        report = build_report(self.stats, settings, time.perf_counter() - origin, _cpu_s() - cpu0,
+                              os.cpu_count() or 1, [p.summary() for p in people])
+        held, verdict = slo_verdict(report, args.slo_p95_ms)
+        report["slo"] = {"metric": key_latency(args.profile), "p95_ms": args.slo_p95_ms, "held": held,
+                         "verdict": verdict}
+        return report
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class Progress:
+    """Live progress: a rich table on a terminal, else a line every 5 s on stderr."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+        self.label = ""
+
+    async def follow(self, run: Run) -> None:
+        live = None
+        if not self.quiet and self.tty:
+            from rich.console import Console
+            from rich.live import Live
+
+            live = Live(console=Console(stderr=True), refresh_per_second=2, transient=True)
+            live.start()
+        try:
+            n = 0
+            while True:
+                await asyncio.sleep(1.0)
+                point = run.stats.tick(time.perf_counter())
+                n += 1
+                if live is not None:
+                    live.update(self.table(point, run))
+                elif not self.quiet and n % 5 == 0:
+                    print(self.line(point, run), file=sys.stderr, flush=True)
+        finally:
+            if live is not None:
+                live.stop()
+
+    def line(self, point: dict[str, Any], run: Run) -> str:
+        def ms(metric: str) -> str:
+            return "-" if point[metric]["p95"] is None else f"{point[metric]['p95']:.0f}"
+
+        return (f"{self.label}t={point['t_s']:.0f}s active {point['active']}/{run.sessions} "
+                f"rejected {point['rejected']} errors {point['errors']} underruns {point['underruns']} "
+                f"p95 ms (last 5 s): response {ms('response_latency_ms')} vad {ms('vad_start_ms')} "
+                f"transcript {ms('transcript_final_ms')}")
+
+    def table(self, point: dict[str, Any], run: Run) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"{self.label}rtmedia loadtest: {run.args.profile} at {run.args.target}, "
+                            f"{point['t_s']:.0f} s", title_justify="left")
+        for col in ("active", "started", "rejected", "errors", "underruns", "late chunks"):
+            table.add_column(col, justify="right")
+        table.add_row(f"{point['active']}/{run.sessions}", str(point["started"]), str(point["rejected"]),
+                      str(point["errors"]), str(point["underruns"]), str(run.stats.late_chunks))
+        lat = Table(title="last 5 s (ms)", title_justify="left")
+        for col in ("latency", "p50", "p95"):
+            lat.add_column(col, justify="right")
+        for metric in ("response_latency_ms", "vad_start_ms", "transcript_final_ms"):
+            s = point[metric]
+            lat.add_row(metric.removesuffix("_ms"), *("-" if s[q] is None else f"{s[q]:.0f}" for q in ("p50", "p95")))
+        from rich.console import Group
+
+        return Group(table, lat)
+
+
+# ---- the command ------------------------------------------------------------------------------------
+
+async def _connect(args: argparse.Namespace, sessions: int) -> list[grpc.aio.Channel]:
+    """Channels (one connection per 50 sessions, like separate users) to a server that is SERVING."""
+    options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+    credentials = None
+    if args.tls:
+        roots = args.ca.read_bytes() if args.ca else None
+        credentials = grpc.ssl_channel_credentials(roots)
+
+    def channel() -> grpc.aio.Channel:
+        if credentials is not None:
+            return grpc.aio.secure_channel(args.target, credentials, options=options)
+        return grpc.aio.insecure_channel(args.target, options=options)
+
+    first = channel()
+    try:
+        reply = await health_pb2_grpc.HealthStub(first).Check(health_pb2.HealthCheckRequest(),
+                                                             timeout=args.connect_timeout)
+    except grpc.aio.AioRpcError as exc:
+        await first.close()
+        tls = "with TLS" if args.tls else "without TLS"
+        detail = (exc.details() or "").splitlines()[0] if exc.details() else exc.code().name
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            detail = f"no answer within {args.connect_timeout:g} s"
+        raise CliError(f"cannot reach {args.target} ({tls}): {detail}; check the address and whether the server "
+                       f"uses TLS (--tls)") from None
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        await first.close()
+        raise CliError(f"{args.target} is not serving (health {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)})")
+    return [first, *(channel() for _ in range(-(-sessions // SESSIONS_PER_CONNECTION) - 1))]
+
+
+async def _loadtest(args: argparse.Namespace, clips: list[Clip]) -> dict[str, Any]:
+    top = args.capacity_limit if args.find_capacity else args.sessions
+    channels = await _connect(args, top)
+    progress = Progress(args.quiet)
+    try:
+        if not args.find_capacity:
+            return await Run(args, channels, clips, args.sessions).go(progress)
+        results: dict[int, bool] = {}
+        levels: list[dict[str, Any]] = []
+        best: dict[str, Any] | None = None
+        level = next_level(results, args.sessions, 1.5, 0.1, args.capacity_limit)
+        while level is not None:
+            progress.label = f"[{level} sessions] "
+            report = await Run(args, channels, clips, level).go(progress)
+            held = report["slo"]["held"]
+            results[level] = held
+            metric = report["slo"]["metric"]
+            levels.append({"sessions": level, "held": held, "verdict": report["slo"]["verdict"],
+                           f"{metric}_p95": report[metric]["p95"], "errors": report["errors"],
+                           "underruns": report["underruns"], "rejected": report["sessions_rejected"],
+                           "loadgen_cpu_share": report["loadgen_cpu_share"]})
+            if not args.quiet:
+                print(f"{level} sessions: {report['slo']['verdict']}", file=sys.stderr, flush=True)
+            if held and (best is None or level > best["sessions"]):
+                best = report
+            level = next_level(results, args.sessions, 1.5, 0.1, args.capacity_limit)
+            if level is not None:
+                await asyncio.sleep(SETTLE_S)
+        final = best if best is not None else report
+        final["capacity"] = capacity(results)
+        final["capacity_levels"] = levels
+        return final
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+def cmd_loadtest(args: argparse.Namespace) -> None:
+    check_args(args)
+    paths = wav_files(args.audio) if args.audio else synthesized()
+    clips = load_clips(paths, args.input_rate, args.chunk_ms)
+    report = asyncio.run(_loadtest(args, clips))
+    if args.report:
+        args.report.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    if args.plot:
+        write_plot(report, args.plot)
+    from rich.console import Console
+
+    console = Console(stderr=args.json)
+    console.print(render_table(report))
+    for line in summary_lines(report):
+        console.print(line, highlight=False)
+    if "capacity" in report:
+        console.print(f"capacity: {report['capacity']} sessions held the SLO", highlight=False)
+    if args.json:
+        print(json.dumps(report), flush=True)
+    if args.fail_on_slo and not report["slo"]["held"]:
+        raise CliError(f"the SLO did not hold: {report['slo']['verdict']}")

