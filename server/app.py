@@ -18,6 +18,7 @@ from rtmedia.engines.lm import EmbeddedLmEngine, LmEngine
 from rtmedia.engines.openai_chat import OpenAIResponder
 from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
 from rtmedia.engines.vad import VadEngine
+from rtmedia.engines.video import VideoEngine
 from rtmedia.server.config import ServerConfig
 from rtmedia.server.interceptors import ServerInterceptor
 from rtmedia.server.lm_lane import LmLane
@@ -27,7 +28,8 @@ from rtmedia.server.responders import build_responders
 from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler
 from rtmedia.server.session_config import SessionSettings
 from rtmedia.server.speech_service import SpeechService
-from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc, speech_pb2, speech_pb2_grpc, video_pb2
+from rtmedia.server.video_service import VideoService
+from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc, speech_pb2, speech_pb2_grpc, video_pb2, video_pb2_grpc
 
 log = logging.getLogger("rtmedia.server")
 
@@ -36,7 +38,7 @@ SERVICE_NAMES = [
     realtime_pb2.DESCRIPTOR.services_by_name["RealtimeService"].full_name,
     video_pb2.DESCRIPTOR.services_by_name["VideoService"].full_name,
 ]
-IMPLEMENTED = SERVICE_NAMES[:2]
+IMPLEMENTED = SERVICE_NAMES
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -66,6 +68,9 @@ class RtmediaServer:
         self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads), LanePolicy(max_batch=4))
         self.scheduler.add(AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders),
                            LanePolicy(Priority.REALTIME, max_batch=64, concurrency=1))
+        # Video decode: one latent step per work item, BULK, so speech runs between any two steps.
+        self.scheduler.add(VideoEngine(config.video_vae, threads=config.video_threads),
+                           LanePolicy(Priority.BULK, max_batch=1, concurrency=1))
         lanes = {}
         if config.llm:
             engine = EmbeddedLmEngine(slots=config.lm_slots, context=config.lm_context, threads=config.lm_threads)
@@ -109,6 +114,9 @@ class RtmediaServer:
             SpeechService(self.scheduler, self.config.max_text_chars), server
         )
         realtime_pb2_grpc.add_RealtimeServiceServicer_to_server(self.realtime, server)
+        video_pb2_grpc.add_VideoServiceServicer_to_server(
+            VideoService(self.scheduler, self.config.max_send_bytes, self.config.video_queue_chunks), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],

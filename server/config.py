@@ -49,6 +49,13 @@ class ServerConfig:
     tts_threads: int = 0
     # Extra Piper voices: paths of `.onnx` files with `.onnx.json` beside them.
     voices: list[str] = field(default_factory=list)
+    # A local diffusers AutoencoderKLWan directory (e.g. a Wan 2.1 `vae/` folder); without
+    # one, a small Wan-style VAE with seeded random weights (real decode path, fake pictures).
+    video_vae: str | None = None
+    # torch intra-op threads for video decode (process-wide, shared with the LM; 0: torch's default).
+    video_threads: int = 1
+    # Encoded chunks a DecodeVideo stream may hold for a slow reader before its decode waits.
+    video_queue_chunks: int = 4
     log_level: str = "INFO"
     # "json" (one object per line) or "text".
     log_format: str = "json"

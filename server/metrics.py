@@ -62,6 +62,17 @@ class Metrics:
         self.input_backpressure = Counter(
             "rtmedia_input_backpressure_total", "Times a session's input inbox overflowed", registry=r
         )
+        self.video_chunks_total = Counter(
+            "rtmedia_video_chunks_total", "DecodeVideo chunks sent (a chunk split into parts counts once)", registry=r
+        )
+        self.video_decodes_total = Counter(
+            "rtmedia_video_decodes_total", "DecodeVideo streams by outcome (completed, cancelled, failed)",
+            ["outcome"], registry=r,
+        )
+        self.video_first_chunk_seconds = Histogram(
+            "rtmedia_video_first_chunk_seconds", "DecodeVideo: request to the first chunk sent",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
         self.grpc_handled = Counter(
             "grpc_server_handled_total", "RPCs completed on the server",
             ["grpc_type", "grpc_service", "grpc_method", "grpc_code"], registry=r,

@@ -1,0 +1,234 @@
+"""VideoService.DecodeVideo: committed frame chunks stream out while the VAE decodes.
+
+A request is checked completely before any decoding starts (bad input is
+INVALID_ARGUMENT naming the problem). A producer task then submits the plan's
+steps one at a time to the BULK `video` lane, so realtime speech work runs
+between any two steps; the assembler turns step frames into committed chunks,
+which are encoded (raw RGB24 or an fMP4 fragment) off the loop and put on a
+bounded per-stream queue. The handler sends what the queue holds; a slow
+reader fills the queue and the producer waits (flow control). A client cancel
+cancels the producer at the next step and frees the feature cache; a failed
+step ends the stream with INTERNAL (RESOURCE_EXHAUSTED for out-of-memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+from rtmedia.engines.video import VideoEngine, VideoOneShot, VideoStep, VideoStream
+from rtmedia.engines.video_plan import Assembler, ChunkFrames, FramePlan, PlanError, make_plan
+from rtmedia.server.errors import abort
+from rtmedia.server.scheduler import Scheduler
+from rtmedia.server.video_mp4 import Fmp4Writer
+from rtmedia.v1 import video_pb2, video_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+DTYPES = {
+    video_pb2.TENSOR_DTYPE_FLOAT32: (torch.float32, 4),
+    video_pb2.TENSOR_DTYPE_FLOAT16: (torch.float16, 2),
+    video_pb2.TENSOR_DTYPE_BFLOAT16: (torch.bfloat16, 2),
+}
+PLANS = {video_pb2.FRAME_PLAN_UNSPECIFIED: "causal", video_pb2.FRAME_PLAN_CAUSAL: "causal",
+         video_pb2.FRAME_PLAN_OVERLAPPED: "overlapped"}
+FORMATS = (video_pb2.VIDEO_FORMAT_RAW_RGB24, video_pb2.VIDEO_FORMAT_FMP4_H264)
+DEFAULT_FPS = 16.0
+MAX_FPS = 240.0
+# Room for a message's metadata fields under the send limit.
+HEADER_ROOM = 4096
+_DONE = object()
+
+
+class BadRequest(ValueError):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class VideoJob:
+    latent: torch.Tensor  # C x T x H x W
+    normalized: bool
+    plan: FramePlan
+    width: int
+    height: int
+    fps: float
+    format: int
+    one_shot: bool
+
+
+def parse_request(request: video_pb2.DecodeVideoRequest, engine: VideoEngine, max_send: int) -> VideoJob:
+    """Check everything about a request; raises BadRequest naming the first problem."""
+    info = engine.info
+    assert info is not None
+    tensor = request.latent
+    shape = list(tensor.shape)
+    if len(shape) != 4:
+        raise BadRequest("BAD_LATENT_SHAPE", f"latent.shape must be C x T x H x W (rank 4), got rank {len(shape)}: "
+                                             f"{shape}")
+    if any(d <= 0 for d in shape):
+        raise BadRequest("BAD_LATENT_SHAPE", f"latent.shape {shape} has a zero or negative dimension")
+    channels, frames, lat_h, lat_w = shape
+    if channels != info.latent_channels:
+        raise BadRequest("BAD_LATENT_CHANNELS", f"the latent has {channels} channels; this VAE takes "
+                                                f"{info.latent_channels}")
+    if tensor.dtype not in DTYPES:
+        raise BadRequest("BAD_DTYPE", f"latent.dtype={tensor.dtype} is not supported; use FLOAT32, FLOAT16 or "
+                                      "BFLOAT16")
+    dtype, itemsize = DTYPES[tensor.dtype]
+    expected = math.prod(shape) * itemsize
+    if len(tensor.data) != expected:
+        raise BadRequest("BAD_LATENT_BYTES", f"latent.data has {len(tensor.data)} bytes; shape {shape} as "
+                                             f"{video_pb2.TensorDtype.Name(tensor.dtype)} needs {expected}")
+    if request.plan not in PLANS:
+        raise BadRequest("BAD_PLAN", f"plan={request.plan} is not a FramePlan value")
+    if request.latent_steps_per_chunk < 0:
+        raise BadRequest("BAD_STEPS_PER_CHUNK", f"latent_steps_per_chunk={request.latent_steps_per_chunk} is negative")
+    try:
+        plan = make_plan(PLANS[request.plan], frames, request.latent_steps_per_chunk or 1)
+    except PlanError as exc:
+        reason = "LATENT_TOO_SHORT" if "needs at least" in str(exc) else "BAD_PLAN"
+        raise BadRequest(reason, str(exc)) from None
+    if request.one_shot:
+        plan = plan.one_shot()
+    full_h, full_w = lat_h * info.spatial_ratio, lat_w * info.spatial_ratio
+    for name, value, full in (("width", request.width, full_w), ("height", request.height, full_h)):
+        if value < 0:
+            raise BadRequest("BAD_SIZE", f"{name}={value} is negative")
+        if value > full:
+            raise BadRequest("BAD_SIZE", f"{name}={value} is larger than the latent allows ({full}: "
+                                         f"{full // info.spatial_ratio} latent x {info.spatial_ratio})")
+    width, height = request.width or full_w, request.height or full_h
+    fmt = request.format or video_pb2.VIDEO_FORMAT_RAW_RGB24
+    if fmt not in FORMATS:
+        raise BadRequest("BAD_FORMAT", f"format={request.format} is not a VideoFormat value")
+    if fmt == video_pb2.VIDEO_FORMAT_FMP4_H264 and (width % 2 or height % 2):
+        raise BadRequest("BAD_SIZE", f"fragmented MP4 (H.264) needs an even size, got {width}x{height}")
+    if fmt == video_pb2.VIDEO_FORMAT_RAW_RGB24 and width * height * 3 > max_send - HEADER_ROOM:
+        raise BadRequest("FRAME_TOO_LARGE", f"one {width}x{height} RGB24 frame is {width * height * 3} bytes, over "
+                                            f"the {max_send}-byte message limit; ask for fMP4 or a smaller size")
+    fps = request.fps or DEFAULT_FPS
+    if not 0 < fps <= MAX_FPS or not math.isfinite(fps):
+        raise BadRequest("BAD_FPS", f"fps={request.fps} must be in (0, {MAX_FPS:g}] (0: {DEFAULT_FPS:g})")
+    latent = torch.frombuffer(bytearray(tensor.data), dtype=dtype).reshape(shape)
+    return VideoJob(latent, request.normalized, plan, width, height, fps, fmt, request.one_shot)
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    frames: ChunkFrames
+    data: bytes
+
+
+class VideoService(video_pb2_grpc.VideoServiceServicer):
+    def __init__(self, scheduler: Scheduler, max_send_bytes: int, queue_chunks: int = 4) -> None:
+        self.scheduler = scheduler
+        self.engine: VideoEngine = scheduler.engine("video")
+        self.metrics = scheduler.metrics
+        self.max_send = max_send_bytes
+        self.queue_chunks = queue_chunks
+
+    async def DecodeVideo(self, request, context) -> AsyncIterator[video_pb2.DecodeVideoResponse]:
+        started = time.perf_counter()
+        try:
+            job = parse_request(request, self.engine, self.max_send)
+        except BadRequest as exc:
+            await abort(context, INVALID, exc.reason, str(exc))
+        self.metrics.bytes_total.labels("in").inc(len(request.latent.data))
+        stream = await asyncio.to_thread(self.engine.open_stream, job.latent, job.plan, job.height, job.width,
+                                         job.normalized)
+        queue: asyncio.Queue[object] = asyncio.Queue(maxsize=self.queue_chunks)
+        producer = asyncio.create_task(self._produce(job, stream, queue), name=f"video-{stream.id}")
+        outcome = "cancelled"
+        try:
+            while (item := await queue.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    outcome = "failed"
+                    await self._fail(context, item, stream)
+                assert isinstance(item, EncodedChunk)
+                if item.frames.chunk.index == 0:
+                    self.metrics.video_first_chunk_seconds.observe(time.perf_counter() - started)
+                for message in self._messages(item, job):
+                    self.metrics.bytes_total.labels("out").inc(len(message.data))
+                    yield message
+                self.metrics.video_chunks_total.inc()
+            outcome = "completed"
+        finally:
+            producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await producer
+            self.engine.close_stream(stream)
+            self.metrics.video_decodes_total.labels(outcome).inc()
+
+    async def _fail(self, context, exc: BaseException, stream: VideoStream) -> None:
+        step = f"step {stream.steps_done + 1} of {len(stream.plan.steps)}"
+        if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "OUT_OF_MEMORY",
+                        f"video decode ran out of memory at {step}; discard the chunks received")
+        log.error("video decode failed", exc_info=exc, extra={"stream": stream.id, "step": step})
+        await abort(context, grpc.StatusCode.INTERNAL, "DECODE_FAILED",
+                    f"video decode failed at {step}: {exc}; discard the chunks received")
+
+    async def _produce(self, job: VideoJob, stream: VideoStream, queue: asyncio.Queue[object]) -> None:
+        """Decode step by step; put encoded chunks, then _DONE (or the exception) on the queue."""
+        assembler = Assembler(job.plan)
+        writer = Fmp4Writer(job.width, job.height, job.fps) if job.format == video_pb2.VIDEO_FORMAT_FMP4_H264 else None
+        try:
+            if job.one_shot:
+                outputs = await self.scheduler.submit("video", VideoOneShot(stream))
+                for chunk in await asyncio.to_thread(self._assemble, assembler, writer, outputs, True):
+                    await queue.put(chunk)
+            else:
+                last = len(job.plan.steps) - 1
+                for n in range(last + 1):
+                    frames = await self.scheduler.submit("video", VideoStep(stream))
+                    for chunk in await asyncio.to_thread(self._assemble, assembler, writer, [frames], n == last):
+                        await queue.put(chunk)  # waits while the reader is behind
+            await queue.put(_DONE)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await queue.put(exc)
+
+    @staticmethod
+    def _assemble(assembler: Assembler, writer: Fmp4Writer | None, outputs: list[np.ndarray],
+                  last: bool) -> list[EncodedChunk]:
+        ready = [chunk for frames in outputs for chunk in assembler.push(frames)]
+        if last:
+            ready.append(assembler.finish())
+        return [EncodedChunk(c, writer.fragment(c.frames, c.is_final) if writer else c.frames.tobytes())
+                for c in ready]
+
+    def _messages(self, item: EncodedChunk, job: VideoJob) -> list[video_pb2.DecodeVideoResponse]:
+        """One chunk as messages under the send limit (SPEC 3.5): raw RGB parts hold whole
+        frames; fMP4 parts are consecutive byte ranges of the fragment, each stating the
+        chunk's frame range."""
+        c = item.frames
+        budget = self.max_send - HEADER_ROOM
+        if job.format == video_pb2.VIDEO_FORMAT_RAW_RGB24:
+            frame_bytes = job.width * job.height * 3
+            per_part = max(1, budget // frame_bytes)
+            ranges = [(f, min(per_part, c.chunk.frame_count - f)) for f in range(0, c.chunk.frame_count, per_part)]
+            pieces = [(c.chunk.frame_start + f, n, item.data[f * frame_bytes:(f + n) * frame_bytes]) for f, n in ranges]
+        else:
+            pieces = [(c.chunk.frame_start, c.chunk.frame_count, item.data[o:o + budget])
+                      for o in range(0, len(item.data), budget)]
+        return [
+            video_pb2.DecodeVideoResponse(
+                chunk_index=c.chunk.index, total_chunks=c.total_chunks, frame_start=c.chunk.frame_start,
+                frame_count=c.chunk.frame_count, is_final=c.is_final, part=p, parts=len(pieces),
+                part_frame_start=start, part_frame_count=count, width=job.width, height=job.height,
+                format=job.format, data=data, fps=job.fps,
+            )
+            for p, (start, count, data) in enumerate(pieces)
+        ]
