@@ -164,12 +164,17 @@ async def serve(config: ServerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    bridge = None
     starting = asyncio.create_task(server.start(), name="server-start")
     stopping = asyncio.create_task(stop.wait(), name="stop-signal")
     try:
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if starting.done():
             starting.result()  # a failed start raises here
+            if config.web:
+                from rtmedia.web.bridge import start_beside
+
+                bridge = await start_beside(config, server.port)
             await stopping
         log.info("signal received: draining", extra={"grace_s": config.grace_s})
     finally:
@@ -177,4 +182,6 @@ async def serve(config: ServerConfig) -> None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if bridge is not None:
+            await bridge.stop()
         await server.stop()

@@ -49,6 +49,12 @@ class ServerConfig:
     tts_threads: int = 0
     # Extra Piper voices: paths of `.onnx` files with `.onnx.json` beside them.
     voices: list[str] = field(default_factory=list)
+    # The browser page and WebRTC bridge beside the server (rtmedia.web), on the same host.
+    web: bool = False
+    web_port: int = 8080
+    web_tls_cert: str | None = None
+    web_tls_key: str | None = None
+    web_max_peers: int = 8
     # A local diffusers AutoencoderKLWan directory (e.g. a Wan 2.1 `vae/` folder); without
     # one, a small Wan-style VAE with seeded random weights (real decode path, fake pictures).
     video_vae: str | None = None

@@ -1,0 +1,168 @@
+"""A WebRTC peer for tests and benchmarks of the bridge, on aiortc: it speaks PCM into a
+microphone track at real-time pace, records the reply audio it receives with arrival
+times, and keeps the `events` data channel's messages."""
+
+from __future__ import annotations
+
+import asyncio
+import fractions
+import json
+import time
+from typing import Any
+
+import aiohttp
+import av
+import numpy as np
+from aiortc import RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+RATE = 48000
+FRAME = 960  # 20 ms
+VOICED_RMS = 10 ** (-45 / 20)  # -45 dBFS, as `rtmedia talk` counts a chunk voiced
+
+
+def frame_rms(samples: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((samples.astype(np.float64) / 32768) ** 2))) if len(samples) else 0.0
+
+
+class SpeechTrack(MediaStreamTrack):
+    """A microphone: plays queued 48 kHz int16 audio at real time, silence in between,
+    and remembers when each voiced frame went out (perf_counter)."""
+
+    kind = "audio"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._queue: list[np.ndarray] = []
+        self._start: float | None = None
+        self._pts = 0
+        self.voiced_sent: list[float] = []
+        self.frames_sent = 0
+
+    def say(self, samples: np.ndarray) -> float:
+        """Queue audio; returns its duration in seconds."""
+        samples = samples.astype(np.int16)
+        padded = np.concatenate([samples, np.zeros(-len(samples) % FRAME, np.int16)])
+        self._queue.extend(padded.reshape(-1, FRAME))
+        return len(samples) / RATE
+
+    @property
+    def speaking(self) -> bool:
+        return bool(self._queue)
+
+    async def recv(self) -> av.AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        if self._start is None:
+            self._start = time.perf_counter()
+        else:
+            self._pts += FRAME
+            await asyncio.sleep(max(0.0, self._start + self._pts / RATE - time.perf_counter()))
+        samples = np.zeros(FRAME, np.int16)
+        if self._queue:
+            chunk = self._queue.pop(0)[:FRAME]
+            samples[: len(chunk)] = chunk
+        if frame_rms(samples) > VOICED_RMS:
+            self.voiced_sent.append(time.perf_counter())
+        frame = av.AudioFrame(format="s16", layout="mono", samples=FRAME)
+        frame.planes[0].update(samples.tobytes())
+        frame.sample_rate = RATE
+        frame.pts = self._pts
+        frame.time_base = fractions.Fraction(1, RATE)
+        self.frames_sent += 1
+        return frame
+
+
+class BridgePeer:
+    """One aiortc peer connected to a bridge through POST /offer (or /whip)."""
+
+    def __init__(self, base_url: str, video: bool = False) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.video = video
+        self.pc = RTCPeerConnection()
+        self.mic = SpeechTrack()
+        self.events: list[dict[str, Any]] = []
+        self.received: list[tuple[float, float]] = []  # (arrival perf_counter, rms) per reply frame
+        self.video_frames: list[tuple[float, tuple[int, int]]] = []
+        self.peer_id = ""
+        self._arrived = asyncio.Condition()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.channel = self.pc.createDataChannel("events")
+        self.channel.on("message", self._on_message)
+        self.pc.on("track", self._on_track)
+
+    def _on_message(self, message: str) -> None:
+        event = json.loads(message)
+        event["t"] = time.perf_counter()
+        self.events.append(event)
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._arrived:
+            self._arrived.notify_all()
+
+    def _on_track(self, track: MediaStreamTrack) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(self._record(track)))
+
+    async def _record(self, track: MediaStreamTrack) -> None:
+        with_audio = track.kind == "audio"
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return
+            now = time.perf_counter()
+            if with_audio:
+                data = frame.to_ndarray().reshape(-1)
+                if len(frame.layout.channels) > 1:
+                    data = data.reshape(-1, len(frame.layout.channels))[:, 0]
+                self.received.append((now, frame_rms(data)))
+            else:
+                self.video_frames.append((now, (frame.width, frame.height)))
+
+    async def offer_sdp(self) -> str:
+        self.pc.addTrack(self.mic)
+        if self.video:
+            self.pc.addTransceiver("video", direction="recvonly")
+        await self.pc.setLocalDescription(await self.pc.createOffer())
+        return self.pc.localDescription.sdp
+
+    async def connect(self, session: aiohttp.ClientSession) -> None:
+        sdp = await self.offer_sdp()
+        async with session.post(f"{self.base_url}/offer", json={"sdp": sdp, "type": "offer"}) as res:
+            body = await res.json()
+            if res.status != 200:
+                raise AssertionError(f"offer refused ({res.status}): {body}")
+        self.peer_id = body["id"]
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=body["sdp"], type="answer"))
+
+    def send(self, event: dict[str, Any]) -> None:
+        self.channel.send(json.dumps(event))
+
+    def of_type(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["type"] == kind]
+
+    async def wait_for(self, kind: str, timeout: float = 20.0, count: int = 1, **match: Any) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            hits = [e for e in self.events if e["type"] == kind and all(e.get(k) == v for k, v in match.items())]
+            return hits[count - 1] if len(hits) >= count else None
+
+        async with self._arrived:
+            try:
+                await asyncio.wait_for(self._arrived.wait_for(lambda: found() is not None), timeout)
+            except TimeoutError:
+                types = [e["type"] for e in self.events]
+                raise AssertionError(f"no {kind} {match} within {timeout} s; got {types}") from None
+        result = found()
+        assert result is not None
+        return result
+
+    def first_audible(self, after: float) -> float | None:
+        """Arrival time of the first received reply frame above -45 dBFS after `after`."""
+        return next((t for t, level in self.received if t > after and level > VOICED_RMS), None)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.pc.close()

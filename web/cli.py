@@ -1,0 +1,77 @@
+"""`rtmedia web`: the WebRTC bridge and its page, in front of an rtmedia server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+
+from rtmedia.clients.client import DEFAULT_TARGET
+
+DESCRIPTION = """\
+Serve the browser page and bridge its WebRTC peer connections to an rtmedia server:
+open the printed URL, press Start, talk. Browsers allow the microphone only on
+https or on localhost, so on any other host give --tls-cert and --tls-key.
+
+Signalling: POST /offer (JSON {sdp, type}) as aiortc's examples do, or WHIP
+(POST /whip with application/sdp -> 201 + Location; DELETE to end; the
+transceivers are send-receive, so the reply comes back on the same connection).
+GET /healthz lists the peers.
+"""
+
+
+def add_web_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("web", help="the WebRTC bridge and browser page (talk from a browser)",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"rtmedia server address (default {DEFAULT_TARGET})")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve the page on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="HTTP(S) port (default 8080; 0 picks a free one)")
+    p.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate: serve https")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    p.add_argument("--ice-server", dest="ice_servers", action="append", default=[], metavar="URL",
+                   help="STUN/TURN server, e.g. stun:stun.example.org:3478 or turn:user:pass@host:3478 "
+                        "(repeatable; default none: host candidates only)")
+    p.add_argument("--udp-ports", default=None, metavar="A-B", help="bind ICE's UDP sockets in this port range")
+    p.add_argument("--max-peers", type=int, default=8, help="concurrent browser peers (default 8); "
+                                                            "one more is refused with 503")
+    p.add_argument("--input-rate", type=int, default=16000, choices=[8000, 16000, 24000],
+                   help="session input rate the microphone is resampled to (default 16000)")
+    p.add_argument("--responder", default=None, help="responder of the sessions, e.g. echo (default: the server's)")
+    p.set_defaults(func=cmd_web)
+
+
+def bridge_config(args: argparse.Namespace) -> object:
+    from rtmedia.web.bridge import BridgeConfig, parse_udp_ports
+
+    session = {"responder": args.responder} if args.responder else {}
+    return BridgeConfig(target=args.target, host=args.host, port=args.port, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key, ice_servers=args.ice_servers,
+                        udp_ports=parse_udp_ports(args.udp_ports) if args.udp_ports else None,
+                        max_peers=args.max_peers, input_rate=args.input_rate, session=session)
+
+
+def cmd_web(args: argparse.Namespace) -> None:
+    from rtmedia.server import logs
+
+    logs.configure("INFO", "text")
+    asyncio.run(run_bridge(bridge_config(args)))
+
+
+async def run_bridge(config: object) -> None:
+    """Serve until SIGINT/SIGTERM."""
+    from rtmedia.web.bridge import Bridge
+
+    bridge = Bridge(config)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await bridge.start()
+    print(f"rtmedia web: open {bridge.url} (bridging to {bridge.config.target})", file=sys.stderr, flush=True)
+    try:
+        await stop.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await bridge.stop()

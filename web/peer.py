@@ -1,0 +1,456 @@
+"""One browser peer of the WebRTC bridge: a peer connection tied to one Converse session.
+
+The peer owns its tasks and ends them all in `close()`:
+
+- `mic`: the browser's microphone track, resampled to the session's input rate and
+  sent as `input_audio_buffer.append`;
+- `writer`: the one task that writes to the Converse stream (mic audio, events from
+  the page, playback acks), in order;
+- `reader`: server events; reply audio goes into the playout buffer, everything else
+  (and a light form of the audio deltas) to the page on the `events` data channel;
+  `output_audio_buffer.cleared` empties the playout buffer at once;
+- `acks`: `playback.ack` from what the outgoing audio track has actually played out;
+- `video`: a demo `DecodeVideo` whose frames go out on the video track.
+
+The page speaks canonical JSON (SPEC 1.2) on the `events` channel. Messages whose
+type starts with `bridge.` are the bridge's own (see `web/README` in the top-level
+README): `bridge.video.request` from the page; `bridge.peer`, `bridge.playback.cleared`,
+`bridge.video.*` and `bridge.error` to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+from aiortc import RTCPeerConnection
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from rtmedia.engines.resample import Resampler, float_to_pcm16, make_resampler, pcm16_to_float
+from rtmedia.server.errors import error_reason
+from rtmedia.server.events import EventError, client_event, event_type, from_json, to_json
+from rtmedia.v1 import realtime_pb2, video_pb2
+from rtmedia.v1.realtime_pb2_grpc import RealtimeServiceStub
+from rtmedia.v1.video_pb2_grpc import VideoServiceStub
+from rtmedia.web.tracks import PLAYOUT_RATE, MicResampler, PlayoutBuffer, ReplyAudioTrack, VideoFrameTrack
+
+log = logging.getLogger("rtmedia.web")
+
+ACK_EVERY_MS = 200
+ACK_TICK_S = 0.05
+OPEN_TIMEOUT_S = 10.0  # for session.created
+MAX_PENDING_MESSAGES = 1000  # events queued for the page before its channel opens
+MAX_LATENT_VALUES = 4 * 1024 * 1024
+# Session settings the bridge owns: the page cannot change the audio formats of the tracks.
+BRIDGE_OWNED = ("input_audio_format", "output_sample_rate")
+
+
+class SessionRefused(Exception):
+    """The rtmedia server would not open a session; `status` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class VideoDefaults:
+    latent_shape: tuple[int, int, int, int] = (16, 5, 8, 8)  # C x T x H x W
+    fps: float = 8.0
+
+
+@dataclass
+class ReplyState:
+    rate: int
+    samples: int = 0  # at the server's rate, as it counts what it sent
+    acked_ms: int = 0
+    done: bool = False
+    resampler: Resampler | None = None
+
+    @property
+    def sent_ms(self) -> int:
+        return self.samples * 1000 // self.rate
+
+
+@dataclass
+class PeerStats:
+    mic_frames: int = 0
+    mic_bytes: int = 0
+    events_to_page: int = 0
+    events_from_page: int = 0
+    acks: int = 0
+    dropped_to_page: int = 0
+    video_frames: int = 0
+    opened_at: float = field(default_factory=time.perf_counter)
+
+
+class Peer:
+    def __init__(self, peer_id: str, pc: RTCPeerConnection, channel: grpc.aio.Channel, input_rate: int,
+                 video: VideoDefaults, on_closed: Callable[[Peer], None]) -> None:
+        self.id = peer_id
+        self.pc = pc
+        self.grpc_channel = channel
+        self.input_rate = input_rate
+        self.video_defaults = video
+        self._on_closed = on_closed
+        self.buffer = PlayoutBuffer()
+        self.audio_out = ReplyAudioTrack(self.buffer)
+        self.video_out = VideoFrameTrack()
+        self.stats = PeerStats()
+        self.call: Any = None
+        self.session_id = ""
+        self.close_reason = ""
+        self.closed = asyncio.Event()
+        self._closing = False
+        self._outgoing: asyncio.Queue[realtime_pb2.ConverseRequest | None] = asyncio.Queue(256)
+        self._replies: dict[str, ReplyState] = {}
+        self._channel: Any = None  # the `events` RTCDataChannel
+        self._pending: deque[str] = deque()
+        self._session_open = asyncio.Event()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        pc.on("track", self._on_track)
+        pc.on("datachannel", self._on_datachannel)
+        pc.on("connectionstatechange", self._on_connection_state)
+        pc.on("iceconnectionstatechange", self._on_ice_state)
+
+    # ---- life cycle -------------------------------------------------------------------------------
+    async def open_session(self, settings: dict[str, Any]) -> None:
+        """Open the Converse stream, configure it and wait for session.created.
+        Raises SessionRefused when the server does not take the session."""
+        self.call = RealtimeServiceStub(self.grpc_channel).Converse()
+        session = {**settings, "input_audio_format": {"encoding": "pcm16", "sample_rate": self.input_rate,
+                                                     "channels": 1},
+                   "output_sample_rate": PLAYOUT_RATE}
+        try:
+            await self.call.write(client_event("session.update", event_id="bridge-config", session=session))
+            first = await asyncio.wait_for(self.call.read(), OPEN_TIMEOUT_S)
+        except TimeoutError:
+            self.call.cancel()
+            raise SessionRefused(504, f"the rtmedia server did not open a session within {OPEN_TIMEOUT_S:.0f} s")\
+                from None
+        except grpc.aio.AioRpcError as exc:
+            raise _refusal(exc) from None
+        if first is grpc.aio.EOF or event_type(first) != "session.created":
+            self.call.cancel()
+            raise SessionRefused(502, f"the rtmedia server answered {event_type(first) or 'nothing'} "
+                                      "instead of session.created")
+        self.session_id = first.session_created.session_id
+        self.to_page(to_json(first))
+        self._session_open.set()
+        self._start("reader", self._read())
+        self._start("writer", self._write())
+        self._start("acks", self._ack_loop())
+
+    def _start(self, name: str, coro: Any) -> None:
+        self._tasks[name] = asyncio.create_task(self._guard(name, coro), name=f"peer-{self.id}-{name}")
+
+    async def _guard(self, name: str, coro: Any) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("peer task failed", extra={"peer": self.id, "task": name})
+            self.send_bridge("bridge.error", code="internal_error", message=f"{name}: {type(exc).__name__}: {exc}")
+            self.schedule_close(f"{name} failed")
+
+    def schedule_close(self, reason: str) -> None:
+        if not self._closing:
+            asyncio.get_running_loop().create_task(self.close(reason), name=f"peer-{self.id}-close")
+
+    async def close(self, reason: str) -> None:
+        """End the session and the peer connection; idempotent."""
+        if self._closing:
+            await self.closed.wait()
+            return
+        self._closing = True
+        self.close_reason = reason
+        log.info("peer closing", extra={"peer": self.id, "session_id": self.session_id, "reason": reason})
+        current = asyncio.current_task()
+        tasks = [t for t in self._tasks.values() if t is not current]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.call is not None and not self.call.done():
+            self.call.cancel()  # the server frees the session's resources (SPEC 1.4)
+        self.audio_out.stop()
+        self.video_out.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.pc.close(), 5)
+        self.closed.set()
+        self._on_closed(self)
+
+    def _on_connection_state(self) -> None:
+        state = self.pc.connectionState
+        if state in ("failed", "closed"):
+            self.schedule_close(f"peer connection {state}")
+
+    def _on_ice_state(self) -> None:
+        if self.pc.iceConnectionState == "failed":
+            self.schedule_close("ICE failed")
+
+    # ---- browser -> server ------------------------------------------------------------------------------
+    def _on_track(self, track: MediaStreamTrack) -> None:
+        if track.kind == "audio" and "mic" not in self._tasks:
+            self._start("mic", self._pump_mic(track))
+
+    async def _pump_mic(self, track: MediaStreamTrack) -> None:
+        await self._session_open.wait()
+        resampler = MicResampler(self.input_rate)
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return  # the browser stopped sending
+            pcm = resampler.resample(frame)  # ~20 µs per 20 ms frame: not worth a thread hop
+            self.stats.mic_frames += 1
+            if pcm:
+                self.stats.mic_bytes += len(pcm)
+                await self._outgoing.put(client_event("input_audio_buffer.append", audio=pcm))
+
+    async def _write(self) -> None:
+        while (request := await self._outgoing.get()) is not None:
+            await self.call.write(request)
+
+    def _on_datachannel(self, channel: Any) -> None:
+        if channel.label != "events":
+            return
+        self._channel = channel
+        channel.on("message", self._on_page_message)
+        channel.on("open", self._flush_pending)
+        if channel.readyState == "open":
+            self._flush_pending()
+
+    def _on_page_message(self, message: str | bytes) -> None:
+        self.stats.events_from_page += 1
+        try:
+            obj = json.loads(message)
+        except ValueError as exc:
+            self.send_bridge("bridge.error", code="invalid_event", message=f"event is not valid JSON: {exc}")
+            return
+        if isinstance(obj, dict) and isinstance(obj.get("type"), str) and obj["type"].startswith("bridge."):
+            self._on_bridge_request(obj)
+            return
+        event_id = obj.get("event_id", "") if isinstance(obj, dict) else ""
+        event_id = event_id if isinstance(event_id, str) else ""
+        try:
+            request = from_json(obj, "client")
+            self._check_page_event(request)
+        except EventError as exc:
+            self.to_page(to_json(exc.to_event(event_id)))
+            return
+        try:
+            self._outgoing.put_nowait(request)
+        except asyncio.QueueFull:
+            self.to_page(to_json(EventError("input_backpressure", "the bridge's queue to the server is full; "
+                                                                  "event dropped").to_event(event_id)))
+
+    def _check_page_event(self, request: realtime_pb2.ConverseRequest) -> None:
+        name = event_type(request)
+        if name == "playback.ack":
+            raise EventError("invalid_event", "playback.ack is sent by the bridge from its own playout; "
+                                              "the page must not send it", "type")
+        if name == "session.update":
+            for key in BRIDGE_OWNED:
+                if request.session_update.session.HasField(key):
+                    raise EventError("invalid_value", f"session.{key} is set by the bridge (its audio tracks "
+                                                      "fix the formats) and cannot be changed", f"session.{key}")
+
+    def _on_bridge_request(self, obj: dict[str, Any]) -> None:
+        if obj["type"] != "bridge.video.request":
+            self.send_bridge("bridge.error", code="unknown_event",
+                             message=f"unknown bridge event {obj['type'][:64]!r}; known: bridge.video.request")
+            return
+        try:
+            request = self._video_request(obj)
+        except ValueError as exc:
+            self.send_bridge("bridge.video.error", code="invalid_value", message=str(exc))
+            return
+        running = self._tasks.get("video")
+        if running is not None and not running.done():
+            self.send_bridge("bridge.video.error", code="busy", message="a video decode is already running")
+            return
+        self._start("video", self._decode_video(request))
+
+    # ---- server -> browser ------------------------------------------------------------------------------
+    async def _read(self) -> None:
+        try:
+            while (msg := await self.call.read()) is not grpc.aio.EOF:
+                self._on_server_event(msg)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED and self._closing:
+                return
+            reason = error_reason(exc)
+            self.send_bridge("bridge.error", code=exc.code().name.lower(),
+                             message=f"the rtmedia session ended: {exc.details()}" + (f" ({reason})" if reason else ""))
+            self.schedule_close(f"server error {exc.code().name}")
+            return
+        self.schedule_close("session ended")
+
+    def _on_server_event(self, msg: realtime_pb2.ConverseResponse) -> None:
+        name = event_type(msg)
+        if name == "response.output_audio.delta":
+            self._on_audio(msg)
+            return
+        if name == "output_audio_buffer.cleared":
+            # Barge-in: drop queued audio first, so not one more frame of it is played.
+            rid = msg.output_audio_buffer_cleared.response_id
+            dropped = self.buffer.clear()
+            if rid in self._replies:
+                self._replies[rid].done = True
+            self.to_page(to_json(msg))
+            self.send_bridge("bridge.playback.cleared", response_id=rid,
+                             dropped_ms=round(dropped * 1000 / PLAYOUT_RATE),
+                             played_ms=self.buffer.played(rid) * 1000 // PLAYOUT_RATE)
+            return
+        if name == "response.done":
+            reply = self._replies.get(msg.response_done.response_id)
+            if reply is not None:
+                reply.done = True
+        elif name == "session.closed":
+            self.close_reason = msg.session_closed.reason
+        self.to_page(to_json(msg))
+
+    def _on_audio(self, msg: realtime_pb2.ConverseResponse) -> None:
+        ev = msg.response_output_audio_delta
+        reply = self._replies.get(ev.response_id)
+        if reply is None:
+            reply = self._replies[ev.response_id] = ReplyState(ev.sample_rate or PLAYOUT_RATE)
+        channels = max(1, ev.channels)
+        samples = np.frombuffer(ev.audio[: len(ev.audio) // (2 * channels) * 2 * channels], "<i2")
+        if channels > 1:
+            samples = samples.reshape(-1, channels).mean(axis=1).astype(np.int16)
+        reply.samples += len(samples)
+        if reply.rate != PLAYOUT_RATE:
+            if reply.resampler is None:
+                reply.resampler = make_resampler(reply.rate, PLAYOUT_RATE)
+            samples = np.frombuffer(float_to_pcm16(reply.resampler.process(pcm16_to_float(samples.tobytes()))),
+                                    "<i2")
+        self.buffer.push(ev.response_id, samples.astype(np.int16))
+        # The audio travels on the media track; the page gets the delta without its bytes.
+        light = realtime_pb2.ConverseResponse()
+        light.CopyFrom(msg)
+        light.response_output_audio_delta.audio = b""
+        obj = to_json(light)
+        obj["audio_bytes"] = len(ev.audio)
+        obj.pop("audio", None)
+        self.to_page(obj)
+
+    async def _ack_loop(self) -> None:
+        """playback.ack every ~200 ms of played audio, and once a reply has played out (or was cut)."""
+        while True:
+            await asyncio.sleep(ACK_TICK_S)
+            for rid, reply in list(self._replies.items()):
+                played = min(self.buffer.played(rid) * 1000 // PLAYOUT_RATE, reply.sent_ms)
+                finished = reply.done and not self.buffer.holds(rid)
+                if played - reply.acked_ms >= ACK_EVERY_MS or (finished and played > reply.acked_ms):
+                    reply.acked_ms = played
+                    self.stats.acks += 1
+                    await self._outgoing.put(client_event("playback.ack", response_id=rid, played_ms=played))
+                if finished and played >= reply.acked_ms:
+                    del self._replies[rid]
+
+    def to_page(self, obj: dict[str, Any]) -> None:
+        text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+        channel = self._channel
+        if channel is not None and channel.readyState == "open":
+            channel.send(text)
+            self.stats.events_to_page += 1
+            return
+        if len(self._pending) >= MAX_PENDING_MESSAGES:
+            self._pending.popleft()
+            self.stats.dropped_to_page += 1
+        self._pending.append(text)
+
+    def send_bridge(self, name: str, **fields: Any) -> None:
+        self.to_page({"type": name, **fields})
+
+    def _flush_pending(self) -> None:
+        self.send_bridge("bridge.peer", peer_id=self.id, session_id=self.session_id, input_sample_rate=self.input_rate,
+                         output_sample_rate=PLAYOUT_RATE)
+        pending, self._pending = self._pending, deque()
+        for text in pending:
+            self._channel.send(text)
+            self.stats.events_to_page += 1
+
+    # ---- video --------------------------------------------------------------------------------------------
+    def _video_request(self, obj: dict[str, Any]) -> video_pb2.DecodeVideoRequest:
+        unknown = sorted(set(obj) - {"type", "latent_shape", "fps", "seed"})
+        if unknown:
+            raise ValueError(f"unknown field(s) in bridge.video.request: {', '.join(unknown)}")
+        shape = obj.get("latent_shape", list(self.video_defaults.latent_shape))
+        if (not isinstance(shape, list) or len(shape) != 4
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)):
+            raise ValueError(f"latent_shape must be four positive integers (C, T, H, W), got {shape!r}")
+        if int(np.prod(shape)) > MAX_LATENT_VALUES:
+            raise ValueError(f"latent_shape {shape} has more than {MAX_LATENT_VALUES} values")
+        fps = obj.get("fps", self.video_defaults.fps)
+        if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps <= 120:
+            raise ValueError(f"fps must be a number in (0, 120], got {fps!r}")
+        seed = obj.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        latent = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+        tensor = video_pb2.Tensor(shape=shape, dtype=video_pb2.TENSOR_DTYPE_FLOAT32, data=latent.tobytes())
+        return video_pb2.DecodeVideoRequest(latent=tensor, fps=float(fps), format=video_pb2.VIDEO_FORMAT_RAW_RGB24)
+
+    async def _decode_video(self, request: video_pb2.DecodeVideoRequest) -> None:
+        if not any(t.sender.track is self.video_out for t in self.pc.getTransceivers()):
+            self.send_bridge("bridge.video.error", code="no_video_track",
+                             message="the offer had no video section, so there is no track to show video on")
+            return
+        self.video_out.restart_clip()
+        self.send_bridge("bridge.video.started", latent_shape=list(request.latent.shape), fps=request.fps)
+        frames = 0
+        started = time.perf_counter()
+        try:
+            async for chunk in VideoServiceStub(self.grpc_channel).DecodeVideo(request):
+                count = chunk.part_frame_count or chunk.frame_count
+                size = count * chunk.height * chunk.width * 3
+                if chunk.format not in (video_pb2.VIDEO_FORMAT_UNSPECIFIED, video_pb2.VIDEO_FORMAT_RAW_RGB24) \
+                        or len(chunk.data) != size:
+                    raise ValueError(f"chunk {chunk.chunk_index}: expected {count} RGB24 frames of "
+                                     f"{chunk.width}x{chunk.height} ({size} bytes), got {len(chunk.data)} bytes")
+                self.send_bridge("bridge.video.chunk", chunk_index=chunk.chunk_index, total_chunks=chunk.total_chunks,
+                                 frame_start=chunk.part_frame_start or chunk.frame_start, frame_count=count,
+                                 width=chunk.width, height=chunk.height, is_final=chunk.is_final,
+                                 t_ms=round((time.perf_counter() - started) * 1000, 1))
+                fps = chunk.fps or request.fps
+                video = np.frombuffer(chunk.data, np.uint8).reshape(count, chunk.height, chunk.width, 3)
+                for frame in video:
+                    await self.video_out.put(frame, fps)  # waits while the track's queue is full
+                    frames += 1
+                    self.stats.video_frames += 1
+        except grpc.aio.AioRpcError as exc:
+            self.send_bridge("bridge.video.error", code=exc.code().name.lower(),
+                             message=exc.details() or exc.code().name, frames=frames)
+            return
+        except ValueError as exc:
+            self.send_bridge("bridge.video.error", code="invalid_chunk", message=str(exc), frames=frames)
+            return
+        self.send_bridge("bridge.video.done", frames=frames, t_ms=round((time.perf_counter() - started) * 1000, 1))
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.id, "session_id": self.session_id, "connection_state": self.pc.connectionState,
+                "playout": vars(self.buffer.stats) | {"queued_ms": round(self.buffer.queued_ms)},
+                "stats": {k: v for k, v in vars(self.stats).items() if k != "opened_at"},
+                "age_s": round(time.perf_counter() - self.stats.opened_at, 1)}
+
+
+def _refusal(exc: grpc.aio.AioRpcError) -> SessionRefused:
+    reason = error_reason(exc)
+    detail = f"{exc.code().name}: {exc.details()}" + (f" ({reason})" if reason else "")
+    if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) and reason:
+        return SessionRefused(503, f"the rtmedia server refused the session: {detail}")
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return SessionRefused(502, f"cannot reach the rtmedia server: {detail}")
+    return SessionRefused(502, f"the rtmedia server failed to open a session: {detail}")

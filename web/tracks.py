@@ -1,0 +1,305 @@
+"""Media tracks of the WebRTC bridge: the reply audio the browser hears, the decoded
+video it watches, and the microphone resampler that feeds the session.
+
+Media is pulled at the pace of a clock (aiortc calls `recv()`); nothing pushes into
+an unbounded queue:
+
+- `PlayoutBuffer`: reply audio, a bounded FIFO of 48 kHz mono samples tagged with
+  the response they belong to. The track takes one 20 ms frame per tick; an empty
+  buffer plays silence and counts an underrun; `clear()` (barge-in) drops everything
+  at once. It remembers how much of each response was played out, which is what
+  the bridge acknowledges to the server (`playback.ack`).
+- `ReplyAudioTrack`: 20 ms frames at 48 kHz from a `PlayoutBuffer`, paced by the clock.
+- `VideoFrameTrack`: decoded RGB frames from a bounded queue, paced at the clip's fps.
+- `MicResampler`: browser audio frames (Opus decodes to 48 kHz stereo) to PCM16 mono
+  at the session's input rate, with `av.AudioResampler`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fractions
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import av
+import numpy as np
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+PLAYOUT_RATE = 48000
+FRAME_MS = 20
+FRAME_SAMPLES = PLAYOUT_RATE * FRAME_MS // 1000  # 960
+VIDEO_CLOCK = 90000  # RTP video clock
+MAX_TRACKED_RESPONSES = 64  # playout positions remembered for acknowledgement
+
+
+@dataclass
+class PlayoutStats:
+    frames: int = 0  # frames pulled
+    audio_frames: int = 0  # frames that carried some reply audio
+    underruns: int = 0  # frames that ran dry in the middle of a reply
+    cleared: int = 0  # clear() calls that dropped audio
+    dropped_samples: int = 0  # samples dropped by clear() or by overflow
+    overflow_samples: int = 0  # samples dropped because the buffer was full
+
+
+class PlayoutBuffer:
+    """A bounded FIFO of reply audio at 48 kHz mono, with per-response playout positions.
+
+    `push()` appends a response's samples (int16); when more than `max_ms` would be
+    queued the oldest samples are dropped and counted. `pull()` takes one frame,
+    padding with silence. `clear()` drops what is queued. `played(response_id)`:
+    samples of that response pulled so far; `received(response_id)`: samples pushed.
+    """
+
+    def __init__(self, max_ms: int = 3000, rate: int = PLAYOUT_RATE) -> None:
+        if max_ms <= 0:
+            raise ValueError(f"max_ms must be positive, got {max_ms}")
+        self.rate = rate
+        self.capacity = rate * max_ms // 1000
+        self._queue: deque[tuple[str, np.ndarray]] = deque()  # (response_id, samples), front partly played
+        self._offset = 0  # samples of the front segment already played
+        self._queued = 0
+        self._played: OrderedDict[str, int] = OrderedDict()
+        self._received: dict[str, int] = {}
+        self._in_reply = False  # the previous frame carried audio
+        self.stats = PlayoutStats()
+
+    @property
+    def queued_samples(self) -> int:
+        return self._queued
+
+    @property
+    def queued_ms(self) -> float:
+        return self._queued * 1000 / self.rate
+
+    def played(self, response_id: str) -> int:
+        return self._played.get(response_id, 0)
+
+    def received(self, response_id: str) -> int:
+        return self._received.get(response_id, 0)
+
+    def holds(self, response_id: str) -> bool:
+        """Some of the response's audio is still queued."""
+        return any(rid == response_id for rid, _ in self._queue)
+
+    def responses(self) -> list[str]:
+        """Responses with a playout position, oldest first."""
+        return list(self._played)
+
+    def push(self, response_id: str, samples: np.ndarray) -> None:
+        samples = np.asarray(samples)
+        if samples.dtype != np.int16 or samples.ndim != 1:
+            raise ValueError(f"expected mono int16 samples, got {samples.dtype} with shape {samples.shape}")
+        if not len(samples):
+            return
+        if response_id not in self._played:
+            self._played[response_id] = 0
+            while len(self._played) > MAX_TRACKED_RESPONSES:
+                old, _ = self._played.popitem(last=False)
+                self._received.pop(old, None)
+        self._received[response_id] = self._received.get(response_id, 0) + len(samples)
+        self._queue.append((response_id, samples))
+        self._queued += len(samples)
+        excess = self._queued - self.capacity
+        if excess > 0:
+            self._drop(excess)
+            self.stats.overflow_samples += excess
+
+    def _drop(self, count: int) -> None:
+        """Drop `count` samples from the front (counted as dropped, not played)."""
+        self.stats.dropped_samples += count
+        while count > 0 and self._queue:
+            _, seg = self._queue[0]
+            left = len(seg) - self._offset
+            if left <= count:
+                self._queue.popleft()
+                self._offset = 0
+                self._queued -= left
+                count -= left
+            else:
+                self._offset += count
+                self._queued -= count
+                count = 0
+
+    def pull(self, n: int = FRAME_SAMPLES) -> np.ndarray:
+        """The next `n` samples: queued audio, then silence."""
+        out = np.zeros(n, np.int16)
+        filled = 0
+        while filled < n and self._queue:
+            rid, seg = self._queue[0]
+            take = min(n - filled, len(seg) - self._offset)
+            out[filled:filled + take] = seg[self._offset:self._offset + take]
+            filled += take
+            self._offset += take
+            self._queued -= take
+            if rid in self._played:
+                self._played[rid] += take
+            if self._offset == len(seg):
+                self._queue.popleft()
+                self._offset = 0
+        self.stats.frames += 1
+        if filled:
+            self.stats.audio_frames += 1
+        if self._in_reply and filled < n:
+            self.stats.underruns += 1
+        self._in_reply = filled == n and bool(self._queue)
+        return out
+
+    def clear(self) -> int:
+        """Drop everything queued at once (barge-in); returns the samples dropped."""
+        dropped = self._queued
+        if dropped:
+            self._drop(dropped)
+            self.stats.cleared += 1
+        self._queue.clear()
+        self._offset = self._queued = 0
+        self._in_reply = False
+        return dropped
+
+
+class ReplyAudioTrack(MediaStreamTrack):
+    """The outgoing audio track: a 20 ms, 48 kHz mono frame per tick from a PlayoutBuffer.
+
+    Frames are due at `start + pts / rate`; a late caller gets frames back to back
+    until it has caught up (as aiortc's own AudioStreamTrack does)."""
+
+    kind = "audio"
+
+    def __init__(self, buffer: PlayoutBuffer) -> None:
+        super().__init__()
+        self.buffer = buffer
+        self._start: float | None = None
+        self._pts = 0
+        self._time_base = fractions.Fraction(1, buffer.rate)
+        self._frame_samples = buffer.rate * FRAME_MS // 1000
+
+    async def recv(self) -> av.AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        if self._start is None:
+            self._start = time.perf_counter()
+        else:
+            self._pts += self._frame_samples
+            delay = self._start + self._pts / self.buffer.rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        samples = self.buffer.pull(self._frame_samples)
+        frame = av.AudioFrame(format="s16", layout="mono", samples=self._frame_samples)
+        frame.planes[0].update(samples.tobytes())
+        frame.sample_rate = self.buffer.rate
+        frame.pts = self._pts
+        frame.time_base = self._time_base
+        return frame
+
+
+class VideoFrameTrack(MediaStreamTrack):
+    """The outgoing video track: RGB24 frames from a bounded queue, paced at their fps.
+
+    `put()` waits while the queue is full (flow control back to the decode stream).
+    A frame is due at `clip_start + index / fps`; the clip clock restarts when a frame
+    arrives after the queue ran dry, so a slow decode shows frames as they come
+    instead of rushing to catch up. `recv()` waits for a frame (nothing is sent
+    between clips). RTP timestamps advance with the frames' own durations.
+    """
+
+    kind = "video"
+
+    def __init__(self, max_frames: int = 32) -> None:
+        super().__init__()
+        self._queue: asyncio.Queue[tuple[np.ndarray, float]] = asyncio.Queue(max_frames)
+        self._clip_start: float | None = None
+        self._index = 0
+        self._pts = 0
+        self._next_pts = 0
+        self._time_base = fractions.Fraction(1, VIDEO_CLOCK)
+        self.frames_sent = 0
+
+    async def put(self, frame: np.ndarray, fps: float) -> None:
+        if frame.dtype != np.uint8 or frame.ndim != 3 or frame.shape[2] != 3:
+            raise ValueError(f"expected an H x W x 3 uint8 frame, got {frame.dtype} {frame.shape}")
+        if not fps > 0:
+            raise ValueError(f"fps must be positive, got {fps}")
+        await self._queue.put((frame, fps))
+
+    def restart_clip(self) -> None:
+        """The next frame starts a new clip clock (a new decode)."""
+        self._clip_start = None
+
+    async def recv(self) -> av.VideoFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        if self._queue.empty():
+            self._clip_start = None  # ran dry: restart the clock with the next frame
+        rgb, fps = await self._queue.get()
+        now = time.perf_counter()
+        if self._clip_start is None:
+            self._clip_start, self._index = now, 0
+        else:
+            self._index += 1
+            delay = self._clip_start + self._index / fps - now
+            if delay > 0:
+                await asyncio.sleep(delay)
+        frame = av.VideoFrame.from_ndarray(_even(rgb), format="rgb24")
+        self._pts = self._next_pts
+        self._next_pts += max(1, round(VIDEO_CLOCK / fps))
+        frame.pts = self._pts
+        frame.time_base = self._time_base
+        self.frames_sent += 1
+        return frame
+
+
+def _even(rgb: np.ndarray) -> np.ndarray:
+    """Pad a frame to even width and height (YUV 4:2:0 encoders need them)."""
+    h, w = rgb.shape[:2]
+    if h % 2 == 0 and w % 2 == 0:
+        return np.ascontiguousarray(rgb)
+    return np.pad(rgb, ((0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+
+
+class MicResampler:
+    """Browser audio frames -> PCM16 mono bytes at `rate`, streaming.
+
+    One `av.AudioResampler` per input format: when the source's rate, layout or
+    sample format changes mid-stream (a renegotiated codec), the old resampler is
+    flushed and a new one made, so no audio is lost or misread. Input timestamps
+    are ignored (packet loss leaves gaps in them; the session counts samples)."""
+
+    def __init__(self, rate: int) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be positive, got {rate}")
+        self.rate = rate
+        self._resampler: av.AudioResampler | None = None
+        self._source: tuple[int, str, str] | None = None
+        self.frames_in = 0
+        self.samples_out = 0
+
+    def _new(self) -> av.AudioResampler:
+        return av.AudioResampler(format="s16", layout="mono", rate=self.rate)
+
+    def resample(self, frame: av.AudioFrame) -> bytes:
+        source = (frame.sample_rate, frame.layout.name, frame.format.name)
+        out = b""
+        if source != self._source:
+            out = self.flush()
+            self._resampler, self._source = self._new(), source
+        self.frames_in += 1
+        if not frame.samples:
+            return out
+        frame.pts = None
+        assert self._resampler is not None
+        return out + self._collect(self._resampler.resample(frame))
+
+    def flush(self) -> bytes:
+        """The resampler's tail (call at the end of the stream)."""
+        if self._resampler is None:
+            return b""
+        tail = self._collect(self._resampler.resample(None))
+        self._resampler, self._source = None, None
+        return tail
+
+    def _collect(self, frames: list[av.AudioFrame]) -> bytes:
+        data = b"".join(bytes(f.planes[0])[: f.samples * 2] for f in frames)
+        self.samples_out += len(data) // 2
+        return data
