@@ -9,7 +9,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 50051
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint proto clean
+.PHONY: setup serve test lint loadtest-smoke proto clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python tests/perf/loadtest_smoke.py
+
+# A short `rtmedia loadtest` against a real server (under 60 s); part of `make test`.
+loadtest-smoke: setup
+	$(BIN)/python tests/perf/loadtest_smoke.py
 
 proto: setup
 	$(BIN)/python proto/generate.py
