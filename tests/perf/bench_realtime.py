@@ -30,6 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from rtmedia.clients.loadtest_report import latency_summary as summary  # noqa: E402
 from rtmedia.engines.vad import WINDOW, VadEngine, VadItem  # noqa: E402
 
 from tests.perf.bench_speech import machine  # noqa: E402
@@ -46,16 +47,6 @@ SENTENCES = [
 ]
 LONG = ("Tell me everything about the weather this week, the rain on Monday, the wind on Tuesday, "
         "and the sunshine that everyone expects at the weekend.")
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    return round(float(np.percentile(values, q)), 1)
-
-
-def summary(values: list[float]) -> dict:
-    return {"p50": pct(values, 50), "p95": pct(values, 95), "max": pct(values, 100), "count": len(values)}
 
 
 class Clip:

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.support.serve import RTMEDIA, free_port, wait_serving  # noqa: E402
+from tests.support.serve import RTMEDIA, running_server  # noqa: E402
 
 SMOKE = ["--profile", "mixed", "--sessions", "8", "--ramp-per-s", "4", "--duration", "14", "--chunk-ms", "20",
          "--slo-p95-ms", "1500", "--fail-on-slo", "--quiet"]
@@ -28,16 +28,9 @@ def main() -> int:
     parser.add_argument("--report", default=None)
     args = parser.parse_args()
     started = time.perf_counter()
-    port = free_port()
-    server = subprocess.Popen([RTMEDIA, "serve", "--port", str(port), "--metrics-port", "0", "--no-llm",
-                               "--responder", "echo", "--log-level", "WARNING", "--grace", "2"])
-    try:
-        wait_serving(f"127.0.0.1:{port}", server)
+    with running_server("--metrics-port", "0", "--no-llm", "--responder", "echo", "--grace", "2") as (target, _):
         extra = ["--report", args.report] if args.report else []
-        result = subprocess.run([RTMEDIA, "loadtest", "--target", f"127.0.0.1:{port}", *SMOKE, *extra], check=False)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+        result = subprocess.run([RTMEDIA, "loadtest", "--target", target, *SMOKE, *extra], check=False)
     print(f"loadtest-smoke: {'passed' if result.returncode == 0 else 'FAILED'} in "
           f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
     return result.returncode

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -36,3 +39,25 @@ def wait_serving(target: str, process: subprocess.Popen, timeout: float = 120) -
                 pass
             time.sleep(0.2)
     raise TimeoutError("rtmedia serve did not become SERVING")
+
+
+@contextmanager
+def running_server(*args: str, log: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`rtmedia serve ARGS` on a free port, once SERVING: (target, process); terminated at exit.
+    Its output goes to `log` (default: discarded)."""
+    port = free_port()
+    with open(log, "wb") if log else open(os.devnull, "wb") as out:
+        process = subprocess.Popen([RTMEDIA, "serve", "--port", str(port), *args], stdout=out,
+                                   stderr=subprocess.STDOUT)
+    target = f"127.0.0.1:{port}"
+    try:
+        wait_serving(target, process)
+        yield target, process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
