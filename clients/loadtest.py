@@ -300,6 +300,7 @@ class Person:
             await self.call.write(msg)
             await self.acknowledge(now)
             n += 1
+            self.stats.chunks += 1
             lag = time.perf_counter() - (t0 + n * chunk_s)
             if lag < 0:
                 await asyncio.sleep(-lag)

@@ -45,6 +45,7 @@ class Stats:
     active: int = 0
     turns: int = 0
     responses: int = 0
+    chunks: int = 0  # append events sent
     late_chunks: int = 0  # chunks the load generator sent more than one chunk late
     max_send_lag_ms: float = 0.0
     timeline: list[dict[str, Any]] = field(default_factory=list)
@@ -87,6 +88,7 @@ def build_report(stats: Stats, settings: dict[str, Any], wall_s: float, cpu_s: f
         "sessions_rejected": stats.rejected,
         "turns": stats.turns,
         "responses": stats.responses,
+        "chunks_sent": stats.chunks,
         "errors": sum(stats.errors.values()),
         "errors_by_code": dict(sorted(stats.errors.items())),
         "underruns": stats.underruns,
