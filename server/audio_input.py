@@ -111,8 +111,11 @@ class AudioInput:
         old, self._settings = self._settings, settings
         if reset or old.input_format != settings.input_format or old.turn_type != settings.turn_type:
             self._next = self._make_frontend(settings)
+        elif self._next is not None:
+            # A new frontend is still waiting for its tick: keep it (with these settings),
+            # or the session would go on decoding audio in the previous format.
+            self._next = self._make_frontend(settings)
         elif self._frontend.detector is not None:
-            self._next = None
             self._frontend.settings = settings
 
     def clear(self) -> int:
