@@ -302,3 +302,35 @@ async def test_speech_keeps_its_latency_during_a_long_decode(server, channel, sp
         await background
     assert steps > 20, "the decode ran alongside the speech"
     assert max(during) <= 1.5 * max(baseline) + 0.15, (baseline, during)
+
+
+async def test_health_says_serving(channel):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    reply = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="rtmedia.v1.VideoService"))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_decode_video_cli(server, channel, tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    z = latent(4, 4, 4, seed=4)
+    np.save(tmp_path / "lat.npy", z[None])
+    rtmedia = str(Path(sys.executable).with_name("rtmedia"))
+    proc = await asyncio.create_subprocess_exec(
+        rtmedia, "decode-video", str(tmp_path / "lat.npy"), "-o", str(tmp_path / "out.mp4"), "--raw-dir",
+        str(tmp_path / "raw"), "--fps", "8", "--json", "--target", f"127.0.0.1:{server.port}",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    lines = [json.loads(line) for line in out.decode().splitlines()]
+    assert [c["frames"] for c in lines[:-1]] == [1, 4, 4, 4] and lines[-2]["is_final"]
+    assert lines[-1]["type"] == "summary" and lines[-1]["frames"] == 13 and lines[-1]["first_frame_ms"] > 0
+    raw = np.concatenate([np.load(tmp_path / "raw" / f"chunk_{n:05d}.npy") for n in range(4)])
+    _, chunks = await decode(channel, request(z))
+    assert np.array_equal(raw, frames_of(chunks))
+    with av.open(str(tmp_path / "out.mp4")) as container:
+        assert len(list(container.decode(video=0))) == 13 and container.streams.video[0].average_rate == 8
