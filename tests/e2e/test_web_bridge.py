@@ -14,9 +14,9 @@ import aiohttp
 import numpy as np
 import pytest
 
-from tests.support.serve import RTMEDIA, free_port, wait_serving
+from tests.support.serve import RTMEDIA, free_port
 from tests.support.speech import wer
-from tests.support.webrtc import RATE, BridgePeer
+from tests.support.webrtc import RATE, BridgePeer, serve_with_web, wait_http
 
 pytestmark = pytest.mark.e2e
 SENTENCE = "Hello, can you hear me today?"
@@ -24,43 +24,11 @@ LONG = "Please tell me a long story about the weather in the mountains and the s
 INTERRUPTION = "Stop, that is enough."
 
 
-def wait_http(url: str, process: subprocess.Popen, timeout: float = 30) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args} exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer")
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """`rtmedia serve --web`: the server and the bridge beside it, in one process."""
-    port, web_port = free_port(), free_port()
-    log = tmp_path_factory.mktemp("web") / "serve.log"
-    with open(log, "wb") as log_file:
-        process = subprocess.Popen(
-            [RTMEDIA, "serve", "--port", str(port), "--metrics-port", "0", "--grace", "2", "--no-llm",
-             "--responder", "echo", "--web", "--web-port", str(web_port), "--web-max-peers", "4"],
-            stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        wait_serving(f"127.0.0.1:{port}", process)
-        wait_http(f"http://127.0.0.1:{web_port}/healthz", process)
-        yield {"target": f"127.0.0.1:{port}", "url": f"http://127.0.0.1:{web_port}", "process": process, "log": log}
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with serve_with_web(tmp_path_factory.mktemp("web"), "--web-max-peers", "4") as info:
+        yield info
 
 
 @pytest.fixture(scope="module")
@@ -252,3 +220,34 @@ def test_web_cli_against_a_missing_server(tmp_path):
         out, _ = process.communicate(timeout=15)
     assert process.returncode == 0, out
     assert f"open http://127.0.0.1:{web_port}/" in out.decode()
+
+
+async def test_video_plays_while_talking(served, voice):
+    """A demo DecodeVideo streams onto the video track at the clip's fps while a turn is answered."""
+    fps, shape = 12.0, [16, 6, 6, 8]  # -> 1 + 4 * 5 = 21 frames of 48 x 64
+    async with aiohttp.ClientSession() as http:
+        peer = BridgePeer(served["url"], video=True)
+        try:
+            await peer.connect(http)
+            await peer.wait_for("bridge.peer")
+            await asyncio.sleep(0.3)
+            peer.send({"type": "bridge.video.request", "latent_shape": shape, "fps": fps, "seed": 7})
+            peer.mic.say(voice(SENTENCE))
+            started = await peer.wait_for("bridge.video.started", timeout=10)
+            done = await peer.wait_for("bridge.video.done", timeout=60)
+            assert done["frames"] == 21, done
+            chunks = peer.of_type("bridge.video.chunk")
+            assert [c["chunk_index"] for c in chunks] == list(range(len(chunks))) and chunks[-1]["is_final"]
+            assert sum(c["frame_count"] for c in chunks) == 21
+            assert (chunks[0]["width"], chunks[0]["height"]) == (64, 48)
+            reply = await peer.wait_for("response.done", timeout=30)
+            assert reply["status"] == "completed"
+            await asyncio.sleep(0.5)
+            frames = [t for t, _ in peer.video_frames if t >= started["t"]]
+            assert len(frames) >= 18, len(frames)  # a keyframe wait may cost the first one or two
+            assert {size for _, size in peer.video_frames} == {(64, 48)}
+            span = frames[-1] - frames[0]
+            expected = (len(frames) - 1) / fps
+            assert 0.8 * expected <= span <= 1.5 * expected + 0.3, (span, expected)
+        finally:
+            await peer.close()

@@ -7,7 +7,12 @@ from __future__ import annotations
 import asyncio
 import fractions
 import json
+import subprocess
 import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -15,6 +20,8 @@ import av
 import numpy as np
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+from tests.support.serve import RTMEDIA, free_port, wait_serving
 
 RATE = 48000
 FRAME = 960  # 20 ms
@@ -166,3 +173,41 @@ class BridgePeer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.pc.close()
+
+
+def wait_http(url: str, process: subprocess.Popen, timeout: float = 30) -> None:
+    """Block until `url` answers; raise if the process exits or it takes too long."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args} exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer")
+
+
+@contextmanager
+def serve_with_web(log_dir: Path, *extra: str) -> Iterator[dict[str, Any]]:
+    """`rtmedia serve --web` (echo responder, no LM): the server and the bridge beside it."""
+    port, web_port = free_port(), free_port()
+    log = log_dir / "serve.log"
+    with open(log, "wb") as log_file:
+        process = subprocess.Popen(
+            [RTMEDIA, "serve", "--port", str(port), "--metrics-port", "0", "--grace", "2", "--no-llm",
+             "--responder", "echo", "--web", "--web-port", str(web_port), *extra],
+            stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        wait_serving(f"127.0.0.1:{port}", process)
+        wait_http(f"http://127.0.0.1:{web_port}/healthz", process)
+        yield {"target": f"127.0.0.1:{port}", "url": f"http://127.0.0.1:{web_port}", "process": process, "log": log}
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

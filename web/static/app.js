@@ -209,8 +209,12 @@ async function start() {
   setState("connecting");
   try {
     const config = await (await fetch("/config")).json();
+    // ?processing=off turns the browser's echo cancellation, noise suppression and gain
+    // control off (for a headset, or a test's fake microphone playing a file).
+    const processing = new URLSearchParams(location.search).get("processing") !== "off";
     mic = await navigator.mediaDevices.getUserMedia({
-      audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 },
+      audio: { echoCancellation: processing, noiseSuppression: processing, autoGainControl: processing,
+               channelCount: 1 },
     });
     const pc = new RTCPeerConnection({ iceServers: config.ice_servers || [] });
     rtmedia.pc = pc;
