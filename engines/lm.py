@@ -10,11 +10,11 @@ ONE forward pass whose batch is padded up to the next size in `batch_sizes`
 (the fixed shapes a GPU build captures as CUDA graphs, SPEC §4).
 
 Per-row positions. transformers' `StaticCache` advances one shared position
-for the whole batch, but sessions have different lengths. `_SlotCache` is a
-`Cache` whose layers (`_SlotLayer`) are told, before each forward, which cache
-rows the batch rows map to and where each row writes: on `update()` a decode
-scatters row b's new K/V into `keys[rows[b], :, pos[b]]` and returns K/V over
-positions [0, L), L = max(pos) + 1; a prefill writes `keys[slot, :, s:s+n]`.
+for the whole batch, but sessions have different lengths. Each forward gets a
+`write` function that knows which cache rows the batch rows map to and where
+each row writes: a decode scatters row b's new K/V into
+`keys[rows[b], :, pos[b]]` and returns K/V over positions [0, L),
+L = max(pos) + 1; a prefill writes `keys[slot, :, s:s+n]`.
 The model gets `position_ids` [B, q] (RoPE per row) and an explicit 4D
 additive mask [B, 1, q, L] that hides, per row, everything after that row's
 own position (stale entries of a slot's previous occupant and the tails of
@@ -23,6 +23,25 @@ mask as given (before consulting the cache), and both eager and SDPA
 attention add a float mask to the scores, so no mask sizing by the cache is
 needed; `_SlotLayer.get_seq_length`/`get_mask_sizes` raise, so a model that
 did consult them would fail loudly instead of silently misplacing tokens.
+
+Two forwards. Llama-family models (Llama, Mistral, Qwen2, incl. the embedded
+SmolLM2) run through `CompactLlama` (engines/lm_llama.py): the same arithmetic
+with fused projections and far fewer Python-level ops, calling `write` per
+layer itself. Every other model runs through transformers' own forward with
+`_SlotCache`, a `Cache` whose layers call `write` from `update()`.
+`quantize="int8"` (the CPU default of the server) runs the linear layers as
+per-row int8 matrix multiplies (engines/lm_quant.py).
+
+Batch invariance. A session's logits should not depend on who shares its
+decode step. Attention is the one place where they can: a reduction over L
+positions sums in an order that depends on L, and L is set by the longest row
+of the batch. In float32 that is rounding noise (~1e-5 on the embedded model),
+but int8 activation rounding amplifies it (measured: 11 of 320 greedy tokens
+changed at 16 sessions). So in the compact forward a decode row attends over
+its own length rounded up to ATTENTION_SPAN positions, rows of equal span in
+one attention call: a row then sums the same terms in the same order alone or
+in any batch, and with int8 linear layers (exact integer matmuls, per-row
+scales) batched decode is bit-identical to one-by-one decode (tested).
 
 Memory traffic. A prefill returns a view of its slot's row (no copy). A
 decode gathers the batch's rows with one `index_select` over [0, L) only
@@ -51,8 +70,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .base import EngineError
+from .lm_llama import CompactLlama, unsupported
+from .lm_quant import quantize_linears
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# A decode row attends over its own length rounded up to this (see "Batch invariance").
+ATTENTION_SPAN = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,17 +111,7 @@ class _SlotLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        o = self.owner
-        if o.row is not None:  # prefill of one slot: write [start, start+n), return a view of [0, end)
-            end = o.start + key_states.shape[2]
-            self.keys[o.row, :, o.start : end] = key_states[0]
-            self.values[o.row, :, o.start : end] = value_states[0]
-            return self.keys[o.row : o.row + 1, :, :end], self.values[o.row : o.row + 1, :, :end]
-        # decode: batch row b writes at its own position, then reads its slot's positions [0, L)
-        self.keys[o.rows, :, o.pos] = key_states[:, :, 0]
-        self.values[o.rows, :, o.pos] = value_states[:, :, 0]
-        keys = self.keys[:, :, : o.kv_len].index_select(0, o.rows)
-        return keys, self.values[:, :, : o.kv_len].index_select(0, o.rows)
+        return self.owner.write(self.keys, self.values, key_states, value_states)
 
     def get_seq_length(self) -> int:
         raise NotImplementedError("slot cache lengths are per row; pass position_ids and a 4D mask")
@@ -111,14 +124,38 @@ class _SlotLayer(CacheLayerMixin):
 
 
 class _SlotCache(Cache):
-    """All layers' K/V rows plus the current forward's row mapping (see module docstring)."""
+    """All layers' K/V rows; `write` (set per forward by the engine) stores new K/V and returns what to attend."""
 
     def __init__(self, shape: tuple[int, int, int, int], n_layers: int, dtype: torch.dtype, device: Any):
-        self.row: int | None = None  # prefill: the slot, and where its new tokens start
-        self.start = 0
-        self.rows = self.pos = torch.zeros(0, dtype=torch.long)  # decode: cache row, position per batch row
-        self.kv_len = 0  # decode: L
+        self.write: Any = None
         super().__init__(layers=[_SlotLayer(self, shape, dtype, device) for _ in range(n_layers)])
+
+    @property
+    def tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in self.layers]
+
+
+def _prefill_writer(slot: int, start: int) -> Any:
+    """One slot appends q tokens at [start, start + q) and attends over a view of [0, start + q)."""
+
+    def write(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        end = start + k.shape[2]
+        keys[slot, :, start:end] = k[0]
+        values[slot, :, start:end] = v[0]
+        return keys[slot : slot + 1, :, :end], values[slot : slot + 1, :, :end]
+
+    return write
+
+
+def _decode_writer(rows: torch.Tensor, pos: torch.Tensor, kv_len: int) -> Any:
+    """Batch row b writes one token at its own position of cache row rows[b], then reads [0, kv_len)."""
+
+    def write(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        keys[rows, :, pos] = k[:, :, 0]
+        values[rows, :, pos] = v[:, :, 0]
+        return keys[:, :, :kv_len].index_select(0, rows), values[:, :, :kv_len].index_select(0, rows)
+
+    return write
 
 
 class LmEngine:
@@ -141,16 +178,23 @@ class LmEngine:
         batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128),
         dtype: torch.dtype = torch.float32,
         threads: int | None = None,
+        compact: bool = True,
+        quantize: str | None = None,
     ) -> None:
         if (model_dir is None) == (model is None):
             raise ValueError("give exactly one of model_dir and model")
         if slots < 1 or context < 2 or not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"need slots, batch sizes >= 1 and context >= 2; got {slots}, {batch_sizes}, {context}")
+        if quantize not in (None, "int8"):
+            raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
         self.model_dir = None if model_dir is None else Path(model_dir)
         self._given = model  # a caller's model is reused by a load() after close()
         self.model: Any = None
         self.tokenizer: Any = None
         self.context, self.dtype, self._threads = context, dtype, threads
+        self._want_compact, self.quantize = compact, quantize
+        self.compact: CompactLlama | None = None
+        self.compact_refused: str | None = None  # why the transformers forward is used, when it is
         self._slots = slots
         # Padded batch sizes: the configured ones capped at `slots`, plus `slots` so any batch fits.
         self.batch_sizes = tuple(sorted({min(b, slots) for b in batch_sizes} | {slots}))
@@ -193,6 +237,13 @@ class LmEngine:
             param = next(self.model.parameters())
             shape = (self._slots + 1, kv_heads, self.context, head_dim)
             self._cache = _SlotCache(shape, cfg.num_hidden_layers, param.dtype, param.device)
+            if self.quantize is not None and param.device.type != "cpu":
+                raise EngineError(f"quantize={self.quantize} is the CPU path; the model is on {param.device}")
+            self.compact_refused = unsupported(self.model) if self._want_compact else "compact forward disabled"
+            if self.compact_refused is None:
+                self.compact = CompactLlama(self.model, self.context, self.quantize)
+            elif self.quantize == "int8":
+                quantize_linears(self.model)  # the transformers forward on int8 linears
 
     def warmup(self) -> None:
         """One prefill and one decode per padded batch size, on a scratch slot that is then freed."""
@@ -211,7 +262,7 @@ class LmEngine:
 
     def close(self) -> None:
         with self._run, self._lock:
-            self._cache = None
+            self._cache = self.compact = None
             self.model = self.tokenizer = None
             self._free = list(range(self._slots))
             self._length = [0] * self._slots
@@ -247,6 +298,13 @@ class LmEngine:
                 self._length[slot] = 0
                 self._epoch[slot] += 1
                 self._free.append(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Keep only the slot's first `length` tokens (a kept conversation that diverges there)."""
+        with self._lock:
+            if not (0 <= slot < self._slots and self._held[slot]):
+                raise EngineError(f"slot {slot} is not acquired")
+            self._length[slot] = max(0, min(length, self._length[slot]))
 
     def length(self, slot: int) -> int:
         """Tokens the slot holds (0 when free)."""
@@ -284,20 +342,10 @@ class LmEngine:
             device = cache.layers[0].keys.device
             q = torch.arange(start, start + n, device=device)
             mask = self._mask(q[None, :, None] >= torch.arange(start + n, device=device))  # [1, n, start+n]
-            cache.row, cache.start = slot, start
-            try:
-                logits = self.model(
-                    input_ids=torch.tensor([list(token_ids)], device=device),
-                    position_ids=q[None],
-                    attention_mask=mask,
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                ).logits
-            finally:
-                cache.row = None
+            tokens = torch.tensor([list(token_ids)], device=device)
+            logits = self._forward(cache, tokens, q[None], mask, _prefill_writer(slot, start))
             self._commit([slot], [epoch], n)
-            return logits[0, -1].float()
+            return logits[0]
 
     def decode(self, tokens: Mapping[int, int]) -> dict[int, torch.Tensor]:
         """One forward pass for all given slots (each at its own position); next-token logits per slot."""
@@ -315,19 +363,35 @@ class LmEngine:
             starts, epochs = self._claim(slots, extra=1)
             pad = size - len(slots)
             device = cache.layers[0].keys.device
-            cache.rows = torch.tensor(slots + [self._slots] * pad, device=device)  # padding -> scratch row
-            cache.pos = torch.tensor(starts + [0] * pad, device=device)
-            cache.kv_len = max(starts) + 1
-            mask = self._mask(cache.pos[:, None, None] >= torch.arange(cache.kv_len, device=device))
-            logits = self.model(
-                input_ids=torch.tensor([tokens[s] for s in slots] + [0] * pad, device=device)[:, None],
-                position_ids=cache.pos[:, None],
-                attention_mask=mask,
-                cache=cache,
-                use_cache=True,
-            ).logits
+            rows = torch.tensor(slots + [self._slots] * pad, device=device)  # padding -> scratch row
+            pos = torch.tensor(starts + [0] * pad, device=device)
+            spans = [self._span(p) for p in [*starts, *[0] * pad]]
+            kv_len = max(spans)
+            mask = self._mask(pos[:, None, None] >= torch.arange(kv_len, device=device))
+            groups = [(torch.tensor([i for i, n in enumerate(spans) if n == span], device=device), span)
+                      for span in sorted(set(spans))]
+            tokens_in = torch.tensor([tokens[s] for s in slots] + [0] * pad, device=device)[:, None]
+            logits = self._forward(cache, tokens_in, pos[:, None], mask, _decode_writer(rows, pos, kv_len), groups)
             self._commit(slots, epochs, 1)
-            return {s: logits[i, -1].float() for i, s in enumerate(slots)}
+            return {s: logits[i] for i, s in enumerate(slots)}
+
+    def _span(self, position: int) -> int:
+        """Positions a decode row at `position` attends over: its length rounded up to ATTENTION_SPAN."""
+        return min(self.context, -(-(position + 1) // ATTENTION_SPAN) * ATTENTION_SPAN)
+
+    def _forward(self, cache: _SlotCache, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                 write: Any, groups: list[tuple[torch.Tensor, int]] | None = None) -> torch.Tensor:
+        """Float32 logits [B, vocab] of each row's last position, through the compact or the transformers
+        forward; `write` places the new K/V in the cache (see _prefill_writer/_decode_writer)."""
+        if self.compact is not None:
+            return self.compact.forward(tokens, positions, mask, cache.tensors, write, groups)
+        cache.write = write
+        try:
+            out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
+                             use_cache=True, logits_to_keep=1)
+        finally:
+            cache.write = None
+        return out.logits[:, -1].float()
 
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
         """Additive float mask [B, 1, q, L] from a boolean [B, q, L] (True = attend)."""

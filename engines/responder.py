@@ -9,7 +9,7 @@ conversation (already truncated to what the user heard) with each request.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,9 +29,15 @@ class ReplyRequest:
     # Called with the queue position when the reply must wait for a shared resource
     # (an LM slot); the session tells its client.
     on_wait: Callable[[int], None] | None = None
+    # The conversation (session id) the reply belongs to: an LM responder keeps its
+    # KV cache between the conversation's turns.
+    conversation: Hashable | None = None
 
 
 class Responder(Protocol):
+    """Optionally also `async prepare(request)` (get ready for the reply to `request.history`
+    plus a user turn not yet transcribed) and `forget(conversation)` (the conversation ended)."""
+
     name: str
 
     def reply(self, request: ReplyRequest) -> AsyncIterator[str]:

@@ -72,12 +72,13 @@ class RtmediaServer:
         self.scheduler.add(VideoEngine(config.video_vae, threads=config.video_threads),
                            LanePolicy(Priority.BULK, max_batch=1, concurrency=1))
         lanes = {}
+        lm_options = dict(slots=config.lm_slots, context=config.lm_context, threads=config.lm_threads,
+                          quantize=None if config.lm_quantize == "none" else config.lm_quantize)
         if config.llm:
-            engine = EmbeddedLmEngine(slots=config.lm_slots, context=config.lm_context, threads=config.lm_threads)
+            engine = EmbeddedLmEngine(**lm_options)
             lanes["llm"] = self.scheduler.add_lm("llm", LmLane(engine, self.metrics))
         if config.transformers_model:
-            engine = LmEngine(config.transformers_model, slots=config.lm_slots, context=config.lm_context,
-                              threads=config.lm_threads)
+            engine = LmEngine(config.transformers_model, **lm_options)
             lanes["transformers"] = self.scheduler.add_lm("transformers", LmLane(engine, self.metrics))
         extra = {}
         if config.openai_url:

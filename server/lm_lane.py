@@ -8,6 +8,17 @@ phase, samples the next tokens (greedy), and hands them to their consumers.
 A generation ends on an end-of-sequence token, at its token limit, or when
 its consumer goes away (barge-in); its slot is freed within that iteration.
 The engine runs in the lane's own thread, never on the event loop.
+
+Kept conversations. A generation may carry a conversation key (the session
+id). When it ends, its slot is kept for that key with the tokens it holds
+(the prompt and every token decoded), and the key's next generation prefills
+only what follows the longest common prefix of those tokens and its new
+prompt: the system prompt and the history are not recomputed each turn, and a
+history cut at barge-in simply re-prefills from the cut. `prepare(key, ids)`
+prefills a prompt's known prefix ahead of time (the session calls it when the
+user starts speaking) when a slot is free. Kept slots are given up, least
+recently used first, whenever a generation would otherwise wait, and when
+their session ends (`forget`).
 """
 
 from __future__ import annotations
@@ -16,8 +27,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +49,24 @@ class Generation:
     produced: int = 0
     cancelled: bool = False
     error: BaseException | None = None
+    key: Hashable | None = None  # the conversation whose slot it keeps
+    prepare_only: bool = False  # prefill the prompt and keep it; never waits
+    cached: list[int] = field(default_factory=list)  # the tokens the slot holds
+
+
+@dataclass
+class Kept:
+    slot: int
+    tokens: list[int]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class LmLane:
@@ -49,6 +78,7 @@ class LmLane:
         self._metrics = metrics
         self._waiting: deque[Generation] = deque()
         self._active: list[Generation] = []
+        self._kept: OrderedDict[Hashable, Kept] = OrderedDict()  # least recently used first
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{self.name}")
         self._task: asyncio.Task[None] | None = None
@@ -61,12 +91,33 @@ class LmLane:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"lm-lane-{self.name}")
 
+    @property
+    def kept(self) -> int:
+        return len(self._kept)
+
+    def prepare(self, key: Hashable, prompt: Sequence[int]) -> None:
+        """Prefill `prompt` into `key`'s slot ahead of its next generation, if a slot is free then."""
+        if prompt:
+            self._waiting.append(Generation(list(prompt), 0, frozenset(), key=key, prepare_only=True))
+            self._wake.set()
+
+    def forget(self, key: Hashable) -> None:
+        """The conversation is over: give up its kept slot and keep nothing more for it."""
+        for generation in [*self._active, *self._waiting]:
+            if generation.key == key:
+                generation.key = None
+        if (kept := self._kept.pop(key, None)) is not None:
+            self.engine.release(kept.slot)
+            self._update_gauges()
+
     async def generate(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
-                       on_wait: Callable[[int], None] | None = None) -> AsyncIterator[int]:
-        """Stream generated token ids. `on_wait(position)` is called if no slot is free."""
-        generation = Generation(list(prompt), max_new_tokens, frozenset(stop_ids))
+                       on_wait: Callable[[int], None] | None = None, key: Hashable | None = None,
+                       ) -> AsyncIterator[int]:
+        """Stream generated token ids. `on_wait(position)` is called if no slot is free.
+        With a `key`, the slot is kept for the key's next generation (see the module docstring)."""
+        generation = Generation(list(prompt), max_new_tokens, frozenset(stop_ids), key=key)
         self.prompts.append(generation.prompt)
-        if on_wait is not None and (self._waiting or not self.engine.slots_free):
+        if on_wait is not None and (self._waiting or not (self.engine.slots_free or self._kept)):
             on_wait(len(self._waiting))
         self._waiting.append(generation)
         self._update_gauges()
@@ -81,14 +132,20 @@ class LmLane:
             self._wake.set()
 
     def _update_gauges(self) -> None:
-        busy = self.engine.slots_total - self.engine.slots_free
-        self._metrics.lm_slots.labels("busy").set(busy)
-        self._metrics.lm_slots.labels("free").set(self.engine.slots_free)
+        free, kept = self.engine.slots_free, len(self._kept)
+        self._metrics.lm_slots.labels("busy").set(self.engine.slots_total - free - kept)
+        self._metrics.lm_slots.labels("kept").set(kept)
+        self._metrics.lm_slots.labels("free").set(free)
         self._metrics.lm_slots.labels("waiting").set(len(self._waiting))
 
     def _finish(self, generation: Generation, error: BaseException | None = None) -> None:
         if generation.slot is not None:
-            self.engine.release(generation.slot)
+            if generation.key is not None and error is None:
+                if (older := self._kept.pop(generation.key, None)) is not None:
+                    self.engine.release(older.slot)
+                self._kept[generation.key] = Kept(generation.slot, generation.cached)
+            else:
+                self.engine.release(generation.slot)
             generation.slot = None
         generation.error = error
         generation.tokens.put_nowait(None)
@@ -113,8 +170,13 @@ class LmLane:
             self._active = [g for g in self._active if g.slot is not None]
             self._waiting = deque(g for g in self._waiting if not g.cancelled)
             admitted = []
-            while self._waiting and (slot := self.engine.acquire()) is not None:
-                generation = self._waiting.popleft()
+            while self._waiting:
+                generation = self._waiting[0]
+                if (slot := self._slot_for(generation)) is None and not generation.prepare_only:
+                    break  # FIFO: wait for a slot
+                self._waiting.popleft()
+                if slot is None:
+                    continue  # a prefill ahead of time never waits
                 generation.slot = slot
                 admitted.append(generation)
             self._update_gauges()
@@ -124,12 +186,16 @@ class LmLane:
                 continue
             started = time.perf_counter()
             for generation in admitted:
+                new = generation.prompt[len(generation.cached):]
                 try:
-                    logits = await loop.run_in_executor(self._executor, self.engine.prefill, generation.slot,
-                                                        generation.prompt)
+                    logits = await loop.run_in_executor(self._executor, self.engine.prefill, generation.slot, new)
                 except Exception as exc:
                     log.exception("LM prefill failed")
                     self._finish(generation, exc)
+                    continue
+                generation.cached += new
+                if generation.prepare_only:
+                    self._finish(generation)
                     continue
                 self._active.append(generation)
                 self._emit(generation, logits)
@@ -145,12 +211,30 @@ class LmLane:
                     for generation in decoding:
                         self._finish(generation, exc)
                 else:
-                    for generation in decoding:
+                    for generation, token in zip(decoding, tokens.values(), strict=True):
+                        generation.cached.append(token)  # its K/V is in the slot now
                         if generation.slot is not None and not generation.cancelled:
                             self._emit(generation, results[generation.slot])
                 self._metrics.lane_batch_size.labels(self.name).observe(len(tokens))
             self._metrics.lane_step_seconds.labels(self.name).observe(time.perf_counter() - started)
             await asyncio.sleep(0)  # let consumers run between steps
+
+    def _slot_for(self, generation: Generation) -> int | None:
+        """A slot for the generation, with `cached` set to the tokens of its prompt the slot already holds:
+        its key's kept slot, a free one, or (unless it only prepares) the least recently kept one."""
+        kept = self._kept.pop(generation.key, None) if generation.key is not None else None
+        if kept is not None:
+            reuse = min(common_prefix(kept.tokens, generation.prompt), len(generation.prompt) - 1)
+            self.engine.truncate(kept.slot, reuse)
+            generation.cached = generation.prompt[:reuse]
+            return kept.slot
+        generation.cached = []
+        slot = self.engine.acquire()
+        if slot is None and self._kept and not generation.prepare_only:
+            _, oldest = self._kept.popitem(last=False)
+            self.engine.release(oldest.slot)
+            slot = self.engine.acquire()
+        return slot
 
     async def close(self) -> None:
         if self._task is not None:
@@ -158,5 +242,9 @@ class LmLane:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for generation in [*self._active, *self._waiting]:
+            generation.key = None
             self._finish(generation)
+        for kept in self._kept.values():
+            self.engine.release(kept.slot)
+        self._kept.clear()
         self._executor.shutdown(wait=True, cancel_futures=True)

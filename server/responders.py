@@ -8,12 +8,13 @@ detokenizes them incrementally into text deltas.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import dataclasses
+from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
 from rtmedia.engines.lm_models import truncate_history_to_fit
-from rtmedia.engines.responder import EchoResponder, ReplyRequest, Responder
-from rtmedia.server.lm_lane import LmLane
+from rtmedia.engines.responder import EchoResponder, Message, ReplyRequest, Responder
+from rtmedia.server.lm_lane import LmLane, common_prefix
 
 # Voice replies are short: the cap when a request leaves max_output_tokens at its default.
 DEFAULT_MAX_TOKENS = 256
@@ -36,14 +37,30 @@ class LmResponder:
                                          self.lane.engine.context)
         return ids
 
+    async def prepare(self, request: ReplyRequest) -> None:
+        """Prefill what the next prompt holds before the user's words (instructions, history)."""
+        if request.conversation is not None:
+            prefix = await asyncio.to_thread(self._known_prefix, request)
+            self.lane.prepare(request.conversation, prefix)
+
+    def _known_prefix(self, request: ReplyRequest) -> list[int]:
+        max_new = _max_new(request)
+        a, b = (self.prompt(dataclasses.replace(request, history=[*request.history, Message("user", word)]), max_new)
+                for word in ("yes", "no"))
+        return a[:common_prefix(a, b)]
+
+    def forget(self, conversation: Hashable) -> None:
+        self.lane.forget(conversation)
+
     async def reply(self, request: ReplyRequest) -> AsyncIterator[str]:
-        max_new = min(request.max_output_tokens or DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS)
+        max_new = _max_new(request)
         tokenizer = self.tokenizer
         prompt = await asyncio.to_thread(self.prompt, request, max_new)
         stop = {t for t in (tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None)) if t is not None}
         ids: list[int] = []
         sent = ""
-        async for token in self.lane.generate(prompt, max_new, sorted(stop), request.on_wait):
+        async for token in self.lane.generate(prompt, max_new, sorted(stop), request.on_wait,
+                                              key=request.conversation):
             ids.append(token)
             text = tokenizer.decode(ids, skip_special_tokens=True)
             if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
@@ -53,6 +70,10 @@ class LmResponder:
                 sent = text
                 if delta:
                     yield delta
+
+
+def _max_new(request: ReplyRequest) -> int:
+    return min(request.max_output_tokens or DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS)
 
 
 def build_responders(lanes: dict[str, LmLane], extra: dict[str, Responder] | None = None) -> dict[str, Responder]:

@@ -24,6 +24,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -446,6 +447,21 @@ class Session:
             started = self.input.collected_at
             self.cancel_response("turn_detected")
             self.services.metrics.barge_in.observe(time.perf_counter() - started)
+        prepare = getattr(self.services.responders.get(self.settings.responder), "prepare", None)
+        if prepare is not None and self.settings.create_response:  # the reply's prompt, up to the user's words
+            self._spawn(prepare(self._reply_request()), "prepare")
+
+    def _reply_request(self, instructions: str | None = None, max_tokens: int | None = None,
+                       on_wait: Callable[[int], None] | None = None) -> ReplyRequest:
+        settings = self.settings
+        return ReplyRequest(
+            history=list(self.history),
+            instructions=settings.instructions if instructions is None else instructions,
+            max_output_tokens=settings.max_output_tokens if max_tokens is None else max_tokens,
+            images=list(self.camera),
+            on_wait=on_wait,
+            conversation=self.id,
+        )
 
     def _on_speech_stopped(self, end_ms: int) -> None:
         turn = self.turn or self._start_turn()
@@ -510,37 +526,43 @@ class Session:
 
     async def _respond(self, response: Response, turn: Turn | None, instructions: str | None,
                        max_tokens: int | None) -> None:
-        """Transcript -> responder text -> TTS clause by clause -> audio deltas. One
-        clause is synthesised while the responder produces the next text."""
+        """Transcript -> responder text -> TTS clause by clause -> audio deltas. A clause's audio
+        is sent as soon as it is synthesised, while the responder produces the next text; the
+        stream's clauses are synthesised in order, one at a time."""
         services, settings = self.services, self.settings
         status, reason, text = "completed", "", ""
-        speaking: deque[tuple[str, asyncio.Future[bytes]]] = deque()
+        spoken: list[asyncio.Future[bytes]] = []
+        sending: asyncio.Queue[tuple[str, asyncio.Future[bytes]] | None] = asyncio.Queue()
+        sender: asyncio.Future[None] | None = None
         try:
             if turn is not None:
                 await asyncio.wait_for(asyncio.shield(turn.transcript), self.limits.transcript_wait_s)
-            request = ReplyRequest(
-                history=list(self.history),
-                instructions=settings.instructions if instructions is None else instructions,
-                max_output_tokens=settings.max_output_tokens if max_tokens is None else max_tokens,
-                images=list(self.camera),
+            request = self._reply_request(
+                instructions, max_tokens,
                 on_wait=lambda position: self.send_media(response, "response.waiting",
                                                          response_id=response.response_id, reason="lm_slot",
                                                          queue_position=position),
             )
             tts = services.tts.open_stream(settings.voice, settings.output_rate)
 
-            async def drain() -> None:
-                while speaking:
-                    said, audio = speaking.popleft()
+            async def send_all() -> None:
+                while (item := await sending.get()) is not None:
+                    said, audio = item
                     await self._send_audio(response, said, await audio, tts.output_rate, turn)
+
+            sender = asyncio.ensure_future(send_all())
 
             async def speak(chunks: list[str], final: bool = False) -> None:
                 for chunk in chunks + ([""] if final else []):  # "" flushes the resampler's tail
-                    await drain()  # in order: at most one clause in flight
+                    if spoken:  # the TTS stream is stateful: one clause at a time, in order
+                        await asyncio.wait([spoken[-1]])
+                    if sender.done():
+                        sender.result()  # sending failed: raise it here
                     item = TtsItem(tts, chunk, final=final and not chunk)
                     # The first clause is what the user is waiting for; later ones have the output lead.
-                    priority = Priority.INTERACTIVE if response.first_audio_at else Priority.REALTIME
-                    speaking.append((chunk, asyncio.ensure_future(services.scheduler.submit("tts", item, priority))))
+                    priority = Priority.INTERACTIVE if len(spoken) else Priority.REALTIME
+                    spoken.append(asyncio.ensure_future(services.scheduler.submit("tts", item, priority)))
+                    sending.put_nowait((chunk, spoken[-1]))
 
             chunker = TextChunker()
             async for delta in services.responders[settings.responder].reply(request):
@@ -549,15 +571,16 @@ class Session:
                                 item_id=response.item_id, delta=delta)
                 await speak(chunker.feed(delta))
             await speak(chunker.flush(), final=True)
-            await drain()
+            sending.put_nowait(None)
+            await sender
         except TimeoutError:
             status, reason = "failed", "the transcript of the turn did not arrive in time"
         except Exception as exc:
             log.exception("response failed", extra={"session_id": self.id})
             status, reason = "failed", f"{type(exc).__name__}: {exc}"
         finally:
-            for _, audio in speaking:
-                audio.cancel()
+            for task in [*spoken, *([sender] if sender is not None else [])]:
+                task.cancel()
         self._finish_response(response, text, status, reason)
 
     async def _send_audio(self, response: Response, clause: str, audio: bytes, rate: int,
@@ -661,4 +684,7 @@ class Session:
         for turn in [self.turn, *self.pending_turns]:
             if turn is not None and not turn.transcript.done():
                 turn.transcript.cancel()
+        for responder in self.services.responders.values():
+            if (forget := getattr(responder, "forget", None)) is not None:
+                forget(self.id)
 

@@ -26,17 +26,19 @@ def prompt_text(server, n: int = -1) -> str:
 
 async def test_spoken_question_gets_an_answer_with_paris(channel, speaker):
     """A spoken question is answered with Paris, in the text and in the reply audio as
-    transcribed again. The conversation first holds one typed exchange, which the model
-    imitates ("Paris is the capital of France."): its bare answer, "The capital of
-    France is Paris.", is the one phrase PocketSphinx hears as "...Francis parents"."""
+    transcribed again. The conversation first holds two typed exchanges, which the model
+    imitates ("Paris is the capital of France."): its bare answer to the lowercase
+    transcript, "The capital of France is Paris.", is the one phrase PocketSphinx hears
+    as "...Francis parents"."""
     import numpy as np
 
     pcm = np.concatenate([speaker.silence(0.5, RATE), speaker.say("What is the capital of France?", RATE),
                           speaker.silence(1.2, RATE)]).tobytes()
     async with Conversation(channel) as c:
         c.send("session.update", session={"output_sample_rate": 24000})
-        c.send("conversation.item.create", item={"role": "user", "text": "What is the capital of Italy?"})
-        c.send("conversation.item.create", item={"role": "assistant", "text": "Rome is the capital of Italy."})
+        for country, city in (("Spain", "Madrid"), ("Italy", "Rome")):
+            c.send("conversation.item.create", item={"role": "user", "text": f"What is the capital of {country}?"})
+            c.send("conversation.item.create", item={"role": "assistant", "text": f"{city} is the capital of {country}."})
         created = await c.wait_for("session.created")
         assert created["session"]["responder"] == "llm"
         await c.stream(pcm, RATE, speed=2.0)

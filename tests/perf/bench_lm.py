@@ -3,7 +3,8 @@ response latency of the `llm` responder.
 
     .venv/bin/python tests/perf/bench_lm.py [--steps 32] [--turns 5]
 
-1. The embedded SmolLM2-135M-Instruct on the LM engine: N sessions (1, 4, 16)
+1. The embedded SmolLM2-135M-Instruct on the LM engine, with int8 linear layers
+   (the server's CPU default) and in float32: N sessions (1, 4, 16)
    with their own prompts decode `--steps` tokens each, once with one batched
    step for all N per token and once one session at a time, in the same run.
 2. A real `rtmedia serve` (default responder `llm`): spoken questions at
@@ -77,11 +78,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--turns", type=int, default=5)
     args = parser.parse_args()
-    engine = EmbeddedLmEngine(slots=16, context=1024, threads=1)  # as the server runs it
-    engine.load()
-    engine.warmup()
-    decode = {f"sessions_{n}": throughput(engine, n, args.steps) for n in (1, 4, 16)}
-    engine.close()
+    decode = {}
+    for quantize in ("int8", None):  # the server's default first, then float32
+        engine = EmbeddedLmEngine(slots=16, context=1024, threads=1, quantize=quantize)  # as the server runs it
+        engine.load()
+        engine.warmup()
+        decode[quantize or "float32"] = {f"sessions_{n}": throughput(engine, n, args.steps) for n in (1, 4, 16)}
+        engine.close()
     port = free_port()
     server = subprocess.Popen([RTMEDIA, "serve", "--port", str(port), "--metrics-port", "0", "--log-level", "WARNING"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -92,7 +95,7 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(timeout=60)
-    print(json.dumps({"benchmark": "lm", "machine": machine(), "model": "SmolLM2-135M-Instruct (float32)",
+    print(json.dumps({"benchmark": "lm", "machine": machine(), "model": "SmolLM2-135M-Instruct",
                       "decode_tokens_per_s": decode, "llm_one_session": llm}, indent=2))
 
 

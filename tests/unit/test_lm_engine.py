@@ -1,6 +1,7 @@
 """LM engine: batched decode over the slot cache equals one-by-one decode and the plain model on the full
-sequence; sessions join and leave; padding, slot bookkeeping, context limits, prefill extension; other
-Llama-family architectures; decode throughput is reported (not asserted).
+sequence, through the compact Llama-family forward and through transformers' own; sessions join and leave;
+padding, slot bookkeeping, context limits, prefill extension, truncation; other architectures; int8 linear
+layers keep batched decode bit-identical to one-by-one; decode throughput is reported (not asserted).
 
 Models are tiny random-weight configs saved locally and loaded through `from_pretrained`; nothing is
 downloaded."""
@@ -16,6 +17,7 @@ import pytest
 import torch
 from rtmedia.engines.base import EngineError
 from rtmedia.engines.lm import LmDecode, LmEngine, LmPrefill
+from rtmedia.engines.lm_quant import Int8Linear
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -54,15 +56,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 EngineFactory = Callable[..., LmEngine]
 
 
-@pytest.fixture
-def make_engine(model_dir: Path) -> Iterator[EngineFactory]:
+@pytest.fixture(params=["compact", "transformers"])
+def make_engine(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[EngineFactory]:
+    """Engines with the compact forward (Llama family) or with transformers' forward."""
     engines: list[LmEngine] = []
 
     def make(path: Path = model_dir, **kw: object) -> LmEngine:
-        kw = {"slots": 6, "context": 64, **kw}
+        kw = {"slots": 6, "context": 64, "compact": request.param == "compact", **kw}
         eng = LmEngine(path, **kw)  # type: ignore[arg-type]
         eng.load()
         eng.warmup()
+        assert (eng.compact is not None) == (request.param == "compact"), eng.compact_refused
         engines.append(eng)
         return eng
 
@@ -238,6 +242,69 @@ def test_prefill_extends_a_kept_conversation(make_engine: EngineFactory) -> None
     assert eng.length(a) == eng.length(b) == len(first) + 1 + len(second)
     out = eng.decode({a: 7, b: 7})
     assert_close(out[a], out[b], "decode after extension")
+
+
+def test_truncate_keeps_a_prefix(make_engine: EngineFactory) -> None:
+    eng = make_engine()
+    a, b = eng.acquire(), eng.acquire()
+    assert a is not None and b is not None
+    first = _prompt(12, 3)
+    eng.prefill(a, first)
+    eng.truncate(a, 7)
+    assert eng.length(a) == 7
+    assert_close(eng.prefill(a, [9, 8]), reference(eng, [*first[:7], 9, 8]), "prefill after truncate")
+    eng.truncate(a, 100)  # never grows
+    assert eng.length(a) == 9
+    eng.release(b)
+    with pytest.raises(EngineError, match=f"slot {b} is not acquired"):
+        eng.truncate(b, 0)
+
+
+def test_int8_batched_decode_is_bit_identical_to_one_by_one(model_dir: Path) -> None:
+    """Per-row int8 activations: a row's logits do not depend on its batch-mates, and stay near float32."""
+    prompts = [_prompt(n, seed) for seed, n in enumerate((3, 9, 1, 17, 6))]
+    engines = [LmEngine(model_dir, slots=6, context=64, quantize="int8") for _ in range(2)]
+    flt = LmEngine(model_dir, slots=6, context=64)
+    for eng in (*engines, flt):
+        eng.load()
+    batched, solo = engines
+    assert batched.compact is not None and isinstance(batched.compact.layers[0].qkv, Int8Linear)
+    slots = [batched.acquire() for _ in prompts]
+    nxt = {s: int(batched.prefill(s, p).argmax()) for s, p in zip(slots, prompts, strict=True)}
+    seqs = {s: [*p, nxt[s]] for s, p in zip(slots, prompts, strict=True)}
+    for _ in range(STEPS):
+        out = batched.decode(nxt)
+        for s in slots:
+            own, ref = solo.acquire(), flt.acquire()
+            assert own is not None and ref is not None
+            solo.prefill(own, seqs[s][:-1])
+            alone = solo.decode({own: seqs[s][-1]})[own]
+            assert torch.equal(alone, out[s]), f"slot {s}: int8 batched vs alone"
+            expected = flt.prefill(ref, seqs[s])
+            spread = (expected.max() - expected.min()).item()
+            assert (out[s] - expected).abs().max().item() < 0.05 * spread, f"slot {s}: int8 far from float32"
+            solo.release(own)
+            flt.release(ref)
+        nxt = {s: int(out[s].argmax()) for s in slots}
+        for s in slots:
+            seqs[s].append(nxt[s])
+    for eng in (*engines, flt):
+        eng.close()
+    with pytest.raises(ValueError, match="quantize must be None or 'int8'"):
+        LmEngine(model_dir, quantize="int4")
+
+
+def test_models_outside_the_compact_family_use_transformers_forward(tmp_path: Path) -> None:
+    eng = LmEngine(_save(tmp_path, LlamaConfig, LlamaForCausalLM, hidden_act="gelu_pytorch_tanh"), slots=3,
+                   context=64)
+    eng.load()
+    assert eng.compact is None and eng.compact_refused == "activation 'gelu_pytorch_tanh' is not silu"
+    s = Sessions(eng)
+    for n in (3, 8):
+        s.join(_prompt(n, n))
+    for _ in range(2):
+        s.step()
+    eng.close()
 
 
 def test_step_protocol(make_engine: EngineFactory) -> None:

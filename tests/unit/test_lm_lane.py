@@ -1,0 +1,117 @@
+"""The LM lane's kept conversations: a key's next generation prefills only what follows the tokens its
+slot already holds, and generates exactly what a fresh slot would; kept slots are given up least
+recently used first when a generation would wait, and when forgotten; prefills ahead of time never wait.
+
+A real LmEngine on a tiny random Llama saved to a temp dir."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from rtmedia.engines.lm import LmEngine
+from rtmedia.engines.lm_models import tiny_llama_dir
+from rtmedia.server.lm_lane import LmLane, common_prefix
+from rtmedia.server.metrics import Metrics
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+async def lane(model_dir: Path):
+    engine = LmEngine(model_dir, slots=2, context=256)
+    engine.load()
+    lane = LmLane(engine, Metrics())
+    prefills: list[int] = []
+    prefill = engine.prefill
+
+    def counting_prefill(slot: int, ids: list[int]):
+        prefills.append(len(ids))
+        return prefill(slot, ids)
+
+    engine.prefill = counting_prefill  # type: ignore[method-assign]
+    lane.prefills = prefills  # type: ignore[attr-defined]
+    lane.start()
+    yield lane
+    await lane.close()
+    engine.close()
+
+
+async def generate(lane: LmLane, prompt: list[int], n: int = 6, key: str | None = None) -> list[int]:
+    return [t async for t in lane.generate(prompt, n, key=key)]
+
+
+PROMPT = [5, 17, 33, 8, 41, 12, 9, 27]
+
+
+async def test_kept_conversation_prefills_only_the_new_tokens(lane: LmLane) -> None:
+    first = await generate(lane, PROMPT, key="s")
+    assert lane.kept == 1 and lane.engine.slots_free == 1
+    follow = [*PROMPT, *first, 3, 14, 15]
+    lane.prefills.clear()
+    second = await generate(lane, follow, key="s")
+    # the slot held PROMPT + first[:-1] (the last token was never fed back): the rest is prefilled
+    assert lane.prefills == [len(follow) - len(PROMPT) - len(first) + 1]
+    assert second == await generate(lane, follow), "reuse must generate what a fresh slot generates"
+    # a diverging prompt (history cut at barge-in) re-prefills from the divergence
+    lane.prefills.clear()
+    cut = [*PROMPT[:5], 44, 45]
+    assert await generate(lane, cut, key="s") == await generate(lane, cut)
+    assert lane.prefills == [2, len(cut)]
+
+
+async def test_kept_slots_are_evicted_least_recent_first_and_forgotten(lane: LmLane) -> None:
+    await generate(lane, PROMPT, key="a")
+    await generate(lane, PROMPT[:4], key="b")
+    assert lane.kept == 2 and lane.engine.slots_free == 0
+    waits: list[int] = []
+    out = [t async for t in lane.generate(PROMPT[2:], 4, key="c", on_wait=waits.append)]
+    assert len(out) == 4 and waits == [], "a kept slot is given up rather than making anyone wait"
+    lane.prefills.clear()
+    await generate(lane, PROMPT[:4], key="b")  # b survived (a was the least recently used)
+    assert lane.prefills == [1]
+    lane.forget("b")
+    lane.forget("c")
+    lane.forget("nobody")
+    assert lane.kept == 0 and lane.engine.slots_free == 2
+
+
+async def test_prepare_prefills_ahead_and_never_waits(lane: LmLane) -> None:
+    lane.prepare("s", PROMPT)
+    for _ in range(100):
+        if lane.kept:
+            break
+        await asyncio.sleep(0.01)
+    assert lane.kept == 1 and lane.prefills == [len(PROMPT)]
+    lane.prefills.clear()
+    assert await generate(lane, [*PROMPT, 7, 7], key="s") == await generate(lane, [*PROMPT, 7, 7])
+    assert lane.prefills == [2, len(PROMPT) + 2]
+    # no free slot: a prepare neither evicts other conversations nor waits; it is dropped
+    await generate(lane, PROMPT, key="a")
+    lane.prefills.clear()
+    lane.prepare("t", PROMPT)
+    await generate(lane, PROMPT[:3])  # evicts the least recent kept slot ("s"), runs after the prepare
+    assert lane.prefills == [3] and lane.kept == 1 and lane.waiting == 0
+    lane.forget("a")
+    assert lane.engine.slots_free == 2
+
+
+async def test_a_prepare_beside_a_running_generation_of_the_same_key_leaks_nothing(lane: LmLane) -> None:
+    running = asyncio.create_task(generate(lane, PROMPT, 30, key="s"))
+    await asyncio.sleep(0.02)
+    lane.prepare("s", PROMPT[:3])  # takes the other slot; whichever ends last is kept
+    await running
+    await asyncio.sleep(0.05)
+    assert lane.kept == 1 and lane.engine.slots_free == 1
+    lane.forget("s")
+    assert lane.engine.slots_free == 2
+
+
+def test_common_prefix() -> None:
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([1, 2], [1, 2]) == 2
