@@ -34,7 +34,7 @@ from rtmedia.engines.tts import TextChunker, TtsItem
 from rtmedia.server.audio_input import Action, AudioInput
 from rtmedia.server.events import server_event
 from rtmedia.server.scheduler import Priority
-from rtmedia.server.session_config import PCM16, SessionSettings
+from rtmedia.server.session_config import PCM16, ConfigError, SessionSettings
 from rtmedia.v1 import realtime_pb2
 
 log = logging.getLogger(__name__)
@@ -261,8 +261,6 @@ class Session:
             self.send("input_audio_buffer.cleared", discarded_ms=discarded, reason="input_backpressure")
 
     def on_session_update(self, event: Any, event_id: str) -> None:
-        from rtmedia.server.session_config import ConfigError
-
         try:
             new = self.settings.updated(event.session, self.services.voices, self.services.responders)
         except ConfigError as exc:
