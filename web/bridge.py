@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription, rtcsctptransport
+from aiortc.jitterbuffer import JitterBuffer
 from aiortc.sdp import SessionDescription
 from rtmedia.clients.client import CHANNEL_OPTIONS
 from rtmedia.web.peer import Peer, SessionRefused, VideoDefaults
@@ -52,6 +53,20 @@ def cap_sctp_chunk_size(limit: int = SCTP_MAX_USER_DATA) -> int:
     return rtcsctptransport.USERDATA_MAX_LENGTH
 
 
+def set_audio_prefetch(pc: RTCPeerConnection, frames: int) -> int:
+    """Hold `frames` audio frames in each audio receiver's jitter buffer before decoding
+    (aiortc holds 4, i.e. 80 ms, and exposes no setting). A frame is complete when the
+    next one starts, so 1 adds 20 ms. Call after setRemoteDescription, before media
+    flows. Returns how many receivers were changed."""
+    changed = 0
+    for transceiver in pc.getTransceivers():
+        receiver = transceiver.receiver
+        if transceiver.kind == "audio" and hasattr(receiver, "_RTCRtpReceiver__jitter_buffer"):
+            receiver._RTCRtpReceiver__jitter_buffer = JitterBuffer(capacity=16, prefetch=frames)
+            changed += 1
+    return changed
+
+
 class OfferError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -70,11 +85,16 @@ class BridgeConfig:
     udp_ports: tuple[int, int] | None = None
     max_peers: int = 8
     input_rate: int = 16000  # the session's input rate: the microphone is resampled to it
+    # Microphone frames held before decoding: 1 adds 20 ms (aiortc's own 4: 80 ms). Raise it
+    # on paths with much jitter or reordering.
+    audio_prefetch: int = 1
     connect_timeout_s: float = 30.0  # an answered peer must connect within this
     session: dict[str, Any] = field(default_factory=dict)  # session.update fields every session starts with
     video: VideoDefaults = field(default_factory=VideoDefaults)
 
     def __post_init__(self) -> None:
+        if not 1 <= self.audio_prefetch <= 16:
+            raise ValueError(f"audio_prefetch must be 1..16 frames, got {self.audio_prefetch}")
         if self.max_peers < 1:
             raise ValueError(f"max_peers must be at least 1, got {self.max_peers}")
         if self.input_rate not in (8000, 16000, 24000):
@@ -274,6 +294,7 @@ class Bridge:
                 await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
             except (ValueError, TypeError, KeyError) as exc:
                 raise OfferError(400, f"the SDP offer was not accepted: {exc}") from None
+            set_audio_prefetch(pc, self.config.audio_prefetch)
             try:
                 await peer.open_session(self.config.session)
             except SessionRefused as exc:

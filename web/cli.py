@@ -38,6 +38,8 @@ def add_web_parser(sub: argparse._SubParsersAction) -> None:
                                                             "one more is refused with 503")
     p.add_argument("--input-rate", type=int, default=16000, choices=[8000, 16000, 24000],
                    help="session input rate the microphone is resampled to (default 16000)")
+    p.add_argument("--audio-prefetch", type=int, default=1, metavar="FRAMES",
+                   help="20 ms microphone frames held before decoding (default 1; raise it on jittery paths)")
     p.add_argument("--responder", default=None, help="responder of the sessions, e.g. echo (default: the server's)")
     p.set_defaults(func=cmd_web)
 
@@ -49,7 +51,8 @@ def bridge_config(args: argparse.Namespace) -> object:
     return BridgeConfig(target=args.target, host=args.host, port=args.port, tls_cert=args.tls_cert,
                         tls_key=args.tls_key, ice_servers=args.ice_servers,
                         udp_ports=parse_udp_ports(args.udp_ports) if args.udp_ports else None,
-                        max_peers=args.max_peers, input_rate=args.input_rate, session=session)
+                        max_peers=args.max_peers, input_rate=args.input_rate, session=session,
+                        audio_prefetch=args.audio_prefetch)
 
 
 def cmd_web(args: argparse.Namespace) -> None:

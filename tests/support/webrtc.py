@@ -83,9 +83,10 @@ class SpeechTrack(MediaStreamTrack):
 class BridgePeer:
     """One aiortc peer connected to a bridge through POST /offer (or /whip)."""
 
-    def __init__(self, base_url: str, video: bool = False) -> None:
+    def __init__(self, base_url: str, video: bool = False, prefetch: int | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.video = video
+        self.prefetch = prefetch  # audio jitter-buffer frames (None: aiortc's 4)
         self.pc = RTCPeerConnection()
         self.mic = SpeechTrack()
         self.events: list[dict[str, Any]] = []
@@ -142,6 +143,10 @@ class BridgePeer:
                 raise AssertionError(f"offer refused ({res.status}): {body}")
         self.peer_id = body["id"]
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=body["sdp"], type="answer"))
+        if self.prefetch is not None:
+            from rtmedia.web.bridge import set_audio_prefetch
+
+            set_audio_prefetch(self.pc, self.prefetch)
 
     def send(self, event: dict[str, Any]) -> None:
         self.channel.send(json.dumps(event))
