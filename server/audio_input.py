@@ -66,8 +66,12 @@ class AudioInput:
     the VAD tick thread owns the frontend."""
 
     def __init__(self, settings: SessionSettings, inbox_ms: int, deliver: Callable[[list[Action]], None],
-                 vad: VadStream | None) -> None:
+                 vad: VadStream | None,
+                 make_detector: Callable[[SessionSettings], TurnDetector] | None = None) -> None:
+        """`make_detector` builds the turn detector of a `server_vad` frontend (default: a
+        `TurnDetector` on the settings' threshold, padding and silence)."""
         self.deliver = deliver
+        self._make_detector = make_detector or _turn_detector
         self.inbox = bytearray()
         self.inbox_ms = inbox_ms
         self._settings = settings
@@ -82,7 +86,7 @@ class AudioInput:
         detector = None
         if settings.turn_type == "server_vad" and self._vad_stream is not None:
             self._vad_stream.reset()
-            detector = TurnDetector(settings.threshold, settings.prefix_padding_ms, settings.silence_duration_ms)
+            detector = self._make_detector(settings)
         return _Frontend(settings, self._vad_stream if detector else None, detector)
 
     @property
@@ -142,6 +146,10 @@ class AudioInput:
         return segments, self._frontend
 
 
+def _turn_detector(settings: SessionSettings) -> TurnDetector:
+    return TurnDetector(settings.threshold, settings.prefix_padding_ms, settings.silence_duration_ms)
+
+
 class VadTick:
     """The VAD tick lane's collect / process / deliver over all registered inputs."""
 
@@ -183,10 +191,10 @@ class VadTick:
                 acts += [("marker", marker) for _, marker in segments if marker is not None]
         return [(inp, acts) for (inp, _, _), acts in zip(work, actions, strict=True) if acts]
 
-    @staticmethod
-    def deliver(results: list[tuple[AudioInput, list[Action]]]) -> None:
+    def deliver(self, results: list[tuple[AudioInput, list[Action]]]) -> None:
         for inp, actions in results:
-            inp.deliver(actions)
+            if inp in self.inputs:  # not for a session that closed while the step ran
+                inp.deliver(actions)
 
 
 def _turn_window(fe: _Frontend, window: np.ndarray, prob: float, out: list[Action]) -> None:

@@ -187,13 +187,12 @@ class TickLane:
             work = self._collect()
             if work:
                 started = time.perf_counter()
-                try:
+                try:  # a failed step or delivery costs one tick, never the lane
                     results = await loop.run_in_executor(self._executor, self._process, work)
+                    self._deliver(results)
                 except Exception:
                     self._metrics.lane_step_failures.labels(self.name).inc()
                     log.exception("tick lane %s: step failed", self.name)
-                else:
-                    self._deliver(results)
                 elapsed = time.perf_counter() - started
                 self._metrics.lane_step_seconds.labels(self.name).observe(elapsed)
                 self._metrics.lane_batch_size.labels(self.name).observe(len(work))

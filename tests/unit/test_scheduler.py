@@ -146,3 +146,39 @@ async def test_tick_lane_collects_processes_delivers_and_counts_misses(scheduler
     assert delivered == [[10], [20], [30]]
     assert tick.ticks >= 5
     assert scheduler.metrics.registry.get_sample_value("rtmedia_lane_deadline_misses_total", {"lane": "vad"}) == 1
+
+
+async def test_tick_lane_survives_a_failed_delivery(scheduler):
+    """A delivery that raises (e.g. to a session closed while the step ran) costs one
+    tick; the lane keeps ticking."""
+    delivered = []
+    calls = {"n": 0}
+
+    def collect():
+        calls["n"] += 1
+        return [calls["n"]] if calls["n"] <= 3 else []
+
+    def deliver(results):
+        if results == [2]:
+            raise RuntimeError("session gone")
+        delivered.append(results)
+
+    tick = TickLane(FakeEngine("vad"), 10, collect, lambda work: work, deliver, scheduler)
+    scheduler.add_tick(tick)
+    scheduler.start()
+    await asyncio.sleep(0.15)
+    assert delivered == [[1], [3]]
+    assert scheduler.metrics.registry.get_sample_value("rtmedia_lane_step_failures_total", {"lane": "vad"}) == 1
+
+
+def test_vad_tick_drops_results_of_a_closed_session():
+    from rtmedia.server.audio_input import AudioInput, VadTick
+    from rtmedia.server.session_config import SessionSettings
+
+    got: dict[str, list] = {"open": [], "closed": []}
+    tick = VadTick(engine=None)  # type: ignore[arg-type]
+    inputs = {name: AudioInput(SessionSettings(turn_type="none"), 2000, got[name].extend, None) for name in got}
+    tick.inputs.update(inputs.values())
+    tick.inputs.discard(inputs["closed"])  # Session.close() while the step ran
+    tick.deliver([(inputs["open"], [("stopped", 100)]), (inputs["closed"], [("stopped", 100)])])
+    assert got == {"open": [("stopped", 100)], "closed": []}
