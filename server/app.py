@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
+from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_tts_pb2, riva_tts_pb2_grpc
 from rtmedia.engines.asr import AsrEngine
 from rtmedia.engines.lm import EmbeddedLmEngine, LmEngine
 from rtmedia.engines.openai_chat import OpenAIResponder
@@ -25,6 +26,8 @@ from rtmedia.server.lm_lane import LmLane
 from rtmedia.server.metrics import Metrics
 from rtmedia.server.realtime_service import RealtimeService
 from rtmedia.server.responders import build_responders
+from rtmedia.server.riva_asr import RivaAsrService
+from rtmedia.server.riva_tts import RivaTtsService
 from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler
 from rtmedia.server.session_config import SessionSettings
 from rtmedia.server.speech_service import SpeechService
@@ -38,7 +41,10 @@ SERVICE_NAMES = [
     realtime_pb2.DESCRIPTOR.services_by_name["RealtimeService"].full_name,
     video_pb2.DESCRIPTOR.services_by_name["VideoService"].full_name,
 ]
-IMPLEMENTED = SERVICE_NAMES
+RIVA_SERVICE_NAMES = [
+    riva_asr_pb2.DESCRIPTOR.services_by_name["RivaSpeechRecognition"].full_name,
+    riva_tts_pb2.DESCRIPTOR.services_by_name["RivaSpeechSynthesis"].full_name,
+]
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -90,6 +96,7 @@ class RtmediaServer:
         self.realtime = RealtimeService(self.scheduler, VadEngine(), max_sessions=config.max_sessions,
                                         lm_slots=config.lm_slots, responders=responders,
                                         defaults=SessionSettings(responder=config.default_responder))
+        self.services = SERVICE_NAMES + (RIVA_SERVICE_NAMES if config.riva else [])
         self.health = health.aio.HealthServicer()
         self.state = "starting"
         self.port = 0
@@ -103,7 +110,7 @@ class RtmediaServer:
         return "DRAINING", "the server is shutting down; connect to another replica"
 
     async def _set_health(self, status: int) -> None:
-        for name in ["", *IMPLEMENTED]:
+        for name in ["", *self.services]:
             await self.health.set(name, status)
 
     async def start(self) -> int:
@@ -118,9 +125,14 @@ class RtmediaServer:
         video_pb2_grpc.add_VideoServiceServicer_to_server(
             VideoService(self.scheduler, self.config.max_send_bytes, self.config.video_queue_chunks), server
         )
+        if self.config.riva:  # NVIDIA Riva's speech API on the same engines
+            riva_asr_pb2_grpc.add_RivaSpeechRecognitionServicer_to_server(
+                RivaAsrService(self.scheduler, self.realtime.vad, self.realtime.vad_tick), server)
+            riva_tts_pb2_grpc.add_RivaSpeechSynthesisServicer_to_server(
+                RivaTtsService(self.scheduler, self.config.max_text_chars), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            [*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            [*self.services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server,
         )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -135,7 +147,7 @@ class RtmediaServer:
         self.realtime.start()
         self.state = "serving"
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving", extra={"port": self.port, "services": IMPLEMENTED})
+        log.info("serving", extra={"port": self.port, "services": self.services})
         return self.port
 
     async def stop(self, grace: float | None = None) -> None:

@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default responder of a session: llm (default), echo, transformers, openai")
     p.add_argument("--no-llm", dest="llm", action="store_false", default=None,
                    help="do not load the embedded SmolLM2-135M-Instruct (responder llm)")
+    p.add_argument("--no-riva", dest="riva", action="store_false", default=None,
+                   help="do not serve NVIDIA Riva's speech API (nvidia.riva.asr / nvidia.riva.tts)")
     p.add_argument("--transformers-model", default=None, metavar="DIR",
                    help="a local Hugging Face causal-LM directory, offered as responder transformers")
     p.add_argument("--openai-url", default=None, metavar="URL",

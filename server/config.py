@@ -40,6 +40,8 @@ class ServerConfig:
     lm_quantize: str = "int8"
     # The responder a session uses unless it asks for another: llm, echo, transformers, openai.
     default_responder: str = "llm"
+    # Serve NVIDIA Riva's speech API (RivaSpeechRecognition, RivaSpeechSynthesis) on the same port.
+    riva: bool = True
     # Load the embedded SmolLM2-135M-Instruct (responder "llm").
     llm: bool = True
     # A local Hugging Face causal-LM directory (responder "transformers").

@@ -13,12 +13,13 @@ from rtmedia.server.errors import rich_status
 from rtmedia.server.metrics import Metrics
 
 log = logging.getLogger("rtmedia.rpc")
-GATED_PREFIX = "/rtmedia.v1."
+# Calls refused while warming up or draining: rtmedia's own services and the Riva speech API.
+GATED_PREFIX = ("/rtmedia.v1.", "/nvidia.riva.")
 
 
 class ServerInterceptor(grpc.aio.ServerInterceptor):
     """Counts every RPC (grpc_server_handled_total / handling_seconds) and turns
-    rtmedia calls away with UNAVAILABLE while the server is not serving."""
+    rtmedia (and Riva) calls away with UNAVAILABLE while the server is not serving."""
 
     def __init__(self, metrics: Metrics, refusal: Callable[[], tuple[str, str] | None]) -> None:
         self._metrics = metrics

@@ -1,0 +1,40 @@
+"""What the Riva speech servicers share: rejecting options with a status that names them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import grpc
+from rtmedia.server.errors import abort
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
+LANGUAGES = ("en-US",)
+
+
+class Rejected(Exception):
+    """A request option rtmedia does not serve: the status code, an ErrorInfo reason, and a
+    message that names the option."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.reason, self.message = code, reason, message
+
+
+async def abort_rejected(context: grpc.aio.ServicerContext, exc: Rejected) -> None:
+    await abort(context, exc.code, exc.reason, exc.message)
+
+
+def check_language(language_code: str, field: str = "language_code") -> None:
+    """Empty means en-US; anything else but en-US (any case) is rejected."""
+    if language_code and language_code.lower() not in (code.lower() for code in LANGUAGES):
+        raise Rejected(INVALID, "UNSUPPORTED_LANGUAGE",
+                       f"{field}={language_code!r} is not served; languages: {', '.join(LANGUAGES)}")
+
+
+def check_custom_configuration(custom: Mapping[str, str]) -> None:
+    """rtmedia's models take no custom configuration keys."""
+    if custom:
+        keys = ", ".join(sorted(custom))
+        raise Rejected(INVALID, "UNSUPPORTED_OPTION",
+                       f"custom_configuration keys are not supported by rtmedia's models: {keys}")
