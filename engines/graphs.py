@@ -199,6 +199,12 @@ class GraphRunner:
                 entry = self._capture(key, fn, inputs, pinned=False)
             return self._replay(entry, inputs)
 
+    def eager(self, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
+        """`fn(*inputs)` eagerly, counted `ineligible`: a step whose shapes are not static."""
+        with self._lock:
+            self._raise_if_failed()
+            return self._eager("ineligible", fn, inputs)
+
     def capture(self, fn: Callable[..., Any], *inputs: torch.Tensor, tag: Hashable = None) -> bool:
         """Capture `fn` for these input shapes now (warm-up), outside admission and `max_graphs`.
         False when graphs cannot be used for them (ineligible, or below the memory floor)."""

@@ -50,8 +50,18 @@ decode gathers the batch's rows with one `index_select` over [0, L) only
 most doubles attention's share of the step, and it keeps slot ownership
 free-form. The alternative, keeping the batch rows contiguous so they are
 views, would need slot compaction (whole-row copies) whenever the set of
-generating sessions changes, which in a realtime server is most steps. A CUDA
-graph build would fix L (e.g. at `context`, the mask does the rest).
+generating sessions changes, which in a realtime server is most steps.
+
+CUDA graphs (SPEC §4). With `static_decode` (on by default when the cache is
+on CUDA, the compact forward runs and graphs are not disabled) a decode step
+has static shapes: L is fixed at `context` (the mask hides the rest, and every
+row sums over the same positions, so it stays batch invariant), the inputs
+are three tensors (tokens, positions, cache rows) and the mask is built from
+the positions inside the step. `warmup()` captures that step once per padded
+batch size through the engine's `GraphRunner` (warm-up captures, outside
+`max_graphs`); a decode copies its inputs into the graph's static buffers and
+replays. Everything else (prefill, the CPU, the transformers forward) runs
+eagerly, counted `ineligible` by the runner.
 
 Sliding-window attention is not supported (load refuses a window shorter
 than `context`). Forward passes are serialised by one lock and slot
@@ -70,6 +80,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .base import EngineError
+from .graphs import GraphConfig, GraphRunner
 from .lm_llama import CompactLlama, unsupported
 from .lm_quant import quantize_linears
 
@@ -180,6 +191,8 @@ class LmEngine:
         threads: int | None = None,
         compact: bool = True,
         quantize: str | None = None,
+        graphs: GraphRunner | GraphConfig | None = None,
+        static_decode: bool | None = None,
     ) -> None:
         if (model_dir is None) == (model is None):
             raise ValueError("give exactly one of model_dir and model")
@@ -205,6 +218,11 @@ class LmEngine:
         self._epoch = [0] * slots  # bumped by release: a forward in flight must not touch the next occupant
         self._held = [False] * slots
         self._cache: _SlotCache | None = None
+        # CUDA graphs of the decode step (module docstring); None: decide at load.
+        self.graphs = graphs if isinstance(graphs, GraphRunner) else GraphRunner(self.name, graphs)
+        self._want_static = static_decode
+        self.static_decode = False
+        self._positions: torch.Tensor | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -244,6 +262,9 @@ class LmEngine:
                 self.compact = CompactLlama(self.model, self.context, self.quantize)
             elif self.quantize == "int8":
                 quantize_linears(self.model)  # the transformers forward on int8 linears
+            self._positions = torch.arange(self.context, device=param.device)
+            graphable = self.compact is not None and self.graphs.eligible([self._positions])
+            self.static_decode = graphable if self._want_static is None else self._want_static
 
     def warmup(self) -> None:
         """One prefill and one decode per padded batch size, on a scratch slot that is then freed."""
@@ -254,14 +275,26 @@ class LmEngine:
         try:
             n = max(1, min(8, self.context - len(self.batch_sizes)))
             self.prefill(slot, [0] * n)
+            if self.static_decode:
+                self._capture_decode_graphs()
             for size in self.batch_sizes:
                 if self.length(slot) < self.context:
                     self._decode({slot: 0}, size)
         finally:
             self.release(slot)
 
+    def _capture_decode_graphs(self) -> None:
+        """One warm-up capture of the static decode step per padded batch size (scratch row only)."""
+        device = self._positions.device
+        with self._run, torch.inference_mode():
+            for size in self.batch_sizes:
+                rows = torch.full((size,), self._slots, device=device)
+                zeros = torch.zeros(size, dtype=torch.long, device=device)
+                self.graphs.capture(self._static_step, zeros[:, None], zeros, rows, tag="decode")
+
     def close(self) -> None:
         with self._run, self._lock:
+            self.graphs.reset()
             self._cache = self.compact = None
             self.model = self.tokenizer = None
             self._free = list(range(self._slots))
@@ -365,15 +398,27 @@ class LmEngine:
             device = cache.layers[0].keys.device
             rows = torch.tensor(slots + [self._slots] * pad, device=device)  # padding -> scratch row
             pos = torch.tensor(starts + [0] * pad, device=device)
-            spans = [self._span(p) for p in [*starts, *[0] * pad]]
-            kv_len = max(spans)
-            mask = self._mask(pos[:, None, None] >= torch.arange(kv_len, device=device))
-            groups = [(torch.tensor([i for i, n in enumerate(spans) if n == span], device=device), span)
-                      for span in sorted(set(spans))]
             tokens_in = torch.tensor([tokens[s] for s in slots] + [0] * pad, device=device)[:, None]
-            logits = self._forward(cache, tokens_in, pos[:, None], mask, _decode_writer(rows, pos, kv_len), groups)
+            if self.static_decode:
+                logits = self.graphs.run(self._static_step, tokens_in, pos, rows, tag="decode")
+            else:
+                spans = [self._span(p) for p in [*starts, *[0] * pad]]
+                kv_len = max(spans)
+                mask = self._mask(pos[:, None, None] >= torch.arange(kv_len, device=device))
+                groups = [(torch.tensor([i for i, n in enumerate(spans) if n == span], device=device), span)
+                          for span in sorted(set(spans))]
+                logits = self.graphs.eager(
+                    lambda t, p, r: self._forward(cache, t, p[:, None], mask, _decode_writer(r, p, kv_len), groups),
+                    tokens_in, pos, rows)
             self._commit(slots, epochs, 1)
             return {s: logits[i] for i, s in enumerate(slots)}
+
+    def _static_step(self, tokens: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The decode step with static shapes (what a CUDA graph captures): every row attends over
+        the whole context under its mask. tokens [B, 1], pos and rows [B]."""
+        assert self._cache is not None and self._positions is not None
+        mask = self._mask(pos[:, None, None] >= self._positions)
+        return self._forward(self._cache, tokens, pos[:, None], mask, _decode_writer(rows, pos, self.context))
 
     def _span(self, position: int) -> int:
         """Positions a decode row at `position` attends over: its length rounded up to ATTENTION_SPAN."""
