@@ -6,6 +6,14 @@ VAE. A step decodes one latent frame: the first of a segment gives 1 frame,
 every later one 4 (SPEC 3.2). `decode_full` is the reference: diffusers' own
 `vae.decode` of every segment, used for one-shot requests.
 
+On CUDA the steady-state step (every causal-conv cache entry a tensor or an
+unused None, none the first chunk's "Rep" marker: from the third latent frame
+of a segment on) has fixed shapes for a resolution, so
+it runs through the engine's `GraphRunner` (engines/graphs.py): the cache goes
+in and comes out as graph inputs/outputs, one graph per resolution, admitted
+like any other shape. Earlier steps, and every step on a CPU, run eagerly.
+`fast_path="fused"` installs the Triton decoder fast path (kernels/wan.py).
+
 Without a VAE directory the engine builds a small Wan-style VAE (16 latent
 channels, spatial ratio 8, temporal ratio 4, as in Wan 2.1) with seeded random
 weights: the decode path and its timing are real, the pictures are not.
@@ -23,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from rtmedia.engines.base import EngineError
+from rtmedia.engines.graphs import GraphConfig, GraphRunner
 from rtmedia.engines.video_plan import FramePlan, Step
 
 log = logging.getLogger(__name__)
@@ -76,8 +85,11 @@ class VideoOneShot:
 class VideoEngine:
     name = "video"
 
-    def __init__(self, vae_path: str | None = None, threads: int = 1, device: str = "cpu") -> None:
+    def __init__(self, vae_path: str | None = None, threads: int = 1, device: str = "cpu",
+                 graphs: GraphRunner | GraphConfig | None = None, fast_path: str = "off") -> None:
         self.vae_path = vae_path
+        self.graphs = graphs if isinstance(graphs, GraphRunner) else GraphRunner(self.name, graphs)
+        self.fast_path = fast_path
         self.threads = threads
         self.device = torch.device(device)
         self.vae: Any = None
@@ -108,6 +120,10 @@ class VideoEngine:
             log.warning("video: no --video-vae given; using a small Wan-style VAE with seeded random weights "
                         "(real decode path and timing, meaningless pictures)")
         self.vae = vae.to(self.device).eval().requires_grad_(False)
+        if self.fast_path != "off":
+            from rtmedia.kernels.wan import install
+
+            install(self.vae, self.fast_path)
         cfg = self.vae.config
         temporal = 2 ** sum(bool(x) for x in cfg.temperal_downsample)
         spatial = 2 ** (len(cfg.dim_mult) - 1) * (cfg.patch_size or 1)
@@ -199,14 +215,33 @@ class VideoEngine:
                 stream.segment = self.vae.post_quant_conv(stream.latent[:, :, step.start:step.stop])
             assert stream.segment is not None and stream.cache is not None
             i = step.index - step.start
-            out = self.vae.decoder(stream.segment[:, :, i:i + 1], feat_cache=stream.cache, feat_idx=[0],
-                                   first_chunk=step.fresh)
+            x = stream.segment[:, :, i:i + 1]
+            if not step.fresh and not any(isinstance(c, str) for c in stream.cache):
+                layout = tuple(isinstance(c, torch.Tensor) for c in stream.cache)
+                out, *tensors = self.graphs.run(lambda x, *c: self._steady_step(layout, x, *c), x,
+                                                *(c for c in stream.cache if c is not None), tag=layout)
+                it = iter(tensors)
+                stream.cache = [next(it) if held else None for held in layout]
+            else:
+                out = self.graphs.eager(lambda x: self.vae.decoder(x, feat_cache=stream.cache, feat_idx=[0],
+                                                                   first_chunk=step.fresh), x)
             stream.steps_done += 1
             if stream.steps_done == len(stream.plan.steps) or stream.plan.steps[stream.steps_done].fresh:
                 stream.cache = None  # the segment is done: free its cache now
                 stream.segment = None
             self.steps_run += 1
             return self._frames(out, stream)
+
+    def _steady_step(self, layout: tuple[bool, ...], x: torch.Tensor, *cache: torch.Tensor
+                     ) -> tuple[torch.Tensor, ...]:
+        """A decode step with a settled feature cache, as a function of tensors: (frames, *new cache).
+        `layout` says which cache entries hold tensors (the others stay None)."""
+        it = iter(cache)
+        feat = [next(it) if held else None for held in layout]
+        out = self.vae.decoder(x, feat_cache=feat, feat_idx=[0], first_chunk=False)
+        if tuple(isinstance(c, torch.Tensor) for c in feat) != layout:
+            raise EngineError("video decoder cache layout changed in a steady step")
+        return (out, *(c for c in feat if c is not None))
 
     @torch.inference_mode()
     def decode_full(self, stream: VideoStream) -> list[np.ndarray]:
