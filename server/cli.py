@@ -22,6 +22,7 @@ rtmedia: a realtime media server over gRPC.
   rtmedia decode-video lat.npy -o a.mp4  chunked video decode of a latent, frames streamed as decoded
   rtmedia web                            the browser page and WebRTC bridge (http://127.0.0.1:8080/)
   rtmedia loadtest --sessions 50         many simulated sessions: latency percentiles, capacity
+  rtmedia doctor                         self-check: engines, device, CUDA graphs, Triton kernels
 
 Every client command takes --target HOST:PORT and --json. Run `rtmedia COMMAND --help` for details.
 """
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rtmedia.web.cli import add_web_parser
 
     add_web_parser(sub)
+    from rtmedia.server.doctor import add_doctor_parser
+
+    add_doctor_parser(sub)
     return parser
 
 
