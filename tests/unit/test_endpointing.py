@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from riva.client.proto import riva_asr_pb2, riva_audio_pb2
+from rtmedia.server.app import RtmediaServer
 from rtmedia.server.cli import build_parser
 from rtmedia.server.config import ServerConfig
 from rtmedia.server.endpointing import START_MARGIN_MS, HistoryEndpointer
@@ -87,3 +88,8 @@ def test_no_riva_flag_maps_onto_the_config() -> None:
     assert args.riva is False
     assert ServerConfig.load(riva=args.riva).riva is False
     assert ServerConfig.load(riva=build_parser().parse_args(["serve"]).riva).riva is True
+    # health and reflection list (and start() registers) the Riva services only when on
+    riva = {"nvidia.riva.asr.RivaSpeechRecognition", "nvidia.riva.tts.RivaSpeechSynthesis"}
+    for on in (True, False):
+        server = RtmediaServer(ServerConfig(riva=on, llm=False, default_responder="echo"))
+        assert (riva <= set(server.services)) is on and "rtmedia.v1.SpeechService" in server.services
