@@ -1,0 +1,202 @@
+"""The GPU suite: one script, one GPU, under 4 minutes; prints one JSON line per part as it finishes.
+
+Parts (each also on its own with --only NAME):
+- lm_graphs: decode-step latency per padded batch size, CUDA graphs vs eager, synthetic 0.5b (bf16);
+- vae_fused: Wan VAE decode (Wan 2.1 layout, random weights), fused Triton fast path vs the diffusers
+  reference, ABBA order, time and PSNR;
+- video_graphs: chunked decode per latent step, graph-captured vs eager, bit equality;
+- capacity: realtime sessions under the 80 ms tick (frame-synchronous, one token per session per tick)
+  for the synthetic 0.5b and 7b models (bf16, CUDA graphs), counts 1..128;
+- gpu_tests: `pytest tests/gpu tests/unit/test_kernels.py` pass/fail.
+
+Usage: python tests/perf/gpu_suite.py [--only PART ...] [--out results.json]
+The figures go to BENCHMARKS.md with the machine named (the first line says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cuda_ms(fn: Callable[[], Any], reps: int) -> float:
+    """Median milliseconds of fn() over reps, synchronised."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1000)
+    return float(np.median(times))
+
+
+def lm_engine(size: str, slots: int, context: int, eager: bool) -> Any:
+    from rtmedia.engines.graphs import GraphConfig
+    from rtmedia.engines.lm import LmEngine
+    from rtmedia.engines.lm_synthetic import synthetic_llama
+
+    model = synthetic_llama(size, torch.bfloat16, "cuda", context=context)
+    eng = LmEngine(model=model, slots=slots, context=context, graphs=GraphConfig(enforce_eager=eager))
+    eng.load()
+    eng.warmup()
+    return eng
+
+
+def part_lm_graphs() -> dict[str, Any]:
+    rows = []
+    engines = {mode: lm_engine("0.5b", 128, 512, mode == "eager") for mode in ("graphs", "eager")}
+    for eng in engines.values():
+        for _ in range(128):
+            eng.prefill(eng.acquire(), list(range(1, 65)))
+    for size in (1, 8, 32, 128):
+        batch = {s: 1 for s in range(size)}
+        ms = {}
+        for mode, eng in engines.items():
+            ms[mode] = cuda_ms(lambda eng=eng, batch=batch: (eng.decode(batch),
+                                                             [eng.truncate(s, 64) for s in batch]), 30)
+        rows.append({"batch": size, "graph_ms": round(ms["graphs"], 3), "eager_ms": round(ms["eager"], 3),
+                     "speedup": round(ms["eager"] / ms["graphs"], 2)})
+    for eng in engines.values():
+        eng.close()
+    return {"model": "synthetic 0.5b bf16, context 512", "buckets": rows, "target_batch1_speedup": 3.0}
+
+
+WAN_DIR = Path("/tmp/rtmedia-wan21-random")
+
+
+def wan_vae(fast_path: str = "off", graphs: Any = None) -> Any:
+    """A video engine on a VAE of Wan 2.1's layout (base_dim 96, 2 res blocks) with random weights,
+    saved once and loaded through the engine's own loading code."""
+    from diffusers import AutoencoderKLWan
+    from rtmedia.engines.video import VideoEngine
+
+    if not (WAN_DIR / "config.json").exists():
+        torch.manual_seed(0)
+        AutoencoderKLWan(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                         temperal_downsample=[False, True, True]).save_pretrained(WAN_DIR)
+    engine = VideoEngine(str(WAN_DIR), threads=0, device="cuda", fast_path=fast_path, graphs=graphs)
+    engine.load()
+    return engine
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = torch.mean((a.float() - b.float()) ** 2).item()
+    return math.inf if mse == 0 else 10 * math.log10(4.0 / mse)  # outputs span [-1, 1]
+
+
+def part_vae_fused() -> dict[str, Any]:
+    from rtmedia.kernels import wan
+
+    engine = wan_vae()
+    vae = engine.vae.to(torch.bfloat16)
+    z = torch.randn(1, 16, 6, 60, 104, device="cuda", dtype=torch.bfloat16)  # 21 frames at 480x832
+
+    @torch.inference_mode()
+    def decode() -> torch.Tensor:
+        return vae.decode(z).sample
+
+    outs, times = {}, {"off": [], "fused": []}
+    for level in ("off", "fused", "fused", "off"):  # ABBA
+        wan.install(vae, level)
+        decode()
+        times[level].append(cuda_ms(decode, 2))
+        outs[level] = decode()
+    wan.install(vae, "off")
+    ref, fused = np.mean(times["off"]), np.mean(times["fused"])
+    return {"shape": "bf16, 21 frames 480x832 (latent 16x6x60x104)", "reference_ms": round(ref, 1),
+            "fused_ms": round(fused, 1), "speedup": round(ref / fused, 3),
+            "psnr_db": round(psnr(outs["off"], outs["fused"]), 2),
+            "bit_identical": bool(torch.equal(outs["off"], outs["fused"])), "target_speedup": 2.0}
+
+
+def part_video_graphs() -> dict[str, Any]:
+    from rtmedia.engines.graphs import GraphConfig
+    from rtmedia.engines.video_plan import causal_plan
+
+    latent = torch.randn(16, 8, 60, 104)
+    result: dict[str, Any] = {"shape": "float32, latent 16x8x60x104 (480x832)"}
+    frames = {}
+    for mode in ("graphs", "eager"):
+        engine = wan_vae(graphs=GraphConfig(enforce_eager=mode == "eager", min_free_bytes=0))
+        step_ms, out = [], []
+        for _ in range(2):  # the second stream reuses the captured graph
+            stream = engine.open_stream(latent, causal_plan(8), 0, 0)
+            out, step_ms = [], []
+            for _ in stream.plan.steps:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                out.append(engine.decode_step(stream))
+                torch.cuda.synchronize()
+                step_ms.append((time.perf_counter() - t) * 1000)
+            engine.close_stream(stream)
+        frames[mode] = out
+        result[f"{mode}_ms_per_steady_step"] = round(float(np.median(step_ms[2:])), 2)
+        result[f"{mode}_stats"] = engine.graphs.stats.as_dict()
+    result["bit_identical"] = all(np.array_equal(a, b) for a, b in zip(frames["graphs"], frames["eager"], strict=True))
+    return result
+
+
+def part_capacity() -> dict[str, Any]:
+    from rtmedia.engines.lm_frames import capacity
+
+    out = {}
+    for size in ("0.5b", "7b"):
+        eng = lm_engine(size, 128, 512, eager=False)
+        best, tried = capacity(eng, 0.08, ticks=25)
+        out[size] = {"realtime_sessions": best, "tried": tried}
+        eng.close()
+        del eng
+        torch.cuda.empty_cache()
+    return {"tick_ms": 80, "models": out, "target_7b": 64}
+
+
+def part_gpu_tests() -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "tests/unit/test_kernels.py", "-q",
+                           "-p", "no:randomly"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    return {"passed": proc.returncode == 0, "summary": proc.stdout.strip().splitlines()[-1:]}
+
+
+PARTS = {"lm_graphs": part_lm_graphs, "vae_fused": part_vae_fused, "video_graphs": part_video_graphs,
+         "capacity": part_capacity, "gpu_tests": part_gpu_tests}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", choices=list(PARTS), default=list(PARTS))
+    parser.add_argument("--out", type=Path, default=None, help="also write all results to this JSON file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(json.dumps({"error": "no CUDA device: the GPU suite measures nothing here"}))
+        return 2
+    machine = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda}
+    print(json.dumps({"machine": machine}), flush=True)
+    results: dict[str, Any] = {"machine": machine}
+    for name in args.only:
+        started = time.perf_counter()
+        try:
+            result = PARTS[name]()
+        except Exception as exc:  # one failed part must not hide the others' figures
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        results[name] = result
+        print(json.dumps({name: result}), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
