@@ -326,7 +326,8 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
             await recognition.finish()
             results = []
             while (result := await recognition.results.get()) is not None:
-                assert not isinstance(result, Rejected)
+                if isinstance(result, Rejected):  # the recogniser failed
+                    raise result
                 results.append(riva_asr_pb2.SpeechRecognitionResult(
                     alternatives=result.alternatives, channel_tag=1, audio_processed=result.audio_processed))
         except Rejected as exc:
