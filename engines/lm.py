@@ -173,7 +173,8 @@ class LmEngine:
     """A causal LM over a static slot cache; see the module docstring.
 
     Give `model_dir` (loaded with `AutoModelForCausalLM`, plus `AutoTokenizer` when the directory has
-    tokenizer files) or an already built `model` (its device and dtype are used as they are). The cache
+    tokenizer files) or an already built `model` (its device and dtype are used as they are). A loaded
+    model is moved to `device` when one is given (default: it stays on the CPU). The cache
     lives on the model's device. `threads`, if set, is applied with `torch.set_num_threads` (process-wide).
     """
 
@@ -193,6 +194,7 @@ class LmEngine:
         quantize: str | None = None,
         graphs: GraphRunner | GraphConfig | None = None,
         static_decode: bool | None = None,
+        device: str | torch.device | None = None,
     ) -> None:
         if (model_dir is None) == (model is None):
             raise ValueError("give exactly one of model_dir and model")
@@ -205,6 +207,7 @@ class LmEngine:
         self.model: Any = None
         self.tokenizer: Any = None
         self.context, self.dtype, self._threads = context, dtype, threads
+        self.device = None if device is None else torch.device(device)  # where a model_dir model goes
         self._want_compact, self.quantize = compact, quantize
         self.compact: CompactLlama | None = None
         self.compact_refused: str | None = None  # why the transformers forward is used, when it is
@@ -242,6 +245,8 @@ class LmEngine:
 
                 assert self.model_dir is not None
                 self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+                if self.device is not None:
+                    self.model.to(self.device)
                 if any((self.model_dir / f).exists() for f in _TOKENIZER_FILES):
                     self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             self.model.eval().requires_grad_(False)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .lm import LmEngine
+
 log = logging.getLogger(__name__)
 
 # Published shapes: 0.5b ~ Qwen2.5-0.5B, 1b ~ Llama-3.2-1B, 7b ~ Mistral-7B / the 7B duplex speech models.
@@ -53,3 +55,40 @@ def synthetic_llama(size: str, dtype: torch.dtype = torch.float32, device: str |
 
 def parameter_count(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+class SyntheticLmEngine(LmEngine):
+    """An `LmEngine` on `synthetic_llama(size)`, built at `load()` on `device` in `dtype`, with the
+    self-contained character-level chat tokenizer (engines/lm_models.py) so that a server can run
+    its `llm` lane on it for capacity runs. Every forward costs what the model of that shape costs;
+    the returned logits are cut to the tokenizer's text tokens (special tokens, end of sequence
+    included, never win), so a reply is gibberish that runs to its token limit, as a capacity
+    run wants."""
+
+    def __init__(self, size: str, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, **kwargs: Any) -> None:
+        if size not in SHAPES:
+            raise ValueError(f"unknown synthetic LM size {size!r}; one of {', '.join(SHAPES)}")
+        super().__init__(f"<{describe(size)}>", dtype=dtype, device=device, **kwargs)
+        self.size = size
+        self._special: torch.Tensor | None = None  # the tokenizer's special ids, never chosen
+
+    def load(self) -> None:
+        if self._cache is None:
+            from .lm_models import tiny_tokenizer
+
+            assert self.device is not None
+            self._given = synthetic_llama(self.size, self.dtype, self.device, context=self.context)
+            self.tokenizer = tiny_tokenizer()
+            self._special = torch.tensor(sorted(set(self.tokenizer.all_special_ids)), device=self.device)
+        super().load()
+
+    def close(self) -> None:
+        super().close()
+        self._given = self._special = None  # a later load() builds it again
+
+    def _forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Every forward (prefill, eager and graph-captured decode): logits [B, tokenizer size] with the
+        special tokens at -inf."""
+        assert self._special is not None
+        return super()._forward(*args, **kwargs)[:, :len(self.tokenizer)].index_fill(-1, self._special, -torch.inf)

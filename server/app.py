@@ -15,15 +15,14 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_tts_pb2, riva_tts_pb2_grpc
 from rtmedia.engines.asr import AsrEngine
-from rtmedia.engines.lm import EmbeddedLmEngine, LmEngine
 from rtmedia.engines.openai_chat import OpenAIResponder
 from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
 from rtmedia.engines.vad import VadEngine
-from rtmedia.engines.video import VideoEngine
 from rtmedia.server.config import ServerConfig
 from rtmedia.server.interceptors import ServerInterceptor
 from rtmedia.server.lm_lane import LmLane
 from rtmedia.server.metrics import Metrics
+from rtmedia.server.placement import build_lm_engines, build_video_engine, placement
 from rtmedia.server.realtime_service import RealtimeService
 from rtmedia.server.responders import build_responders
 from rtmedia.server.riva_asr import RivaAsrService
@@ -69,23 +68,17 @@ class RtmediaServer:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
+        self.placement = placement(config)  # device, precision, CUDA graphs (server/placement.py)
         self.scheduler = Scheduler(self.metrics)
         voices = default_voices() + [voice_from_path(p) for p in config.voices]
         self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads), LanePolicy(max_batch=4))
         self.scheduler.add(AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders),
                            LanePolicy(Priority.REALTIME, max_batch=64, concurrency=1))
         # Video decode: one latent step per work item, BULK, so speech runs between any two steps.
-        self.scheduler.add(VideoEngine(config.video_vae, threads=config.video_threads),
+        self.scheduler.add(build_video_engine(config, self.placement, self.metrics),
                            LanePolicy(Priority.BULK, max_batch=1, concurrency=1))
-        lanes = {}
-        lm_options = dict(slots=config.lm_slots, context=config.lm_context, threads=config.lm_threads,
-                          quantize=None if config.lm_quantize == "none" else config.lm_quantize)
-        if config.llm:
-            engine = EmbeddedLmEngine(**lm_options)
-            lanes["llm"] = self.scheduler.add_lm("llm", LmLane(engine, self.metrics))
-        if config.transformers_model:
-            engine = LmEngine(config.transformers_model, **lm_options)
-            lanes["transformers"] = self.scheduler.add_lm("transformers", LmLane(engine, self.metrics))
+        lanes = {name: self.scheduler.add_lm(name, LmLane(engine, self.metrics))
+                 for name, engine in build_lm_engines(config, self.placement, self.metrics).items()}
         extra = {}
         if config.openai_url:
             extra["openai"] = OpenAIResponder(config.openai_url, config.openai_model, os.environ.get("OPENAI_API_KEY"))
@@ -142,6 +135,7 @@ class RtmediaServer:
         await server.start()
         self._server = server
         log.info("listening", extra={"host": self.config.host, "port": self.port})
+        log.info("engines placed", extra=self.placement.describe())
         await self.scheduler.load()
         self.scheduler.start()
         self.realtime.start()

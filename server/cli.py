@@ -11,6 +11,8 @@ import sys
 from rtmedia.clients import cli as client_cli
 from rtmedia.server.config import ServerConfig
 
+SYNTHETIC_SIZES = ("tiny", "0.5b", "1b", "7b")  # engines/lm_synthetic.py SHAPES (not imported: no torch here)
+
 DESCRIPTION = """\
 rtmedia: a realtime media server over gRPC.
 
@@ -56,8 +58,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "responder openai; the key is read from OPENAI_API_KEY")
     p.add_argument("--openai-model", default=None, help="the model name sent to --openai-url")
     p.add_argument("--lm-slots", type=int, default=None, help="LM KV-cache slots shared by sessions (16)")
-    p.add_argument("--lm-quantize", choices=["int8", "none"], default=None,
-                   help="LM linear layers as per-row int8 matmuls (int8, default on CPU) or in the model's dtype")
+    p.add_argument("--lm-quantize", choices=["auto", "int8", "none"], default=None,
+                   help="LM linear layers as per-row int8 matmuls (int8: CPU only) or in the model's dtype "
+                        "(none); auto (default): int8 on the CPU, none on CUDA")
+    p.add_argument("--lm-batch-sizes", type=_sizes, default=None, metavar="N,N,...",
+                   help="LM decode batch sizes, each captured as a CUDA graph at warm-up on a GPU "
+                        "(1,2,4,8,16,32,64,128; capped at --lm-slots)")
+    p.add_argument("--synthetic-lm", default=None, choices=list(SYNTHETIC_SIZES), metavar="SIZE",
+                   help="CAPACITY RUNS ONLY: build the llm lane on a Llama of this shape (tiny, 0.5b, 1b, 7b) "
+                        "with RANDOM weights instead of the embedded SmolLM2; every step costs what that "
+                        "model costs, and every reply is gibberish that runs to its token limit")
+    p.add_argument("--device", default=None, metavar="auto|cpu|cuda",
+                   help="where the LM and video engines run: auto (default: CUDA when torch sees a GPU), cpu, "
+                        "cuda or cuda:N; on CUDA the LMs run in bfloat16 with CUDA-graph decode")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
+                   help="run every engine step eagerly (no CUDA-graph capture)")
+    p.add_argument("--max-graphs", type=int, default=None,
+                   help="CUDA graphs admitted per engine beyond the LM's warm-up ones (4; 0 disables admission)")
+    p.add_argument("--min-free-bytes", type=int, default=None,
+                   help="free GPU memory a CUDA-graph capture needs, else the step runs eagerly (1 GiB; 0: no check)")
     p.add_argument("--voice", dest="voices", action="append", default=None,
                    help="extra Piper voice: a local .onnx with .onnx.json beside it (repeatable)")
     p.add_argument("--web", action="store_true", default=None,
@@ -70,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a local diffusers AutoencoderKLWan directory (e.g. a Wan 2.1 vae/ folder); without it "
                         "a small Wan-style VAE with seeded random weights is built (real decode path and timing, "
                         "meaningless pictures)")
+    p.add_argument("--video-fast-path", choices=["off", "fused"], default=None,
+                   help="Wan VAE decoder: off (diffusers' reference, default) or fused (Triton kernels; pays "
+                        "off on CUDA, falls back to the reference on a CPU)")
     p.add_argument("--video-threads", type=int, default=None,
                    help="torch intra-op threads for video decode (1; process-wide, shared with the LM)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
@@ -85,6 +107,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return sizes
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Defaults, then the --config file, then the `serve` flags given (each named as its ServerConfig field)."""
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
+    return ServerConfig.load(args.config, **overrides)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     # Idle OpenMP threads sleep instead of spinning (set before torch loads): the cores
     # are shared with the ASR workers and TTS, and spinning threads starve them.
@@ -92,9 +130,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from rtmedia.server import logs
     from rtmedia.server.app import serve
 
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
     try:
-        config = ServerConfig.load(args.config, **overrides)
+        config = config_from_args(args)
     except (OSError, ValueError) as exc:
         print(f"rtmedia serve: {exc}", file=sys.stderr)
         return 2

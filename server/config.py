@@ -36,8 +36,24 @@ class ServerConfig:
     # workers and TTS; with 2 threads a contended 2-core box spins (seconds per step).
     lm_threads: int = 1
     # LM linear layers: "int8" (per-row int8 matmuls, ~1.7x faster decode on a CPU and
-    # batch-invariant, engines/lm_quant.py) or "none" (the model's own dtype).
-    lm_quantize: str = "int8"
+    # batch-invariant, engines/lm_quant.py; CPU only, refused on CUDA), "none" (the model's own
+    # dtype) or "auto" (int8 on the CPU, none on CUDA).
+    lm_quantize: str = "auto"
+    # LM decode batch sizes (capped at lm_slots): a decode is padded to the next one, and on CUDA
+    # each is captured as a CUDA graph at warm-up (SPEC §4; not subject to max_graphs).
+    lm_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
+    # Build the llm lane on a Llama of this shape (tiny, 0.5b, 1b, 7b) with random weights instead of
+    # the embedded SmolLM2, for capacity runs: its replies are gibberish.
+    synthetic_lm: str | None = None
+    # Where the LM and video engines run: "auto" (CUDA when torch sees a GPU, else the CPU), "cpu",
+    # "cuda" or "cuda:N" (start-up fails when torch sees no CUDA device). bfloat16 LMs on CUDA.
+    device: str = "auto"
+    # CUDA graphs for fixed-shape engine steps (SPEC §4); false runs every step eagerly.
+    cuda_graphs: bool = True
+    # Graph runner admission per engine (SPEC §4): graphs beyond the warm-up ones (0 disables
+    # admission), and the free device memory a capture needs (0 disables the check).
+    max_graphs: int = 4
+    min_free_bytes: int = 1 << 30
     # The responder a session uses unless it asks for another: llm, echo, transformers, openai.
     default_responder: str = "llm"
     # Serve NVIDIA Riva's speech API (RivaSpeechRecognition, RivaSpeechSynthesis) on the same port.
@@ -67,6 +83,8 @@ class ServerConfig:
     video_threads: int = 1
     # Encoded chunks a DecodeVideo stream may hold for a slow reader before its decode waits.
     video_queue_chunks: int = 4
+    # Wan VAE decoder fast path: "off" (diffusers' reference) or "fused" (Triton kernels, kernels/wan.py).
+    video_fast_path: str = "off"
     log_level: str = "INFO"
     # "json" (one object per line) or "text".
     log_format: str = "json"

@@ -73,6 +73,13 @@ class Metrics:
             "rtmedia_video_first_chunk_seconds", "DecodeVideo: request to the first chunk sent",
             buckets=LATENCY_BUCKETS, registry=r,
         )
+        self.graph_replays = Counter(
+            "rtmedia_graph_replays_total", "Engine steps run by replaying a CUDA graph", ["engine"], registry=r
+        )
+        self.graph_misses = Counter(
+            "rtmedia_graph_misses_total", "Engine steps run eagerly, by reason (ineligible, capacity, warmup, memory)",
+            ["engine", "reason"], registry=r,
+        )
         self.grpc_handled = Counter(
             "grpc_server_handled_total", "RPCs completed on the server",
             ["grpc_type", "grpc_service", "grpc_method", "grpc_code"], registry=r,
