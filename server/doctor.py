@@ -62,17 +62,18 @@ def check_device() -> tuple[str, str, float | None]:
 def check_lm(synthetic: str | None) -> tuple[str, str, float | None]:
     import torch
     from rtmedia.engines.lm import EmbeddedLmEngine, LmEngine
+    from rtmedia.server.config import ServerConfig
+    from rtmedia.server.placement import placement
 
-    cuda = torch.cuda.is_available()
-    options: dict[str, Any] = dict(slots=2, context=64, batch_sizes=(1, 2))
+    where = placement(ServerConfig())  # what `rtmedia serve` picks on this machine by default
+    options: dict[str, Any] = dict(slots=2, context=64, batch_sizes=(1, 2), quantize=where.lm_quantize)
     if synthetic:
         from rtmedia.engines.lm_synthetic import synthetic_llama
 
-        dtype = torch.bfloat16 if cuda else torch.float32
-        engine: LmEngine = LmEngine(model=synthetic_llama(synthetic, dtype, "cuda" if cuda else "cpu"), **options)
+        engine: LmEngine = LmEngine(model=synthetic_llama(synthetic, where.lm_dtype, where.device), **options)
         source = f"synthetic {synthetic} (random weights)"
     else:
-        engine = EmbeddedLmEngine(quantize=None if cuda else "int8", **options)
+        engine = EmbeddedLmEngine(device=where.device, dtype=where.lm_dtype, **options)
         source = "embedded SmolLM2-135M-Instruct"
     engine.load()
     try:
@@ -89,7 +90,9 @@ def check_lm(synthetic: str | None) -> tuple[str, str, float | None]:
         graphs = engine.graphs.stats
         mode = f"CUDA graphs for batch sizes {engine.batch_sizes} ({graphs.pinned} captured)" \
             if engine.static_decode and graphs.pinned else "eager decode"
-        return "pass", f"{source} on {device}, {precision}, {forward} forward, {mode}", None
+        counts = f"graph replays {graphs.hits}, eager steps {graphs.miss_total} " \
+            f"({', '.join(f'{k} {v}' for k, v in graphs.misses.items() if v) or 'none'})"
+        return "pass", f"{source} on {device}, {precision}, {forward} forward, {mode}; {counts}", None
     finally:
         engine.close()
 
