@@ -135,7 +135,9 @@ class RtmediaServer:
         await server.start()
         self._server = server
         log.info("listening", extra={"host": self.config.host, "port": self.port})
-        log.info("engines placed", extra=self.placement.describe())
+        where = self.placement.describe()
+        log.info("engines on %s: LM %s, CUDA graphs %s", where["device"], where["lm_dtype"],
+                 "on" if where["cuda_graphs"] else "off", extra=where)
         await self.scheduler.load()
         self.scheduler.start()
         self.realtime.start()
