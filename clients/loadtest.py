@@ -213,6 +213,7 @@ class Person:
         self.ended = False
         self.cancelled = False  # by the sender, after the server did not close in time
         self.admitted = False
+        self.opened = asyncio.Event()  # session.created came, or the stream ended
         self.closed_reason = ""
         self.silence_ms = 500
         self.sent_t: list[float] = []  # send time of every chunk
@@ -254,7 +255,7 @@ class Person:
             pass  # the stream ended under the sender: the reader recorded why
         finally:
             stats.active -= 1
-            if not reader.done():
+            if not reader.done() and not self.call.done():  # a finished call: the reader records why
                 self.cancelled = True
                 self.call.cancel()
             await asyncio.gather(reader, return_exceptions=True)
@@ -279,11 +280,15 @@ class Person:
                 self.error(f"grpc:{exc.code().name}" + (f":{reason}" if reason else ""))
         finally:
             self.ended = True
+            self.opened.set()
 
     # ---- the sender ------------------------------------------------------------------------------
     async def speak(self) -> None:
         run, chunk_s = self.run, self.run.chunk_ms / 1000
         await self.call.write(client_event("session.update", event_id=CONFIG_ID, session=run.configs[self.profile]))
+        # Audio starts once the server admitted the session, as a client waiting for
+        # session.created does (a refusal then never races a write).
+        await self.opened.wait()
         t0 = time.perf_counter()
         self.next_speech = t0 + self.rng.uniform(0.3, 1.5)
         n = 0
@@ -419,6 +424,7 @@ class Person:
             self.error(ev.code)
         elif kind in ("session_created", "session_updated"):
             self.admitted = True
+            self.opened.set()
             self.silence_ms = ev.session.turn_detection.silence_duration_ms or self.silence_ms
         elif kind == "session_closed":
             self.closed_reason = ev.reason
