@@ -23,7 +23,7 @@ def engine():
 
 
 def test_tick_holds_with_sessions_joining_and_leaving(engine: LmEngine) -> None:
-    clock = FrameClock(engine, tick_s=0.04)
+    clock = FrameClock(engine, tick_s=0.1)  # a tiny model's step takes ~ms: wide margins for a loaded box
     joined: dict[str, int] = {}
 
     def events(k: int) -> None:
@@ -42,8 +42,8 @@ def test_tick_holds_with_sessions_joining_and_leaving(engine: LmEngine) -> None:
         assert clock.steps == {joined["b"]: 10, joined["c"]: 7}  # once per tick while active
         assert engine.length(joined["b"]) == PROMPT_TOKENS + 10
         assert engine.length(joined["a"]) == 0  # released at its leave
-        assert 9 * 0.04 <= elapsed < 9 * 0.04 + 0.5  # absolute schedule: no drift
-        assert report.late <= 1 and len(report.steps_s) == 10
+        assert 9 * 0.1 <= elapsed < 9 * 0.1 + 1.0  # absolute schedule: no drift
+        assert report.late <= 2 and len(report.steps_s) == 10
     finally:
         clock.close()
     assert engine.slots_free == 4
