@@ -14,7 +14,8 @@ as ordered actions (`deliver`):
     ("stopped", audio_end_ms)     the turn ended
     ("marker", callback)          a commit or response.create queued behind the input
 
-Sessions without VAD (manual, none) get all their audio as turn audio.
+Sessions without VAD (manual, none) get all their audio as turn audio, unless
+transcription is off: then nothing uses it, and the tick only counts it.
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ class AudioInput:
             self._vad_stream.reset()
             detector = self._make_detector(settings)
         return _Frontend(settings, self._vad_stream if detector else None, detector)
+
+    @property
+    def transcribing(self) -> bool:
+        """The session's current transcription setting (read by the tick thread: a
+        session.update turning it on takes effect at the next tick)."""
+        return self._settings.transcription
 
     @property
     def bytes_per_ms(self) -> float:
@@ -164,10 +171,17 @@ class VadTick:
                 ) -> list[tuple[AudioInput, list[Action]]]:
         windows: list[tuple[int, np.ndarray]] = []  # (work index, window)
         actions: list[list[Action]] = []
-        for n, (_, segments, fe) in enumerate(work):
+        for n, (inp, segments, fe) in enumerate(work):
             decode = DECODERS[fe.settings.input_encoding]
             acts: list[Action] = []
             actions.append(acts)
+            if fe.detector is None and not inp.transcribing:  # nothing uses the audio: count it, keep markers
+                width, rate = BYTES_PER_SAMPLE[fe.settings.input_encoding], fe.settings.input_rate
+                for data, marker in segments:
+                    fe.samples += len(data) // width * RATE // rate
+                    if marker is not None:
+                        acts.append(("marker", marker))
+                continue
             if fe.detector is None:  # all input is turn audio, markers in their place
                 for data, marker in segments:
                     samples = fe.resampler.process(decode(data))

@@ -182,3 +182,29 @@ def test_vad_tick_drops_results_of_a_closed_session():
     tick.inputs.discard(inputs["closed"])  # Session.close() while the step ran
     tick.deliver([(inputs["open"], [("stopped", 100)]), (inputs["closed"], [("stopped", 100)])])
     assert got == {"open": [("stopped", 100)], "closed": []}
+
+
+def test_vad_tick_only_counts_audio_that_nothing_uses():
+    """No VAD and no transcription: the tick skips the decode but keeps markers and the
+    input offset, so turning transcription on later continues at the right offset."""
+    import dataclasses
+
+    from rtmedia.server.audio_input import AudioInput, VadTick
+    from rtmedia.server.session_config import SessionSettings
+
+    got: list = []
+    tick = VadTick(engine=None)  # type: ignore[arg-type]
+    settings = SessionSettings(turn_type="none", transcription=False, input_rate=24000)
+    inp = AudioInput(settings, 2000, got.extend, None)
+    tick.inputs.add(inp)
+    inp.append(bytes(2 * 480))  # 20 ms at 24 kHz
+    inp.after_input(lambda: None)
+    inp.append(bytes(2 * 480))
+    tick.deliver(tick.process(tick.collect()))
+    assert [kind for kind, _ in got] == ["marker"]
+    inp.reconfigure(dataclasses.replace(settings, transcription=True), reset=False)
+    got.clear()
+    inp.append(bytes(2 * 2400))  # 100 ms
+    tick.deliver(tick.process(tick.collect()))
+    assert [kind for kind, _ in got] == ["audio"]
+    assert got[0][1][0] == 40  # ms: after the 40 ms counted while nothing used the audio
