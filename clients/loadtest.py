@@ -386,10 +386,10 @@ class Person:
             self.on_audio(ev, now)
         elif kind == "input_audio_buffer_speech_started":
             utterance = self.utterance_at(ev.audio_start_ms)
-            if utterance is not None and ev.audio_start_ms > utterance.end_ms:
-                utterance = None  # started in the silence after it
+            if utterance is not None and (ev.audio_start_ms > utterance.end_ms or utterance.vad_seen):
+                utterance = None  # started in the silence after it, or again inside it (not an onset)
             self.last_started = (now, utterance)
-            if utterance is not None and not utterance.vad_seen:
+            if utterance is not None:
                 utterance.vad_seen = True
                 if (sent := self.sent_at(utterance.start_ms)) is not None:
                     stats.record("vad_start_ms", now - sent, now)
