@@ -202,6 +202,9 @@ class Reply:
 
 
 class Person:
+    """One simulated user: one Converse stream, a sender (speech at real-time pace,
+    playback acks) and a reader (the server's events, measured as they arrive)."""
+
     def __init__(self, run: Run, index: int, profile: str) -> None:
         self.run, self.index, self.profile = run, index, profile
         self.rng = random.Random(run.args.seed * 1_000_003 + index)
