@@ -22,5 +22,6 @@ def test_dashboard_metrics_exist():
     assert used <= registered, used - registered
     for name in ("rtmedia_sessions_active", "rtmedia_sessions_total", "rtmedia_response_latency_seconds",
                  "rtmedia_voice_to_voice_seconds", "rtmedia_barge_in_seconds", "rtmedia_lane_step_seconds",
-                 "rtmedia_lane_queue_depth", "rtmedia_lm_slots", "rtmedia_input_backpressure_total"):
+                 "rtmedia_lane_queue_depth", "rtmedia_lm_slots", "rtmedia_input_backpressure_total",
+                 "rtmedia_graph_replays_total", "rtmedia_graph_misses_total"):
         assert name in used
