@@ -178,6 +178,7 @@ class TtsEngine:
         self.voices = {v.name: v for v in specs}
         self.default_voice = specs[0].name
         self._threads = intra_op_threads
+        self._phonemize_lock = threading.Lock()
         self._models: dict[str, PiperVoice] = {}
         self._load_lock = threading.Lock()
 
@@ -223,9 +224,12 @@ class TtsEngine:
         model = self._models.get(voice)
         if model is None:
             raise EngineError(f"voice {voice} is not loaded")
-        config = SynthesisConfig(normalize_audio=False, volume=OUTPUT_GAIN)
-        parts = [c.audio_float_array for c in model.synthesize(text, config)]
-        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        with self._phonemize_lock:  # espeak-ng keeps global state; the ONNX inference runs concurrently
+            sentences = [p for p in model.phonemize(text) if p]
+        config = SynthesisConfig(normalize_audio=False)
+        parts = [np.clip(model.phoneme_ids_to_audio(model.phonemes_to_ids(p), config) * OUTPUT_GAIN, -1.0, 1.0)
+                 for p in sentences]
+        return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
 
     def step(self, items: Sequence[TtsItem]) -> list[bytes]:
         out = []

@@ -71,7 +71,10 @@ class RtmediaServer:
         self.placement = placement(config)  # device, precision, CUDA graphs (server/placement.py)
         self.scheduler = Scheduler(self.metrics)
         voices = default_voices() + [voice_from_path(p) for p in config.voices]
-        self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads), LanePolicy(max_batch=4))
+        # One clause per step (Piper synthesises one text at a time, and a batch would hold every
+        # result until its last one is done), two steps at once on the two cores.
+        self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads),
+                           LanePolicy(max_batch=1, concurrency=config.tts_concurrency))
         self.scheduler.add(AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders),
                            LanePolicy(Priority.REALTIME, max_batch=64, concurrency=1))
         # Video decode: one latent step per work item, BULK, so speech runs between any two steps.

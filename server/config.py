@@ -66,8 +66,10 @@ class ServerConfig:
     # from the OPENAI_API_KEY environment variable.
     openai_url: str | None = None
     openai_model: str = "gpt-4o-mini"
-    # onnxruntime intra-op threads for TTS (0: onnxruntime's default).
-    tts_threads: int = 0
+    # onnxruntime intra-op threads per TTS synthesis (0: onnxruntime's default, one per core),
+    # and syntheses that run at once.
+    tts_threads: int = 1
+    tts_concurrency: int = 2
     # Extra Piper voices: paths of `.onnx` files with `.onnx.json` beside them.
     voices: list[str] = field(default_factory=list)
     # The browser page and WebRTC bridge beside the server (rtmedia.web), on the same host.
