@@ -11,7 +11,8 @@ from rtmedia.engines.graphs import GraphConfig, GraphRunner
 from rtmedia.engines.lm import LmEngine
 from rtmedia.engines.lm_synthetic import synthetic_llama
 from rtmedia.engines.video import VideoEngine
-from rtmedia.engines.video_plan import causal_plan
+
+from tests.support.graphs import decode_all
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -64,14 +65,6 @@ def test_lm_graph_decode_equals_eager() -> None:
     assert graphed.graphs.stats.hits >= 4 and graphed.graphs.stats.miss_total == 0
 
 
-def _decode(engine: VideoEngine, latent: torch.Tensor) -> list[np.ndarray]:
-    stream = engine.open_stream(latent, causal_plan(latent.shape[1]), 0, 0)
-    try:
-        return [engine.decode_step(stream) for _ in stream.plan.steps]
-    finally:
-        engine.close_stream(stream)
-
-
 def test_graph_video_decode_is_bit_identical_to_eager() -> None:
     latent = torch.randn(16, 7, 8, 8, generator=torch.Generator().manual_seed(0))
     graphed = VideoEngine(device="cuda", graphs=GraphConfig(min_free_bytes=0))
@@ -79,6 +72,6 @@ def test_graph_video_decode_is_bit_identical_to_eager() -> None:
     for eng in (graphed, eager):
         eng.load()
     for _ in range(2):
-        for a, b in zip(_decode(graphed, latent), _decode(eager, latent), strict=True):
+        for a, b in zip(decode_all(graphed, latent), decode_all(eager, latent), strict=True):
             assert np.array_equal(a, b)
     assert graphed.graphs.stats.graphs == 1 and graphed.graphs.stats.hits >= 8

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from rtmedia.engines.responder import Message  # noqa: E402
 
 from tests.perf.bench_realtime import Clip, summary, talk_turns  # noqa: E402
 from tests.perf.bench_speech import machine  # noqa: E402
-from tests.support.serve import RTMEDIA, free_port, wait_serving  # noqa: E402
+from tests.support.serve import running_server  # noqa: E402
 from tests.support.speech import Speaker  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "How many days are in a week?", "What color is the sky?"]
@@ -85,16 +84,8 @@ def main() -> None:
         engine.warmup()
         decode[quantize or "float32"] = {f"sessions_{n}": throughput(engine, n, args.steps) for n in (1, 4, 16)}
         engine.close()
-    port = free_port()
-    server = subprocess.Popen([RTMEDIA, "serve", "--port", str(port), "--metrics-port", "0", "--log-level", "WARNING"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        target = f"127.0.0.1:{port}"
-        wait_serving(target, server)
+    with running_server("--metrics-port", "0", "--log-level", "WARNING") as (target, _):
         llm = asyncio.run(latency(target, args.turns))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     print(json.dumps({"benchmark": "lm", "machine": machine(), "model": "SmolLM2-135M-Instruct",
                       "decode_tokens_per_s": decode, "llm_one_session": llm}, indent=2))
 

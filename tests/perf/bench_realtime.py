@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import time
 import urllib.request
@@ -35,7 +34,7 @@ from rtmedia.engines.vad import WINDOW, VadEngine, VadItem  # noqa: E402
 
 from tests.perf.bench_speech import machine  # noqa: E402
 from tests.support.converse import Conversation  # noqa: E402
-from tests.support.serve import RTMEDIA, free_port, wait_serving  # noqa: E402
+from tests.support.serve import free_port, running_server  # noqa: E402
 from tests.support.speech import Speaker  # noqa: E402
 
 RATE = 24000
@@ -164,16 +163,10 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--barge-ins", type=int, default=8)
     args = parser.parse_args()
-    port, metrics_port = free_port(), free_port()
-    server = subprocess.Popen([RTMEDIA, "serve", "--port", str(port), "--metrics-port", str(metrics_port),
-                               "--log-level", "WARNING", "--no-llm", "--responder", "echo"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        target = f"127.0.0.1:{port}"
-        wait_serving(target, server)
+    metrics_port = free_port()
+    with running_server("--metrics-port", str(metrics_port), "--log-level", "WARNING", "--no-llm",
+                        "--responder", "echo") as (target, _):
         report = asyncio.run(run(args, target, metrics_port))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     report = {"benchmark": "realtime", "machine": machine(), "responder": "echo", "chunk_ms": CHUNK_MS,
               **report, "vad": vad_batching()}
     print(json.dumps(report, indent=2))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import time
 import urllib.request
@@ -35,7 +34,7 @@ from rtmedia.v1 import video_pb2, video_pb2_grpc  # noqa: E402
 
 from tests.perf.bench_realtime import SENTENCES, Clip, summary, talk_turns  # noqa: E402
 from tests.perf.bench_speech import machine  # noqa: E402
-from tests.support.serve import RTMEDIA, free_port, wait_serving  # noqa: E402
+from tests.support.serve import free_port, running_server  # noqa: E402
 from tests.support.speech import Speaker  # noqa: E402
 
 MiB = 1024 * 1024
@@ -137,17 +136,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--turns", type=int, default=6)
     args = parser.parse_args()
-    port, metrics_port = free_port(), free_port()
-    server = subprocess.Popen([RTMEDIA, "serve", "--port", str(port), "--metrics-port", str(metrics_port),
-                               "--log-level", "WARNING", "--no-llm", "--responder", "echo"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        target = f"127.0.0.1:{port}"
-        wait_serving(target, server)
+    metrics_port = free_port()
+    with running_server("--metrics-port", str(metrics_port), "--log-level", "WARNING", "--no-llm",
+                        "--responder", "echo") as (target, _):
         report = asyncio.run(run(args, target, metrics_port))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     print(json.dumps({"benchmark": "video", "machine": machine(), "vae": "embedded random-weight Wan-style "
                       "(base_dim 8), 1 torch thread", **report}, indent=2))
 

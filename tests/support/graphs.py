@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
+
+
+def decode_all(engine: Any, latent: torch.Tensor) -> list[np.ndarray]:
+    """Every chunk of a causal-plan decode of `latent` on a VideoEngine, step by step."""
+    from rtmedia.engines.video_plan import causal_plan
+
+    stream = engine.open_stream(latent, causal_plan(latent.shape[1]), 0, 0)
+    try:
+        return [engine.decode_step(stream) for _ in stream.plan.steps]
+    finally:
+        engine.close_stream(stream)
 
 
 class FakeBackend:

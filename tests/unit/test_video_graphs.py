@@ -8,17 +8,8 @@ import numpy as np
 import torch
 from rtmedia.engines.graphs import GraphConfig, GraphRunner
 from rtmedia.engines.video import VideoEngine
-from rtmedia.engines.video_plan import causal_plan
 
-from tests.support.graphs import FakeBackend
-
-
-def _decode(engine: VideoEngine, latent: torch.Tensor) -> list[np.ndarray]:
-    stream = engine.open_stream(latent, causal_plan(latent.shape[1]), 0, 0)
-    try:
-        return [engine.decode_step(stream) for _ in stream.plan.steps]
-    finally:
-        engine.close_stream(stream)
+from tests.support.graphs import FakeBackend, decode_all
 
 
 def test_graph_steps_are_bit_identical_and_counted() -> None:
@@ -29,7 +20,7 @@ def test_graph_steps_are_bit_identical_and_counted() -> None:
     graphed = VideoEngine(graphs=GraphRunner("video", GraphConfig(), backend))
     graphed.load()
     for _ in range(2):  # two streams of one resolution share the graph
-        for a, b in zip(_decode(plain, latent), _decode(graphed, latent), strict=True):
+        for a, b in zip(decode_all(plain, latent), decode_all(graphed, latent), strict=True):
             assert np.array_equal(a, b)
     stats = graphed.graphs.stats
     # per stream: steps 0-1 build the cache (eager), steps 2-5 are steady; the 2nd steady call captures
