@@ -33,7 +33,7 @@ from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_audio_pb2
 from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem
 from rtmedia.engines.vad import VadEngine
 from rtmedia.server.audio_input import WINDOW_MS, Action, AudioInput, VadTick
-from rtmedia.server.endpointing import DEFAULTS, HistoryEndpointer
+from rtmedia.server.endpointing import DEFAULTS, HistoryEndpointer, check_endpointing
 from rtmedia.server.riva_common import (
     INVALID,
     UNIMPLEMENTED,
@@ -124,7 +124,7 @@ def _endpointing(config: riva_asr_pb2.RecognitionConfig) -> dict[str, float]:
                            f"endpointing_config.{eou} is not supported (no first-pass end-of-utterance)")
     params.update({name: getattr(ep, name) for name in DEFAULTS if ep.HasField(name)})
     try:
-        HistoryEndpointer(**params)  # type: ignore[arg-type]
+        check_endpointing(**params)
     except ValueError as exc:
         raise Rejected(INVALID, "BAD_ENDPOINTING", str(exc)) from None
     return params
@@ -153,7 +153,6 @@ def punctuate(text: str) -> str:
 @dataclass(slots=True)
 class _Utterance:
     shift_ms: int = 0  # recogniser stream time -> input stream time
-    audio_ms: int = 0
 
 
 @dataclass
