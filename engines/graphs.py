@@ -220,10 +220,6 @@ class GraphRunner:
             self._capture(key, fn, inputs, pinned=True)
             return True
 
-    def has_graph(self, inputs: Sequence[torch.Tensor], tag: Hashable = None) -> bool:
-        with self._lock:
-            return bool(inputs) and self.backend.eligible(inputs) and self.key(inputs, tag) in self._graphs
-
     def reset(self) -> None:
         """Drop every graph and pool (the engine is closing); a failure stays recorded."""
         with self._lock:

@@ -53,10 +53,6 @@ def synthetic_llama(size: str, dtype: torch.dtype = torch.float32, device: str |
     return model.eval().requires_grad_(False)
 
 
-def parameter_count(model: Any) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 class SyntheticLmEngine(LmEngine):
     """An `LmEngine` on `synthetic_llama(size)`, built at `load()` on `device` in `dtype`, with the
     self-contained character-level chat tokenizer (engines/lm_models.py) so that a server can run
