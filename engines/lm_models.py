@@ -340,6 +340,28 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
+class Detokenizer:
+    """Text deltas of a growing list of generated tokens. Each token costs two decodes of a few
+    tokens (the previous window and the new one), not a decode of everything so far: a window
+    is decoded in the context of the token before it, so word-leading spaces come out right,
+    and text that ends in an incomplete character waits for the rest of it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix = self._read = 0  # ids[_prefix:_read] is already in the text given out
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
+        after = decode(self.ids[self._prefix:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return after[len(before):]
+
+
 def tiny_tokenizer(vocab_size: int | None = None) -> Any:
     """A self-contained character-level tokenizer: <unk>, <|im_start|> (bos), <|im_end|> (eos,
     pad), then one token per printable ASCII character, tab and newline (other characters

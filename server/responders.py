@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
-from rtmedia.engines.lm_models import truncate_history_to_fit
+from rtmedia.engines.lm_models import Detokenizer, truncate_history_to_fit
 from rtmedia.engines.responder import EchoResponder, Message, ReplyRequest, Responder
 from rtmedia.server.lm_lane import LmLane, common_prefix
 
@@ -57,19 +57,16 @@ class LmResponder:
         tokenizer = self.tokenizer
         prompt = await asyncio.to_thread(self.prompt, request, max_new)
         stop = {t for t in (tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None)) if t is not None}
-        ids: list[int] = []
-        sent = ""
+        text = Detokenizer(tokenizer)
+        started = False  # the reply's leading whitespace is dropped
         async for token in self.lane.generate(prompt, max_new, sorted(stop), request.on_wait,
                                               key=request.conversation):
-            ids.append(token)
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
-                continue
-            if len(text) > len(sent):
-                delta = text[len(sent):] if sent else text.lstrip()
-                sent = text
-                if delta:
-                    yield delta
+            delta = text.push(token)
+            if not started:
+                delta = delta.lstrip()
+            if delta:
+                started = True
+                yield delta
 
 
 def _max_new(request: ReplyRequest) -> int:

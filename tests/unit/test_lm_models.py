@@ -342,3 +342,27 @@ def test_tiny_llama_dir_options(tmp_path: Path) -> None:
     assert tokenizer.decode([120, 50, 51], skip_special_tokens=True) == "MN"
     with pytest.raises(ValueError, match="vocab_size >= 100"):
         tiny_llama_dir(tmp_path / "small", vocab_size=50)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny"])
+def test_detokenizer_deltas_add_up_and_decode_short_windows(smollm2: tuple[Any, Any], which: str) -> None:
+    """Deltas concatenate to the whole decode (spaces, multi-byte characters split across tokens,
+    special tokens dropped), and no decode call sees more than a few tokens."""
+    tokenizer = smollm2[1] if which == "smollm2" else tiny_tokenizer()
+    text = "Paris, café au lait — 3.14 naïve 東京 😀 done." if which == "smollm2" else "hello there, tiny model"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    longest = 0
+    decode = tokenizer.decode
+
+    def counting(window: list[int], **kw: Any) -> str:
+        nonlocal longest
+        longest = max(longest, len(window))
+        return decode(window, **kw)
+
+    detok = lm_models.Detokenizer(tokenizer)
+    detok.tokenizer = type("T", (), {"decode": staticmethod(counting)})()
+    out = "".join(detok.push(t) for t in ids)
+    assert out == decode(ids, skip_special_tokens=True)
+    assert longest <= 6, longest
