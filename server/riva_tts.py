@@ -27,7 +27,6 @@ from rtmedia.engines.tts import (
     TtsEngine,
     TtsItem,
     TtsStream,
-    is_speakable,
     split_text,
     unsupported_rate_message,
 )
@@ -40,6 +39,7 @@ from rtmedia.server.riva_common import (
     check_language,
 )
 from rtmedia.server.scheduler import Scheduler
+from rtmedia.server.speech_service import text_problem
 
 ENCODINGS = (riva_audio_pb2.ENCODING_UNSPECIFIED, riva_audio_pb2.LINEAR_PCM)
 
@@ -178,13 +178,8 @@ class RivaTtsService(riva_tts_pb2_grpc.RivaSpeechSynthesisServicer):
         return self.tts.open_stream(voice.name, rate)
 
     def _check_text(self, text: str, complete: bool) -> None:
-        if len(text) > self.max_text_chars:
-            raise Rejected(INVALID, "TEXT_TOO_LONG",
-                           f"text has {len(text)} characters; the limit is {self.max_text_chars}")
-        if complete and not text.strip():
-            raise Rejected(INVALID, "EMPTY_TEXT", "text is empty")
-        if complete and not is_speakable(text):
-            raise Rejected(INVALID, "NOTHING_TO_SPEAK", "text has no letters or digits to speak")
+        if (problem := text_problem(text, self.max_text_chars, complete)) is not None:
+            raise Rejected(INVALID, *problem)
 
 
 def _settings(request: riva_tts_pb2.SynthesizeSpeechRequest) -> bytes:

@@ -28,6 +28,18 @@ TRANSCRIBE_RATES = {
 }
 
 
+def text_problem(text: str, max_chars: int, complete: bool = True) -> tuple[str, str] | None:
+    """Why a text to synthesise is refused, as (ErrorInfo reason, message), or None. With
+    `complete` false (a streaming client's text, still growing) only its length is checked."""
+    if complete and not text.strip():
+        return "EMPTY_TEXT", "text is empty"
+    if len(text) > max_chars:
+        return "TEXT_TOO_LONG", f"text has {len(text)} characters; the limit is {max_chars}"
+    if complete and not is_speakable(text):
+        return "NOTHING_TO_SPEAK", "text has no letters or digits to speak"
+    return None
+
+
 class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
     def __init__(self, scheduler: Scheduler, max_text_chars: int = 5000) -> None:
         self.scheduler = scheduler
@@ -51,14 +63,9 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
 
     async def Synthesize(self, request, context) -> AsyncIterator[speech_pb2.SynthesizeResponse]:
         started = time.perf_counter()
+        if (problem := text_problem(request.text, self.max_text_chars)) is not None:
+            await abort(context, INVALID, *problem)
         text = request.text.strip()
-        if not text:
-            await abort(context, INVALID, "EMPTY_TEXT", "text is empty")
-        if len(request.text) > self.max_text_chars:
-            await abort(context, INVALID, "TEXT_TOO_LONG",
-                        f"text has {len(request.text)} characters; the limit is {self.max_text_chars}")
-        if not is_speakable(text):
-            await abort(context, INVALID, "NOTHING_TO_SPEAK", "text has no letters or digits to speak")
         if request.framing not in speech_pb2.AudioFraming.values():
             await abort(context, INVALID, "BAD_FRAMING", f"framing={request.framing} is not an AudioFraming value")
         try:
