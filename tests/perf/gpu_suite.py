@@ -1,4 +1,5 @@
-"""The GPU suite: one script, one GPU, under 4 minutes; prints one JSON line per part as it finishes.
+"""The GPU suite: one script, one GPU, meant to take under 4 minutes (an estimate: not yet run on a GPU);
+prints one JSON line per part as it finishes.
 
 Parts (each also on its own with --only NAME):
 - lm_graphs: decode-step latency per padded batch size, CUDA graphs vs eager, synthetic 0.5b (bf16);
