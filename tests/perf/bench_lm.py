@@ -4,7 +4,9 @@ response latency of the `llm` responder.
     .venv/bin/python tests/perf/bench_lm.py [--steps 32] [--turns 5]
 
 1. The embedded SmolLM2-135M-Instruct on the LM engine, with int8 linear layers
-   (the server's CPU default) and in float32: N sessions (1, 4, 16)
+   (the server's CPU default) and in float32: the prefill time of one chat prompt; 16 sessions
+   decoding together against each decoding alone (logit difference, greedy tokens that differ);
+   N sessions (1, 4, 16)
    with their own prompts decode `--steps` tokens each, once with one batched
    step for all N per token and once one session at a time, in the same run.
 2. A real `rtmedia serve` (default responder `llm`): spoken questions at
@@ -39,10 +41,49 @@ from tests.support.speech import Speaker  # noqa: E402
 QUESTIONS = ["What is the capital of France?", "How many days are in a week?", "What color is the sky?"]
 
 
+def story_prompts(engine: EmbeddedLmEngine, sessions: int) -> list[list[int]]:
+    return [chat_prompt_ids(engine.tokenizer, [Message("user", f"Tell me a story about the number {n}.")])
+            for n in range(sessions)]
+
+
+def prefill_ms(engine: EmbeddedLmEngine, repeats: int = 5) -> float:
+    """Median time to prefill one chat prompt (~40 tokens) into a fresh slot."""
+    [ids] = story_prompts(engine, 1)
+    times = []
+    for _ in range(repeats):
+        slot = engine.acquire()
+        started = time.perf_counter()
+        engine.prefill(slot, ids)
+        times.append(time.perf_counter() - started)
+        engine.release(slot)
+    return round(sorted(times)[repeats // 2] * 1000, 1)
+
+
+def batch_invariance(engine: EmbeddedLmEngine, alone: EmbeddedLmEngine, sessions: int = 16, steps: int = 20) -> dict:
+    """16 sessions decode together on `engine`; each step of each is repeated by itself on `alone`
+    (same model and settings): the largest logit difference and how many greedy tokens differ."""
+    prompts = story_prompts(engine, sessions)
+    slots = [engine.acquire() for _ in prompts]
+    solo = [alone.acquire() for _ in prompts]
+    last = {s: int(engine.prefill(s, ids).argmax()) for s, ids in zip(slots, prompts, strict=True)}
+    for own, ids in zip(solo, prompts, strict=True):
+        alone.prefill(own, ids)
+    worst, differ = 0.0, 0
+    for _ in range(steps):
+        together = engine.decode(last)
+        for s, own in zip(slots, solo, strict=True):
+            by_itself = alone.decode({own: last[s]})[own]
+            worst = max(worst, (together[s] - by_itself).abs().max().item())
+            differ += int(together[s].argmax()) != int(by_itself.argmax())
+        last = {s: int(together[s].argmax()) for s in slots}
+    for s, own in zip(slots, solo, strict=True):
+        engine.release(s)
+        alone.release(own)
+    return {"max_abs_logit_diff": worst, "greedy_tokens_differing": differ, "tokens": sessions * steps}
+
+
 def throughput(engine: EmbeddedLmEngine, sessions: int, steps: int) -> dict:
-    tokenizer = engine.tokenizer
-    prompts = [chat_prompt_ids(tokenizer, [Message("user", f"Tell me a story about the number {n}.")])
-               for n in range(sessions)]
+    prompts = story_prompts(engine, sessions)
     results = {}
     for mode in ("batched", "one_by_one"):
         slots = [engine.acquire() for _ in range(sessions)]
@@ -77,17 +118,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--turns", type=int, default=5)
     args = parser.parse_args()
-    decode = {}
+    decode, prefill, invariance = {}, {}, {}
     for quantize in ("int8", None):  # the server's default first, then float32
-        engine = EmbeddedLmEngine(slots=16, context=1024, threads=1, quantize=quantize)  # as the server runs it
-        engine.load()
-        engine.warmup()
-        decode[quantize or "float32"] = {f"sessions_{n}": throughput(engine, n, args.steps) for n in (1, 4, 16)}
-        engine.close()
+        engines = [EmbeddedLmEngine(slots=16, context=1024, threads=1, quantize=quantize)  # as the server runs it
+                   for _ in range(2)]
+        for engine in engines:
+            engine.load()
+            engine.warmup()
+        name = quantize or "float32"
+        decode[name] = {f"sessions_{n}": throughput(engines[0], n, args.steps) for n in (1, 4, 16)}
+        prefill[name] = prefill_ms(engines[0])
+        invariance[name] = batch_invariance(*engines)
+        for engine in engines:
+            engine.close()
     with running_server("--metrics-port", "0", "--log-level", "WARNING") as (target, _):
         llm = asyncio.run(latency(target, args.turns))
     print(json.dumps({"benchmark": "lm", "machine": machine(), "model": "SmolLM2-135M-Instruct",
-                      "decode_tokens_per_s": decode, "llm_one_session": llm}, indent=2))
+                      "decode_tokens_per_s": decode, "prefill_ms": prefill,
+                      "batch_invariance_16_sessions": invariance, "llm_one_session": llm}, indent=2))
 
 
 if __name__ == "__main__":
