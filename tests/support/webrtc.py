@@ -5,7 +5,6 @@ times, and keeps the `events` data channel's messages."""
 from __future__ import annotations
 
 import asyncio
-import fractions
 import json
 import subprocess
 import time
@@ -20,11 +19,12 @@ import av
 import numpy as np
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from rtmedia.web.tracks import FRAME_SAMPLES, PLAYOUT_RATE, PlayoutBuffer, ReplyAudioTrack
 
 from tests.support.serve import RTMEDIA, free_port, wait_serving
 
-RATE = 48000
-FRAME = 960  # 20 ms
+RATE = PLAYOUT_RATE  # 48 kHz
+FRAME = FRAME_SAMPLES  # 20 ms
 VOICED_RMS = 10 ** (-45 / 20)  # -45 dBFS, as `rtmedia talk` counts a chunk voiced
 
 
@@ -32,51 +32,25 @@ def frame_rms(samples: np.ndarray) -> float:
     return float(np.sqrt(np.mean((samples.astype(np.float64) / 32768) ** 2))) if len(samples) else 0.0
 
 
-class SpeechTrack(MediaStreamTrack):
-    """A microphone: plays queued 48 kHz int16 audio at real time, silence in between,
-    and remembers when each voiced frame went out (perf_counter)."""
-
-    kind = "audio"
+class SpeechTrack(ReplyAudioTrack):
+    """A microphone: the bridge's own paced 20 ms track, over a playout buffer that holds
+    what is queued to say (silence in between); remembers when each voiced frame went
+    out (perf_counter)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._queue: list[np.ndarray] = []
-        self._start: float | None = None
-        self._pts = 0
+        super().__init__(PlayoutBuffer(max_ms=600_000))
         self.voiced_sent: list[float] = []
-        self.frames_sent = 0
 
     def say(self, samples: np.ndarray) -> float:
         """Queue audio; returns its duration in seconds."""
         samples = samples.astype(np.int16)
-        padded = np.concatenate([samples, np.zeros(-len(samples) % FRAME, np.int16)])
-        self._queue.extend(padded.reshape(-1, FRAME))
+        self.buffer.push("speech", samples)
         return len(samples) / RATE
 
-    @property
-    def speaking(self) -> bool:
-        return bool(self._queue)
-
     async def recv(self) -> av.AudioFrame:
-        if self.readyState != "live":
-            raise MediaStreamError
-        if self._start is None:
-            self._start = time.perf_counter()
-        else:
-            self._pts += FRAME
-            await asyncio.sleep(max(0.0, self._start + self._pts / RATE - time.perf_counter()))
-        samples = np.zeros(FRAME, np.int16)
-        if self._queue:
-            chunk = self._queue.pop(0)[:FRAME]
-            samples[: len(chunk)] = chunk
-        if frame_rms(samples) > VOICED_RMS:
+        frame = await super().recv()
+        if frame_rms(frame.to_ndarray().reshape(-1)) > VOICED_RMS:
             self.voiced_sent.append(time.perf_counter())
-        frame = av.AudioFrame(format="s16", layout="mono", samples=FRAME)
-        frame.planes[0].update(samples.tobytes())
-        frame.sample_rate = RATE
-        frame.pts = self._pts
-        frame.time_base = fractions.Fraction(1, RATE)
-        self.frames_sent += 1
         return frame
 
 
