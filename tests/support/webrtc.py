@@ -21,7 +21,7 @@ from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from rtmedia.web.tracks import FRAME_SAMPLES, PLAYOUT_RATE, PlayoutBuffer, ReplyAudioTrack
 
-from tests.support.serve import RTMEDIA, free_port, wait_serving
+from tests.support.serve import free_port, running_server
 
 RATE = PLAYOUT_RATE  # 48 kHz
 FRAME = FRAME_SAMPLES  # 20 ms
@@ -171,22 +171,9 @@ def wait_http(url: str, process: subprocess.Popen, timeout: float = 30) -> None:
 @contextmanager
 def serve_with_web(log_dir: Path, *extra: str) -> Iterator[dict[str, Any]]:
     """`rtmedia serve --web` (echo responder, no LM): the server and the bridge beside it."""
-    port, web_port = free_port(), free_port()
+    web_port = free_port()
     log = log_dir / "serve.log"
-    with open(log, "wb") as log_file:
-        process = subprocess.Popen(
-            [RTMEDIA, "serve", "--port", str(port), "--metrics-port", "0", "--grace", "2", "--no-llm",
-             "--responder", "echo", "--web", "--web-port", str(web_port), *extra],
-            stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        wait_serving(f"127.0.0.1:{port}", process)
+    with running_server("--metrics-port", "0", "--grace", "2", "--no-llm", "--responder", "echo", "--web",
+                        "--web-port", str(web_port), *extra, log=log) as (target, process):
         wait_http(f"http://127.0.0.1:{web_port}/healthz", process)
-        yield {"target": f"127.0.0.1:{port}", "url": f"http://127.0.0.1:{web_port}", "process": process, "log": log}
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        yield {"target": target, "url": f"http://127.0.0.1:{web_port}", "process": process, "log": log}
