@@ -7,11 +7,11 @@ by row scale times channel scale. Every step is row-wise, so a row's result
 does not depend on the other rows of its batch (with the compact forward's
 per-row attention spans, batched decode is bit-identical to one-by-one; see
 engines/lm.py). PyTorch's dynamic quantization shares one activation scale
-across the whole batch; measured on the embedded model at 16 sessions it
-changed 22 % of greedy tokens against one-by-one, so it is not used.
+across the whole batch, so there a row's result depends on its batch-mates; it
+is not used.
 
-On a 2-core AVX-512 VNNI machine the embedded 135M model decodes one token in
-about a third of the float32 time; see BENCHMARKS.md.
+Speed against float32 (prefill, decode at 1/4/16 sessions) is measured by
+tests/perf/bench_lm.py; see BENCHMARKS.md.
 """
 
 from __future__ import annotations
