@@ -33,7 +33,7 @@ from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSession
 from aiortc.jitterbuffer import JitterBuffer
 from aiortc.sdp import SessionDescription
 from rtmedia.clients.client import CHANNEL_OPTIONS
-from rtmedia.web.peer import Peer, SessionRefused, VideoDefaults
+from rtmedia.web.peer import OfferError, Peer, VideoDefaults
 
 log = logging.getLogger("rtmedia.web")
 
@@ -65,13 +65,6 @@ def set_audio_prefetch(pc: RTCPeerConnection, frames: int) -> int:
             receiver._RTCRtpReceiver__jitter_buffer = JitterBuffer(capacity=16, prefetch=frames)
             changed += 1
     return changed
-
-
-class OfferError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 @dataclass
@@ -295,10 +288,7 @@ class Bridge:
             except (ValueError, TypeError, KeyError) as exc:
                 raise OfferError(400, f"the SDP offer was not accepted: {exc}") from None
             set_audio_prefetch(pc, self.config.audio_prefetch)
-            try:
-                await peer.open_session(self.config.session)
-            except SessionRefused as exc:
-                raise OfferError(exc.status, exc.message) from None
+            await peer.open_session(self.config.session)  # SessionRefused is an OfferError
             pc.addTrack(peer.audio_out)
             if video:
                 pc.addTrack(peer.video_out)

@@ -53,13 +53,17 @@ MAX_LATENT_VALUES = 4 * 1024 * 1024
 BRIDGE_OWNED = ("input_audio_format", "output_sample_rate")
 
 
-class SessionRefused(Exception):
-    """The rtmedia server would not open a session; `status` is the HTTP status to answer."""
+class OfferError(Exception):
+    """An offer the bridge does not answer; `status` is the HTTP status to answer with."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+class SessionRefused(OfferError):
+    """The rtmedia server would not open a session."""
 
 
 @dataclass
