@@ -275,7 +275,7 @@ class Peer:
                              message=f"unknown bridge event {obj['type'][:64]!r}; known: bridge.video.request")
             return
         try:
-            request = self._video_request(obj)
+            shape, fps, seed = self._video_request(obj)
         except ValueError as exc:
             self.send_bridge("bridge.video.error", code="invalid_value", message=str(exc))
             return
@@ -283,7 +283,7 @@ class Peer:
         if running is not None and not running.done():
             self.send_bridge("bridge.video.error", code="busy", message="a video decode is already running")
             return
-        self._start("video", self._decode_video(request))
+        self._start("video", self._decode_video(shape, fps, seed))
 
     # ---- server -> browser ------------------------------------------------------------------------------
     async def _read(self) -> None:
@@ -387,7 +387,8 @@ class Peer:
             self.stats.events_to_page += 1
 
     # ---- video --------------------------------------------------------------------------------------------
-    def _video_request(self, obj: dict[str, Any]) -> video_pb2.DecodeVideoRequest:
+    def _video_request(self, obj: dict[str, Any]) -> tuple[list[int], float, int]:
+        """The checked latent_shape, fps and seed of a bridge.video.request."""
         unknown = sorted(set(obj) - {"type", "latent_shape", "fps", "seed"})
         if unknown:
             raise ValueError(f"unknown field(s) in bridge.video.request: {', '.join(unknown)}")
@@ -403,17 +404,17 @@ class Peer:
         seed = obj.get("seed", 0)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        latent = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
-        tensor = video_pb2.Tensor(shape=shape, dtype=video_pb2.TENSOR_DTYPE_FLOAT32, data=latent.tobytes())
-        return video_pb2.DecodeVideoRequest(latent=tensor, fps=float(fps), format=video_pb2.VIDEO_FORMAT_RAW_RGB24)
+        return shape, float(fps), seed
 
-    async def _decode_video(self, request: video_pb2.DecodeVideoRequest) -> None:
+    async def _decode_video(self, shape: list[int], fps: float, seed: int) -> None:
         if not any(t.sender.track is self.video_out for t in self.pc.getTransceivers()):
             self.send_bridge("bridge.video.error", code="no_video_track",
                              message="the offer had no video section, so there is no track to show video on")
             return
+        # Up to MAX_LATENT_VALUES normal draws (16 MiB, tens of ms): off the loop that paces the tracks.
+        request = await asyncio.to_thread(_latent_request, shape, fps, seed)
         self.video_out.restart_clip()
-        self.send_bridge("bridge.video.started", latent_shape=list(request.latent.shape), fps=request.fps)
+        self.send_bridge("bridge.video.started", latent_shape=shape, fps=fps)
         frames = 0
         started = time.perf_counter()
         try:
@@ -448,6 +449,13 @@ class Peer:
                 "playout": vars(self.buffer.stats) | {"queued_ms": round(self.buffer.queued_ms)},
                 "stats": {k: v for k, v in vars(self.stats).items() if k != "opened_at"},
                 "age_s": round(time.perf_counter() - self.stats.opened_at, 1)}
+
+
+def _latent_request(shape: list[int], fps: float, seed: int) -> video_pb2.DecodeVideoRequest:
+    """A DecodeVideo request of a seeded random latent (the demo video)."""
+    latent = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+    tensor = video_pb2.Tensor(shape=shape, dtype=video_pb2.TENSOR_DTYPE_FLOAT32, data=latent.tobytes())
+    return video_pb2.DecodeVideoRequest(latent=tensor, fps=fps, format=video_pb2.VIDEO_FORMAT_RAW_RGB24)
 
 
 def _refusal(exc: grpc.aio.AioRpcError) -> SessionRefused:
