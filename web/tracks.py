@@ -214,7 +214,6 @@ class VideoFrameTrack(MediaStreamTrack):
         self._pts = 0
         self._next_pts = 0
         self._time_base = fractions.Fraction(1, VIDEO_CLOCK)
-        self.frames_sent = 0
 
     async def put(self, frame: np.ndarray, fps: float) -> None:
         if frame.dtype != np.uint8 or frame.ndim != 3 or frame.shape[2] != 3:
@@ -246,7 +245,6 @@ class VideoFrameTrack(MediaStreamTrack):
         self._next_pts += max(1, round(VIDEO_CLOCK / fps))
         frame.pts = self._pts
         frame.time_base = self._time_base
-        self.frames_sent += 1
         return frame
 
 
