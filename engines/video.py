@@ -176,13 +176,16 @@ class VideoEngine:
         return stream
 
     def close_stream(self, stream: VideoStream) -> None:
-        """Free the stream's feature cache; a step running now finishes and is discarded."""
+        """Free the stream's feature cache. Never waits (it is called on the event loop): a step
+        running now finishes, its result is discarded, and that step frees the cache."""
         stream.closed = True
-        with stream.lock:
-            stream.cache = None
-            stream.segment = None
         with self._lock:
             self.streams.pop(stream.id, None)
+        if stream.lock.acquire(blocking=False):
+            try:
+                stream.cache = stream.segment = None
+            finally:
+                stream.lock.release()
 
     @property
     def cached_streams(self) -> int:
@@ -203,34 +206,43 @@ class VideoEngine:
                 results.append(exc)
         return results
 
-    @torch.inference_mode()
     def decode_step(self, stream: VideoStream) -> np.ndarray:
         """Decode the stream's next latent frame: float [0, 1] frames, T x H x W x 3."""
-        with stream.lock:
-            if stream.closed:
-                raise EngineError(f"video stream {stream.id} is closed")
-            step: Step = stream.plan.steps[stream.steps_done]
-            if step.fresh:
-                stream.cache = [None] * self._conv_count
-                stream.segment = self.vae.post_quant_conv(stream.latent[:, :, step.start:step.stop])
-            assert stream.segment is not None and stream.cache is not None
-            i = step.index - step.start
-            x = stream.segment[:, :, i:i + 1]
-            if not step.fresh and not any(isinstance(c, str) for c in stream.cache):
-                layout = tuple(isinstance(c, torch.Tensor) for c in stream.cache)
-                out, *tensors = self.graphs.run(lambda x, *c: self._steady_step(layout, x, *c), x,
-                                                *(c for c in stream.cache if c is not None), tag=layout)
-                it = iter(tensors)
-                stream.cache = [next(it) if held else None for held in layout]
-            else:
-                out = self.graphs.eager(lambda x: self.vae.decoder(x, feat_cache=stream.cache, feat_idx=[0],
-                                                                   first_chunk=step.fresh), x)
-            stream.steps_done += 1
-            if stream.steps_done == len(stream.plan.steps) or stream.plan.steps[stream.steps_done].fresh:
-                stream.cache = None  # the segment is done: free its cache now
-                stream.segment = None
-            self.steps_run += 1
-            return self._frames(out, stream)
+        try:
+            with stream.lock:
+                return self._decode_step(stream)
+        finally:
+            if stream.closed:  # closed while this step held the lock: close_stream left the cache to us
+                with stream.lock:
+                    stream.cache = stream.segment = None
+
+    @torch.inference_mode()
+    def _decode_step(self, stream: VideoStream) -> np.ndarray:
+        """`decode_step` with the stream's lock held."""
+        if stream.closed:
+            raise EngineError(f"video stream {stream.id} is closed")
+        step: Step = stream.plan.steps[stream.steps_done]
+        if step.fresh:
+            stream.cache = [None] * self._conv_count
+            stream.segment = self.vae.post_quant_conv(stream.latent[:, :, step.start:step.stop])
+        assert stream.segment is not None and stream.cache is not None
+        i = step.index - step.start
+        x = stream.segment[:, :, i:i + 1]
+        if not step.fresh and not any(isinstance(c, str) for c in stream.cache):
+            layout = tuple(isinstance(c, torch.Tensor) for c in stream.cache)
+            out, *tensors = self.graphs.run(lambda x, *c: self._steady_step(layout, x, *c), x,
+                                            *(c for c in stream.cache if c is not None), tag=layout)
+            it = iter(tensors)
+            stream.cache = [next(it) if held else None for held in layout]
+        else:
+            out = self.graphs.eager(lambda x: self.vae.decoder(x, feat_cache=stream.cache, feat_idx=[0],
+                                                               first_chunk=step.fresh), x)
+        stream.steps_done += 1
+        if stream.steps_done == len(stream.plan.steps) or stream.plan.steps[stream.steps_done].fresh:
+            stream.cache = None  # the segment is done: free its cache now
+            stream.segment = None
+        self.steps_run += 1
+        return self._frames(out, stream)
 
     def _steady_step(self, layout: tuple[bool, ...], x: torch.Tensor, *cache: torch.Tensor
                      ) -> tuple[torch.Tensor, ...]:

@@ -3,6 +3,8 @@ diffusers' own `vae.decode`, bit for bit, and streams keep their own caches."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -89,8 +91,37 @@ def test_closing_frees_the_cache_and_later_steps_fail(engine):
     assert engine.cached_streams == 1
     engine.close_stream(stream)
     assert engine.cached_streams == 0 and stream.id not in engine.streams
+    assert stream.cache is None and stream.segment is None
     [result] = engine.step([VideoStep(stream)])
     assert isinstance(result, EngineError) and "closed" in str(result)
+
+
+def test_closing_during_a_step_does_not_wait_and_the_step_frees_the_cache(engine, monkeypatch):
+    """The service closes streams on the event loop, so close_stream must not wait for a step."""
+    stream = engine.open_stream(latent(3, 2, 2), causal_plan(3), 0, 0)
+    engine.step([VideoStep(stream)])
+    inside, release = threading.Event(), threading.Event()
+    real = engine._frames
+
+    def held(*args, **kwargs):  # the step is running and holds the stream's lock
+        inside.set()
+        assert release.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_frames", held)
+    step = threading.Thread(target=engine.step, args=([VideoStep(stream)],))
+    step.start()
+    assert inside.wait(10)
+    closer = threading.Thread(target=engine.close_stream, args=(stream,))
+    closer.start()
+    closer.join(2)
+    closed_while_running = not closer.is_alive()
+    release.set()
+    step.join(10)
+    closer.join(10)
+    assert closed_while_running, "close_stream waited for the running step"
+    assert stream.id not in engine.streams
+    assert stream.cache is None and stream.segment is None, "the running step freed the cache when it ended"
 
 
 def test_normalized_latents_use_the_config_statistics(engine):
