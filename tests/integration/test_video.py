@@ -194,8 +194,11 @@ async def test_cancel_stops_at_the_next_step_and_frees_the_cache(server, channel
     await call.read()
     await call.read()
     assert engine.cached_streams == 1
+    [stream] = engine.streams.values()
     call.cancel()
     await wait_until(lambda: not engine.streams)
+    # cached_streams only counts open streams, so look at the closed one's own cache.
+    await wait_until(lambda: stream.cache is None)
     assert engine.cached_streams == 0
     steps = engine.steps_run
     await asyncio.sleep(0.3)
