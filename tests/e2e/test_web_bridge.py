@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.serve import RTMEDIA, free_port
 from tests.support.speech import wer
-from tests.support.webrtc import RATE, BridgePeer, serve_with_web, wait_http
+from tests.support.webrtc import RATE, BridgePeer, running_bridge, serve_with_web, wait_http
 
 pytestmark = pytest.mark.e2e
 SENTENCE = "Hello, can you hear me today?"
@@ -255,31 +255,21 @@ async def test_video_plays_while_talking(served, voice):
 
 def test_web_cli_binds_ice_ports_in_range(served):
     """`rtmedia web` beside a running server: ICE candidates use --udp-ports, --max-peers 1 holds."""
-    web_port = free_port()
-    process = subprocess.Popen([RTMEDIA, "web", "--target", served["target"], "--port", str(web_port),
-                                "--udp-ports", "41000-41010", "--max-peers", "1"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{web_port}"
-    try:
-        wait_http(f"{url}/healthz", process)
+    async def check(url: str) -> None:
+        async with aiohttp.ClientSession() as http:
+            peer, extra = BridgePeer(url), BridgePeer(url)
+            try:
+                await peer.connect(http)
+                answer = peer.pc.remoteDescription.sdp
+                ports = [int(line.split()[5]) for line in answer.splitlines() if line.startswith("a=candidate:")]
+                assert ports and all(41000 <= p <= 41010 for p in ports), ports
+                await peer.wait_for("session.created")
+                sdp = await extra.offer_sdp()
+                async with http.post(f"{url}/offer", json={"sdp": sdp, "type": "offer"}) as res:
+                    assert res.status == 503 and "at most 1 peers" in (await res.json())["error"]
+            finally:
+                await extra.close()
+                await peer.close()
 
-        async def check() -> None:
-            async with aiohttp.ClientSession() as http:
-                peer, extra = BridgePeer(url), BridgePeer(url)
-                try:
-                    await peer.connect(http)
-                    answer = peer.pc.remoteDescription.sdp
-                    ports = [int(line.split()[5]) for line in answer.splitlines() if line.startswith("a=candidate:")]
-                    assert ports and all(41000 <= p <= 41010 for p in ports), ports
-                    await peer.wait_for("session.created")
-                    sdp = await extra.offer_sdp()
-                    async with http.post(f"{url}/offer", json={"sdp": sdp, "type": "offer"}) as res:
-                        assert res.status == 503 and "at most 1 peers" in (await res.json())["error"]
-                finally:
-                    await extra.close()
-                    await peer.close()
-
-        asyncio.run(check())
-    finally:
-        process.terminate()
-        process.wait(15)
+    with running_bridge(served["target"], "--udp-ports", "41000-41010", "--max-peers", "1") as url:
+        asyncio.run(check(url))

@@ -21,7 +21,7 @@ from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from rtmedia.web.tracks import FRAME_SAMPLES, PLAYOUT_RATE, PlayoutBuffer, ReplyAudioTrack
 
-from tests.support.serve import free_port, running_server
+from tests.support.serve import RTMEDIA, free_port, running_server
 
 RATE = PLAYOUT_RATE  # 48 kHz
 FRAME = FRAME_SAMPLES  # 20 ms
@@ -177,3 +177,18 @@ def serve_with_web(log_dir: Path, *extra: str) -> Iterator[dict[str, Any]]:
                         "--web-port", str(web_port), *extra, log=log) as (target, process):
         wait_http(f"http://127.0.0.1:{web_port}/healthz", process)
         yield {"target": target, "url": f"http://127.0.0.1:{web_port}", "process": process, "log": log}
+
+
+@contextmanager
+def running_bridge(target: str, *extra: str) -> Iterator[str]:
+    """`rtmedia web --target TARGET EXTRA` on a free port, once /healthz answers: its URL."""
+    port = free_port()
+    process = subprocess.Popen([RTMEDIA, "web", "--target", target, "--port", str(port), *extra],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/healthz", process)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(15)
