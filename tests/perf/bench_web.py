@@ -2,7 +2,12 @@
 Opus up, the bridge, Converse, the playout track, Opus down) versus the same audio sent
 straight over gRPC, measured in one run against one `rtmedia serve --web` process.
 
-    .venv/bin/python tests/perf/bench_web.py [--rounds 8]
+    .venv/bin/python tests/perf/bench_web.py [--rounds 8] [--client-prefetch N] [--bridge-prefetch N]
+
+The bridge is the one `rtmedia serve --web` runs beside the server (it holds one 20 ms
+microphone frame before decoding); `--bridge-prefetch N` measures a separate
+`rtmedia web --audio-prefetch N` against the same server instead (aiortc's own
+default is 4, as is the client's with `--client-prefetch 4`).
 
 voice-to-voice (SPEC 1.5): from the last voiced 20 ms frame the client sent to the first
 audible reply frame at the client (-45 dBFS). Over gRPC, the reply is "played" from its
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import platform
@@ -28,12 +34,21 @@ from pathlib import Path
 import aiohttp
 import grpc
 import numpy as np
+from rtmedia.web.bridge import BridgeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.support.converse import Conversation
 from tests.support.speech import Speaker
-from tests.support.webrtc import FRAME, RATE, VOICED_RMS, BridgePeer, frame_rms, serve_with_web
+from tests.support.webrtc import (
+    FRAME,
+    RATE,
+    VOICED_RMS,
+    BridgePeer,
+    frame_rms,
+    running_bridge,
+    serve_with_web,
+)
 
 SENTENCE = "Hello, can you hear me today?"
 IN_RATE = 16000
@@ -86,7 +101,7 @@ async def bridge_round(url: str, http: aiohttp.ClientSession, speech48: np.ndarr
         await peer.close()
 
 
-async def run(rounds: int, url: str, target: str, prefetch: int) -> dict:
+async def run(rounds: int, url: str, target: str, prefetch: int, bridge_prefetch: int) -> dict:
     speaker = Speaker()
     speech16, speech48 = speaker.say(SENTENCE, IN_RATE), speaker.say(SENTENCE, RATE)
     direct, bridge = [], []
@@ -106,7 +121,7 @@ async def run(rounds: int, url: str, target: str, prefetch: int) -> dict:
     return {"benchmark": "web_bridge_voice_to_voice", "rounds": rounds, "direct_grpc": summary(direct),
             "through_bridge": summary(bridge), "bridge_adds_p50_ms": round(statistics.median(added), 1),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-            "client_audio_prefetch": prefetch,
+            "client_audio_prefetch": prefetch, "bridge_audio_prefetch": bridge_prefetch,
             "notes": "echo responder, --no-llm; session 16 kHz in, 48 kHz out; aiortc peer on the same host"}
 
 
@@ -116,9 +131,17 @@ def main() -> None:
     parser.add_argument("--client-prefetch", type=int, default=1,
                         help="the aiortc client's audio jitter-buffer frames (aiortc's default is 4 = 80 ms; a "
                              "browser's adaptive buffer sits near 1-2 frames on a clean local path)")
+    parser.add_argument("--bridge-prefetch", type=int, default=None,
+                        help="measure a separate `rtmedia web --audio-prefetch N` instead of the bridge of "
+                             "`rtmedia serve --web` (which holds 1 frame)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, serve_with_web(Path(tmp)) as served:
-        result = asyncio.run(run(args.rounds, served["url"], served["target"], args.client_prefetch))
+    with contextlib.ExitStack() as stack:
+        served = stack.enter_context(serve_with_web(Path(stack.enter_context(tempfile.TemporaryDirectory()))))
+        url, bridge_prefetch = served["url"], BridgeConfig.audio_prefetch  # serve --web's bridge: the default
+        if args.bridge_prefetch is not None:
+            bridge_prefetch = args.bridge_prefetch
+            url = stack.enter_context(running_bridge(served["target"], "--audio-prefetch", str(bridge_prefetch)))
+        result = asyncio.run(run(args.rounds, url, served["target"], args.client_prefetch, bridge_prefetch))
     print(json.dumps(result, indent=2))
 
 
