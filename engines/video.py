@@ -164,8 +164,9 @@ class VideoEngine:
         if normalized:
             if self.info.latents_mean is None or self.info.latents_std is None:
                 raise EngineError("this VAE's config has no latents_mean / latents_std")
-            shape = (1, -1, 1, 1, 1)
-            z = z * torch.tensor(self.info.latents_std).view(shape) + torch.tensor(self.info.latents_mean).view(shape)
+            std, mean = (torch.tensor(v, device=z.device).view(1, -1, 1, 1, 1)
+                         for v in (self.info.latents_std, self.info.latents_mean))
+            z = z * std + mean
         pad = plan.padded_frames - plan.latent_frames
         if pad:  # repeat the last latent frame (overlapped windows)
             z = torch.cat([z, z[:, :, -1:].expand(-1, -1, pad, -1, -1)], dim=2)
