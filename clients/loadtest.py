@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rtmedia.clients import talk
 from rtmedia.clients.cli import CliError
 from rtmedia.clients.client import CHANNEL_OPTIONS, DEFAULT_TARGET
 from rtmedia.clients.loadtest_report import (
@@ -179,26 +180,12 @@ class Utterance:
 
 
 @dataclass
-class Reply:
-    response_id: str
-    created_t: float
-    trigger_t: float | None  # speech_stopped received
-    voiced_t: float | None  # the turn's last voiced sample sent
-    first_audio_t: float | None = None
-    status: str = ""
-    frames: int = 0
-    received_ms: int = 0
-    play_until: float = 0.0
-    acked_ms: int = 0
-    cleared: bool = False
+class Reply(talk.Reply):
+    """`rtmedia talk`'s simulated playback of a reply, plus when its last delta arrived
+    and how long it plays (for jitter)."""
+
     last_t: float = 0.0
-    last_s: float = 0.0  # the last delta's duration
-
-    def played_ms(self, now: float) -> int:
-        return max(0, int(self.received_ms - max(0.0, self.play_until - now) * 1000))
-
-    def playing(self, now: float) -> bool:
-        return self.first_audio_t is not None and not self.cleared and now < self.play_until
+    last_s: float = 0.0
 
 
 class Person:
@@ -453,8 +440,8 @@ class Person:
                 self.underruns += 1
                 stats.underruns += 1
             stats.record("jitter_ms", max(0.0, now - reply.last_t - reply.last_s), now)
-        reply.frames += len(ev.audio) // (2 * max(1, ev.channels))
-        reply.received_ms = reply.frames * 1000 // ev.sample_rate
+        reply.received_frames += len(ev.audio) // (2 * max(1, ev.channels))
+        reply.received_ms = reply.received_frames * 1000 // ev.sample_rate
         reply.play_until = max(now, reply.play_until) + seconds
         reply.last_t, reply.last_s = now, seconds
 
