@@ -34,6 +34,10 @@ class PlanError(ValueError):
     """The latent cannot be decoded with the requested plan."""
 
 
+class LatentTooShort(PlanError):
+    """The latent has fewer frames than the plan needs."""
+
+
 @dataclass(frozen=True)
 class Step:
     """Decode latent frame `index` (of the padded latent) in the segment [start, stop)."""
@@ -123,7 +127,7 @@ def causal_frames(latent_frames: int) -> int:
 
 def causal_plan(latent_frames: int, steps_per_chunk: int = 1) -> FramePlan:
     if latent_frames < 1:
-        raise PlanError(f"the latent has {latent_frames} frames; the causal plan needs at least 1")
+        raise LatentTooShort(f"the latent has {latent_frames} frames; the causal plan needs at least 1")
     if steps_per_chunk < 1:
         raise PlanError(f"latent_steps_per_chunk={steps_per_chunk} must be at least 1")
     t = latent_frames
@@ -143,7 +147,7 @@ def overlapped_windows(latent_frames: int, cfg: OverlapConfig = OVERLAP) -> tupl
     pad_tok = (cfg.advance - pseudo % cfg.advance) % cfg.advance
     n = (pseudo + pad_tok) // cfg.advance - 1
     if n <= 0:
-        raise PlanError(f"the latent has {latent_frames} frames; the overlapped plan needs at least 3")
+        raise LatentTooShort(f"the latent has {latent_frames} frames; the overlapped plan needs at least 3")
     return n, pad_tok
 
 

@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 import torch
 from rtmedia.engines.video import VideoEngine, VideoOneShot, VideoStep, VideoStream
-from rtmedia.engines.video_plan import Assembler, ChunkFrames, FramePlan, PlanError, make_plan
+from rtmedia.engines.video_plan import Assembler, ChunkFrames, FramePlan, LatentTooShort, PlanError, make_plan
 from rtmedia.server.errors import abort
 from rtmedia.server.scheduler import Scheduler
 from rtmedia.server.video_mp4 import Fmp4Writer
@@ -97,8 +97,7 @@ def parse_request(request: video_pb2.DecodeVideoRequest, engine: VideoEngine, ma
     try:
         plan = make_plan(PLANS[request.plan], frames, request.latent_steps_per_chunk or 1)
     except PlanError as exc:
-        reason = "LATENT_TOO_SHORT" if "needs at least" in str(exc) else "BAD_PLAN"
-        raise BadRequest(reason, str(exc)) from None
+        raise BadRequest("LATENT_TOO_SHORT" if isinstance(exc, LatentTooShort) else "BAD_PLAN", str(exc)) from None
     if request.one_shot:
         plan = plan.one_shot()
     full_h, full_w = lat_h * info.spatial_ratio, lat_w * info.spatial_ratio
@@ -195,8 +194,6 @@ class VideoService(video_pb2_grpc.VideoServiceServicer):
                     for chunk in await asyncio.to_thread(self._assemble, assembler, writer, [frames], n == last):
                         await queue.put(chunk)  # waits while the reader is behind
             await queue.put(_DONE)
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:
             await queue.put(exc)
 

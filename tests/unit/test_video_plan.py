@@ -7,6 +7,7 @@ import pytest
 from rtmedia.engines.video_plan import (
     OVERLAP,
     Assembler,
+    LatentTooShort,
     PlanError,
     blend,
     causal_plan,
@@ -42,7 +43,7 @@ def test_overlapped_plan_formula(latent):
 
 @pytest.mark.parametrize("latent", [-1, 0, 1, 2])
 def test_overlapped_plan_rejects_short_latents(latent):
-    with pytest.raises(PlanError, match="at least 3"):
+    with pytest.raises(LatentTooShort, match="at least 3"):
         overlapped_plan(latent)
 
 
