@@ -217,8 +217,7 @@ class Person:
         self.last_started: tuple[float, Utterance | None] | None = None
         self.trigger: tuple[float, float | None] | None = None
         self.stopped_at: dict[str, float] = {}
-        self.replies: dict[str, Reply] = {}
-        self.live_replies: list[Reply] = []
+        self.live_replies: list[Reply] = []  # created, and not yet played out, acknowledged or cleared
         self.latencies: list[float] = []
         self.errors = 0
         self.underruns = 0
@@ -398,11 +397,10 @@ class Person:
         elif kind == "response_created":
             trigger_t, voiced_t = self.trigger or (None, None)
             self.trigger, self.awaiting_since = None, None
-            reply = self.replies[ev.response_id] = Reply(ev.response_id, now, trigger_t, voiced_t)
-            self.live_replies.append(reply)
+            self.live_replies.append(Reply(ev.response_id, now, trigger_t, voiced_t))
             stats.responses += 1
         elif kind == "response_done":
-            if (reply := self.replies.pop(ev.response_id, None)) is not None:
+            if (reply := self.live_reply(ev.response_id)) is not None:
                 reply.status = "done"
             if ev.status not in (realtime_pb2.RESPONSE_STATUS_COMPLETED, realtime_pb2.RESPONSE_STATUS_CANCELLED):
                 self.error("response_failed")
@@ -419,8 +417,11 @@ class Person:
         elif kind == "session_closed":
             self.closed_reason = ev.reason
 
+    def live_reply(self, response_id: str) -> Reply | None:
+        return next((r for r in self.live_replies if r.response_id == response_id), None)
+
     def on_audio(self, ev: Any, now: float) -> None:
-        reply = next((r for r in self.live_replies if r.response_id == ev.response_id), None)
+        reply = self.live_reply(ev.response_id)
         if reply is None or reply.cleared or not ev.audio:
             return
         stats = self.stats
@@ -446,7 +447,7 @@ class Person:
         reply.last_t, reply.last_s = now, seconds
 
     def on_cleared(self, ev: Any, now: float) -> None:
-        reply = next((r for r in self.live_replies if r.response_id == ev.response_id), None)
+        reply = self.live_reply(ev.response_id)
         if reply is None:
             return
         reply.received_ms, reply.play_until, reply.cleared = reply.played_ms(now), now, True
