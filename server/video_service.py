@@ -181,8 +181,10 @@ class VideoService(video_pb2_grpc.VideoServiceServicer):
     async def _produce(self, job: VideoJob, stream: VideoStream, queue: asyncio.Queue[object]) -> None:
         """Decode step by step; put encoded chunks, then _DONE (or the exception) on the queue."""
         assembler = Assembler(job.plan)
-        writer = Fmp4Writer(job.width, job.height, job.fps) if job.format == video_pb2.VIDEO_FORMAT_FMP4_H264 else None
+        writer = None
         try:
+            if job.format == video_pb2.VIDEO_FORMAT_FMP4_H264:  # opening x264 is codec work: off the loop
+                writer = await asyncio.to_thread(Fmp4Writer, job.width, job.height, job.fps)
             if job.one_shot:
                 outputs = await self.scheduler.submit("video", VideoOneShot(stream))
                 for chunk in await asyncio.to_thread(self._assemble, assembler, writer, outputs, True):

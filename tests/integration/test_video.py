@@ -272,6 +272,19 @@ async def test_out_of_memory_is_resource_exhausted(server, channel, monkeypatch)
     await decode(channel, request(latent(2, 2, 2)))
 
 
+async def test_fmp4_writer_failure_ends_the_stream(channel, monkeypatch):
+    import rtmedia.server.video_service as video_service
+
+    def broken(*args):
+        raise RuntimeError("injected: no H.264 encoder")
+
+    monkeypatch.setattr(video_service, "Fmp4Writer", broken)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await asyncio.wait_for(decode(channel, request(latent(2, 2, 2), format=FMP4)), 20)
+    assert err.value.code() == grpc.StatusCode.INTERNAL and error_reason(err.value) == "DECODE_FAILED"
+    assert "no H.264 encoder" in err.value.details()
+
+
 async def response_latency(channel, pcm, rate) -> float:
     """speech_stopped -> first reply audio (SPEC 1.5), seconds, for one turn."""
     async with Conversation(channel) as c:
