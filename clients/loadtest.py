@@ -335,12 +335,16 @@ class Person:
                 and self.replies_done(now) and now - self.last_end >= QUIET_S)
 
     async def acknowledge(self, now: float) -> None:
-        """playback.ack every ~200 ms of play, and once a reply has played out."""
+        """playback.ack every ~200 ms of play, and once a reply has played out; replies
+        that are over (acknowledged to the end, cleared, or done without audio) leave
+        live_replies."""
         if not self.live_replies:
             return
-        keep = []
-        for reply in self.live_replies:
-            if reply.first_audio_t is not None and not reply.cleared:
+        over = []
+        for reply in list(self.live_replies):  # the reader may add a reply while a write is awaited
+            if reply.cleared or (reply.status and reply.first_audio_t is None):
+                over.append(reply)
+            elif reply.first_audio_t is not None:
                 played = reply.played_ms(now)
                 finished = bool(reply.status) and not reply.playing(now)
                 if played - reply.acked_ms >= ACK_EVERY_MS or (finished and played > reply.acked_ms):
@@ -348,11 +352,9 @@ class Person:
                     await self.call.write(client_event("playback.ack", response_id=reply.response_id,
                                                        played_ms=played))
                 if finished and reply.acked_ms >= reply.received_ms:
-                    continue
-            elif reply.cleared or (reply.status and reply.first_audio_t is None):
-                continue
-            keep.append(reply)
-        self.live_replies = keep
+                    over.append(reply)
+        if over:
+            self.live_replies = [r for r in self.live_replies if r not in over]
 
     # ---- timing helpers ---------------------------------------------------------------------------
     def sent_at(self, ms: float) -> float | None:
