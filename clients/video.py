@@ -11,12 +11,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 from rtmedia.clients.cli import CliError
-from rtmedia.clients.client import DEFAULT_TARGET
+from rtmedia.clients.client import CHANNEL_OPTIONS, DEFAULT_TARGET
 from rtmedia.v1 import video_pb2, video_pb2_grpc
 
 DTYPES = {np.dtype(np.float32): video_pb2.TENSOR_DTYPE_FLOAT32, np.dtype(np.float16): video_pb2.TENSOR_DTYPE_FLOAT16}
 PLANS = {"causal": video_pb2.FRAME_PLAN_CAUSAL, "overlapped": video_pb2.FRAME_PLAN_OVERLAPPED}
-MiB = 1024 * 1024
 
 
 def add_video_parser(sub: argparse._SubParsersAction) -> None:
@@ -91,7 +90,6 @@ def cmd_decode_video(args: argparse.Namespace) -> None:
     if raw_dir:
         raw_dir.mkdir(parents=True, exist_ok=True)
     tty = sys.stderr.isatty() and not args.json
-    options = [("grpc.max_receive_message_length", 8 * MiB), ("grpc.max_send_message_length", 8 * MiB)]
     started = time.perf_counter()
     first_ms = None
     frames_done = chunks_done = 0
@@ -101,7 +99,7 @@ def cmd_decode_video(args: argparse.Namespace) -> None:
     written: list[Path] = [mp4_path] if mp4_path else []
     ok = False
     try:
-        with grpc.insecure_channel(args.target, options=options) as channel:
+        with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
             stub = video_pb2_grpc.VideoServiceStub(channel)
             for reply in stub.DecodeVideo(request_for(latent, args, fmt), timeout=args.timeout):
                 if reply.chunk_index != chunks_done or reply.part != len(parts):

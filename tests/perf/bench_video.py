@@ -30,14 +30,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from rtmedia.clients.client import CHANNEL_OPTIONS  # noqa: E402
 from rtmedia.v1 import video_pb2, video_pb2_grpc  # noqa: E402
 
 from tests.perf.bench_realtime import SENTENCES, Clip, summary, talk_turns  # noqa: E402
 from tests.perf.bench_speech import machine  # noqa: E402
 from tests.support.serve import free_port, running_server  # noqa: E402
 from tests.support.speech import Speaker  # noqa: E402
-
-MiB = 1024 * 1024
 
 
 def video_step_seconds(metrics_port: int) -> tuple[float, float]:
@@ -70,9 +69,8 @@ async def run(args: argparse.Namespace, target: str, metrics_port: int) -> dict:
     tensor = video_pb2.Tensor(shape=z.shape, dtype=video_pb2.TENSOR_DTYPE_FLOAT32, data=z.tobytes())
     chunked_req = video_pb2.DecodeVideoRequest(latent=tensor)
     one_shot_req = video_pb2.DecodeVideoRequest(latent=tensor, one_shot=True)
-    options = [("grpc.max_receive_message_length", 8 * MiB), ("grpc.max_send_message_length", 8 * MiB)]
     report: dict = {"latent": list(z.shape), "output": [1 + 4 * (args.frames - 1), args.size, args.size]}
-    async with grpc.aio.insecure_channel(target, options=options) as channel:
+    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         stub = video_pb2_grpc.VideoServiceStub(channel)
         await decode(stub, chunked_req)  # warm
         chunked, one_shot, steps = [], [], []
