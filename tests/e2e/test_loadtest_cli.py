@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import wave
 
 import numpy as np
 import pytest
+from rtmedia.clients.client import write_wav
 
 from tests.support.serve import RTMEDIA, free_port, running_server
 
@@ -78,11 +78,8 @@ def test_listen_from_a_directory_with_rejections(target, tmp_path, speaker):
     """Listening sessions beyond the server's --max-sessions are counted as rejected."""
     rate = 16000
     for n, text in enumerate(["Good morning, how are you?", "The bus leaves at seven."]):
-        with wave.open(str(tmp_path / f"{n}.wav"), "wb") as wav:
-            wav.setnchannels(1)
-            wav.setsampwidth(2)
-            wav.setframerate(rate)
-            wav.writeframes(np.concatenate([speaker.silence(0.2, rate), speaker.say(text, rate)]).tobytes())
+        write_wav(tmp_path / f"{n}.wav", np.concatenate([speaker.silence(0.2, rate), speaker.say(text, rate)]).tobytes(),
+                  rate)
     extra = MAX_SESSIONS + 2
     result = loadtest(target, "--profile", "listen", "--chunk-ms", "100", "--sessions", str(extra), "--ramp-per-s",
                       "20", "--duration", "6", "--audio", str(tmp_path), "--json")

@@ -4,11 +4,11 @@ search, argument checks, clip loading and the chart."""
 from __future__ import annotations
 
 import re
-import wave
 
 import numpy as np
 import pytest
 from rtmedia.clients.cli import CliError
+from rtmedia.clients.client import write_wav
 from rtmedia.clients.loadtest import check_args, session_config
 from rtmedia.clients.loadtest_report import (
     LATENCIES,
@@ -119,18 +119,11 @@ def test_session_configs():
     assert session_config("listen", none)["turn_detection"] == {"type": "none"}
 
 
-def write_wav(path, samples: np.ndarray, rate: int) -> None:
-    with wave.open(str(path), "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(rate)
-        wav.writeframes(samples.astype("<i2").tobytes())
-
-
 def test_clips_from_a_directory(tmp_path):
     rate = 8000
     tone = (np.sin(np.arange(rate) * 2 * np.pi * 300 / rate) * 8000).astype(np.int16)
-    write_wav(tmp_path / "a.wav", np.concatenate([np.zeros(rate // 4, np.int16), tone, np.zeros(77, np.int16)]), rate)
+    write_wav(tmp_path / "a.wav", np.concatenate([np.zeros(rate // 4, np.int16), tone, np.zeros(77, np.int16)]).tobytes(),
+              rate)
     (tmp_path / "notes.txt").write_text("not audio")
     paths = wav_files(tmp_path)
     assert [p.name for p in paths] == ["a.wav"]
@@ -149,7 +142,7 @@ def test_bad_audio_dirs(tmp_path):
     (tmp_path / "bad.wav").write_bytes(b"RIFF nonsense")
     with pytest.raises(CliError, match="not a 16-bit PCM WAV file"):
         load_clips(wav_files(tmp_path), 16000, 20)
-    write_wav(tmp_path / "bad.wav", np.zeros(800, np.int16), 8000)
+    write_wav(tmp_path / "bad.wav", bytes(1600), 8000)
     with pytest.raises(CliError, match="no speech"):
         load_clips(wav_files(tmp_path), 16000, 20)
 
