@@ -12,9 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import numpy as np
 from rtmedia.clients.client import DEFAULT_TARGET, SpeechClient, read_wav
-from rtmedia.engines.resample import float_to_pcm16, make_resampler
 from rtmedia.server.errors import error_reason
 from rtmedia.v1 import speech_pb2
 
@@ -133,14 +131,9 @@ def cmd_synth(args: argparse.Namespace) -> None:
 
 def _audio_chunks(path: Path, chunk_ms: int, realtime: bool) -> tuple[int, Iterator[bytes]]:
     audio = read_wav(path)
-    samples, rate = audio.samples, audio.sample_rate
-    if rate not in SERVER_RATES:
-        resampler = make_resampler(rate, 16000)
-        floats = samples.astype("float32") / 32768
-        samples_bytes = float_to_pcm16(np.concatenate([resampler.process(floats), resampler.flush()]))
-        rate = 16000
-    else:
-        samples_bytes = samples.tobytes()
+    if audio.sample_rate not in SERVER_RATES:
+        audio = audio.at_rate(16000)
+    samples_bytes, rate = audio.samples.tobytes(), audio.sample_rate
     if chunk_ms <= 0:
         raise CliError(f"--chunk-ms must be positive, got {chunk_ms}")
     step = rate * chunk_ms // 1000 * 2

@@ -96,6 +96,17 @@ class WavAudio:
     def seconds(self) -> float:
         return len(self.samples) / self.sample_rate
 
+    def at_rate(self, rate: int) -> WavAudio:
+        """The audio resampled to `rate` with the server's streaming resampler (itself when it is already there)."""
+        if rate == self.sample_rate:
+            return self
+        from rtmedia.engines.resample import float_to_pcm16, make_resampler
+
+        resampler = make_resampler(self.sample_rate, rate)
+        floats = self.samples.astype(np.float32) / 32768
+        pcm = float_to_pcm16(np.concatenate([resampler.process(floats), resampler.flush()]))
+        return WavAudio(np.frombuffer(pcm, "<i2"), rate)
+
 
 def read_wav(path: str | Path) -> WavAudio:
     """A PCM16 WAV file as mono int16 (channels are averaged)."""

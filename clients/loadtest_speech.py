@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from rtmedia.clients.cli import CliError
 from rtmedia.clients.client import read_wav, write_wav
-from rtmedia.engines.resample import float_to_pcm16, make_resampler
+from rtmedia.engines.resample import float_to_pcm16
 from rtmedia.server.events import client_event
 from rtmedia.v1 import realtime_pb2
 
@@ -92,12 +92,7 @@ def load_clips(paths: list[Path], rate: int, chunk_ms: int) -> list[Clip]:
             audio = read_wav(path)
         except (wave.Error, EOFError, ValueError) as exc:
             raise CliError(f"{path}: not a 16-bit PCM WAV file ({exc})") from None
-        samples = audio.samples
-        if audio.sample_rate != rate:
-            resampler = make_resampler(audio.sample_rate, rate)
-            floats = samples.astype(np.float32) / 32768
-            samples = np.frombuffer(float_to_pcm16(np.concatenate([resampler.process(floats), resampler.flush()])),
-                                    "<i2")
+        samples = audio.at_rate(rate).samples
         voiced = np.flatnonzero(np.abs(samples.astype(np.int32)) > VOICED)
         if not voiced.size:
             raise CliError(f"{path}: no speech in it (all samples below -46 dBFS)")

@@ -24,7 +24,6 @@ import grpc
 import numpy as np
 from rtmedia.clients.cli import CliError
 from rtmedia.clients.client import DEFAULT_TARGET, RealtimeClient, read_wav, write_wav
-from rtmedia.engines.resample import float_to_pcm16, make_resampler
 from rtmedia.server.events import client_event, event_type, to_json
 from rtmedia.v1 import realtime_pb2
 
@@ -125,12 +124,9 @@ def load_input(path: Path, chunk_ms: int, tail_ms: int = 0) -> InputAudio:
     if not 1 <= chunk_ms <= 1000:
         raise CliError(f"--chunk-ms must be 1..1000, got {chunk_ms}")
     audio = read_wav(path)
+    if audio.sample_rate not in INPUT_RATES:
+        audio = audio.at_rate(RESAMPLE_TO)
     samples, rate = audio.samples, audio.sample_rate
-    if rate not in INPUT_RATES:
-        resampler = make_resampler(rate, RESAMPLE_TO)
-        floats = samples.astype(np.float32) / 32768
-        pcm = float_to_pcm16(np.concatenate([resampler.process(floats), resampler.flush()]))
-        samples, rate = np.frombuffer(pcm, "<i2"), RESAMPLE_TO
     if not len(samples):
         raise CliError(f"{path}: the file holds no audio")
     samples = np.concatenate([samples, np.zeros(rate * tail_ms // 1000, samples.dtype)])
