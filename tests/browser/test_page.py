@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "build" / "test-artifacts"
 RATE = 48000
-SENTENCE = "Hello, can you hear me today?"
+SENTENCE = "Please tell me about the weather today."
 INTERRUPTION = "Stop, that is enough."
 
 

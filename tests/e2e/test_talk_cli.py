@@ -16,7 +16,7 @@ from tests.support.speech import wer
 
 pytestmark = pytest.mark.e2e
 RATE = 16000
-SENTENCE = "Hello, can you hear me today?"
+SENTENCE = "Please tell me about the weather today."
 LONG = "Please tell me a long story about the weather in the mountains."
 INTERRUPTION = "Stop, that is enough."
 

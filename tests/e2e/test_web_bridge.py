@@ -19,7 +19,7 @@ from tests.support.speech import wer
 from tests.support.webrtc import RATE, BridgePeer, running_bridge, serve_with_web, wait_http
 
 pytestmark = pytest.mark.e2e
-SENTENCE = "Hello, can you hear me today?"
+SENTENCE = "Please tell me about the weather today."
 LONG = "Please tell me a long story about the weather in the mountains and the sea."
 INTERRUPTION = "Stop, that is enough."
 

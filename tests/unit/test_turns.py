@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from piper import SynthesisConfig
 from rtmedia.engines.vad import WINDOW, VadEngine, VadItem
 from rtmedia.server.turns import BOUNDS, WINDOW_MS, TurnDetector, TurnEvent, check_turn_params
-from scipy.signal import resample_poly
 
 from tests.support.speech import Speaker
 
@@ -149,20 +147,13 @@ def test_bounds_edges_accepted() -> None:
     TurnDetector(threshold=0.05, prefix_padding_ms=0, silence_duration_ms=100)
 
 
-def _say(speaker: Speaker, text: str) -> np.ndarray:
-    """Float32 16 kHz speech; Piper's sampling noise off, so the audio (and the test) is reproducible."""
-    config = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0)
-    audio = np.concatenate([c.audio_float_array for c in speaker.voice.synthesize(text, config)])
-    return resample_poly(audio, 320, 441).astype(np.float32)  # 22050 Hz -> 16 kHz
-
-
 @pytest.mark.parametrize(
     "text",
     ["Please call me back tomorrow afternoon at the office.", "The quick brown fox jumps over the lazy dog."],
 )
 def test_end_to_end_on_real_vad(speaker: Speaker, text: str) -> None:
     assert speaker.rate == 22050
-    speech = _say(speaker, text)
+    speech = speaker.float_audio(text)
     second = np.zeros(16000, np.float32)
     audio = np.concatenate([second, speech, second])
     audible = np.nonzero(np.abs(audio) > 0.005)[0]  # above -46 dBFS: the speech itself, soft tails included
