@@ -30,8 +30,10 @@ from typing import Any
 import grpc
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription, rtcsctptransport
-from aiortc.jitterbuffer import JitterBuffer
+from aiortc.jitterbuffer import JitterBuffer, JitterFrame
+from aiortc.rtp import RtpPacket
 from aiortc.sdp import SessionDescription
+from aiortc.utils import uint16_add
 from rtmedia.clients.client import CHANNEL_OPTIONS
 from rtmedia.web.peer import OfferError, Peer, VideoDefaults
 
@@ -53,18 +55,45 @@ def cap_sctp_chunk_size(limit: int = SCTP_MAX_USER_DATA) -> int:
     return rtcsctptransport.USERDATA_MAX_LENGTH
 
 
-def set_audio_prefetch(pc: RTCPeerConnection, frames: int) -> int:
-    """Hold `frames` audio frames in each audio receiver's jitter buffer before decoding
-    (aiortc holds 4, i.e. 80 ms, and exposes no setting). A frame is complete when the
-    next one starts, so 1 adds 20 ms. Call after setRemoteDescription, before media
-    flows. Returns how many receivers were changed."""
-    changed = 0
+class PacketAudioBuffer(JitterBuffer):
+    """An audio receive buffer that hands each RTP packet to the decoder as it arrives.
+
+    aiortc's JitterBuffer knows a frame is complete only when a packet of the next frame
+    arrives, so even its smallest setting holds every frame one packet time (20 ms). An
+    Opus RTP packet is always one whole frame (RFC 7587), so it can be decoded at once.
+    A packet that is not newer than the newest one seen (late, reordered or repeated)
+    is dropped and counted in `late`: the decoder needs packets in order, and a late one
+    would be played after audio that followed it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(capacity=16)
+        self.newest: int | None = None
+        self.late = 0
+
+    def add(self, packet: RtpPacket) -> tuple[bool, JitterFrame | None]:
+        seq = packet.sequence_number
+        if self.newest is not None and not 0 < uint16_add(seq, -self.newest) < 0x8000:
+            self.late += 1
+            return False, None
+        self.newest = seq
+        return False, JitterFrame(data=packet._data, timestamp=packet.timestamp)
+
+
+def set_audio_prefetch(pc: RTCPeerConnection, frames: int) -> list[JitterBuffer]:
+    """Set how many audio frames each audio receiver holds before decoding (aiortc holds
+    4, i.e. 80 ms, and exposes no setting): 0 decodes each packet as it arrives
+    (`PacketAudioBuffer`); N >= 1 is aiortc's JitterBuffer with prefetch N, which adds
+    20 ms per frame (a frame is complete when the next one starts). Call after
+    setRemoteDescription, before media flows. Returns the buffers it installed."""
+    installed = []
     for transceiver in pc.getTransceivers():
         receiver = transceiver.receiver
         if transceiver.kind == "audio" and hasattr(receiver, "_RTCRtpReceiver__jitter_buffer"):
-            receiver._RTCRtpReceiver__jitter_buffer = JitterBuffer(capacity=16, prefetch=frames)
-            changed += 1
-    return changed
+            buffer = PacketAudioBuffer() if frames == 0 else JitterBuffer(capacity=16, prefetch=frames)
+            receiver._RTCRtpReceiver__jitter_buffer = buffer
+            installed.append(buffer)
+    return installed
 
 
 @dataclass
@@ -78,16 +107,17 @@ class BridgeConfig:
     udp_ports: tuple[int, int] | None = None
     max_peers: int = 8
     input_rate: int = 16000  # the session's input rate: the microphone is resampled to it
-    # Microphone frames held before decoding: 1 adds 20 ms (aiortc's own 4: 80 ms). Raise it
-    # on paths with much jitter or reordering.
-    audio_prefetch: int = 1
+    # Microphone frames held before decoding: 0 decodes each packet as it arrives (a late
+    # packet is dropped), N adds N x 20 ms (aiortc's own 4: 80 ms). Raise it on paths with
+    # much jitter or reordering.
+    audio_prefetch: int = 0
     connect_timeout_s: float = 30.0  # an answered peer must connect within this
     session: dict[str, Any] = field(default_factory=dict)  # session.update fields every session starts with
     video: VideoDefaults = field(default_factory=VideoDefaults)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.audio_prefetch <= 16:
-            raise ValueError(f"audio_prefetch must be 1..16 frames, got {self.audio_prefetch}")
+        if not 0 <= self.audio_prefetch <= 16:
+            raise ValueError(f"audio_prefetch must be 0..16 frames, got {self.audio_prefetch}")
         if self.max_peers < 1:
             raise ValueError(f"max_peers must be at least 1, got {self.max_peers}")
         if self.input_rate not in (8000, 16000, 24000):
@@ -287,7 +317,7 @@ class Bridge:
                 await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
             except (ValueError, TypeError, KeyError) as exc:
                 raise OfferError(400, f"the SDP offer was not accepted: {exc}") from None
-            set_audio_prefetch(pc, self.config.audio_prefetch)
+            peer.mic_buffers = set_audio_prefetch(pc, self.config.audio_prefetch)
             await peer.open_session(self.config.session)  # SessionRefused is an OfferError
             pc.addTrack(peer.audio_out)
             if video:

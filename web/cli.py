@@ -38,8 +38,9 @@ def add_web_parser(sub: argparse._SubParsersAction) -> None:
                                                             "one more is refused with 503")
     p.add_argument("--input-rate", type=int, default=16000, choices=[8000, 16000, 24000],
                    help="session input rate the microphone is resampled to (default 16000)")
-    p.add_argument("--audio-prefetch", type=int, default=1, metavar="FRAMES",
-                   help="20 ms microphone frames held before decoding (default 1; raise it on jittery paths)")
+    p.add_argument("--audio-prefetch", type=int, default=0, metavar="FRAMES",
+                   help="20 ms microphone frames held before decoding (default 0: each packet is decoded as it "
+                        "arrives and a late one dropped; raise it on jittery paths)")
     p.add_argument("--responder", default=None, help="responder of the sessions, e.g. echo (default: the server's)")
     p.set_defaults(func=cmd_web)
 

@@ -107,6 +107,7 @@ class Peer:
         self.video_defaults = video
         self._on_closed = on_closed
         self.buffer = PlayoutBuffer()
+        self.mic_buffers: list[Any] = []  # the microphone's receive buffers (bridge.set_audio_prefetch)
         self.audio_out = ReplyAudioTrack(self.buffer)
         self.video_out = VideoFrameTrack()
         self.stats = PeerStats()
@@ -448,6 +449,7 @@ class Peer:
         return {"id": self.id, "session_id": self.session_id, "connection_state": self.pc.connectionState,
                 "playout": vars(self.buffer.stats) | {"queued_ms": round(self.buffer.queued_ms)},
                 "stats": {k: v for k, v in vars(self.stats).items() if k != "opened_at"},
+                "late_mic_packets": sum(getattr(b, "late", 0) for b in self.mic_buffers),
                 "age_s": round(time.perf_counter() - self.stats.opened_at, 1)}
 
 

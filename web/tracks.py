@@ -9,7 +9,8 @@ an unbounded queue:
   buffer plays silence and counts an underrun; `clear()` (barge-in) drops everything
   at once. It remembers how much of each response was played out, which is what
   the bridge acknowledges to the server (`playback.ack`).
-- `ReplyAudioTrack`: 20 ms frames at 48 kHz from a `PlayoutBuffer`, paced by the clock.
+- `ReplyAudioTrack`: 20 ms frames at 48 kHz from a `PlayoutBuffer`, paced by the clock;
+  the first frame of a reply goes out as soon as its audio arrives, not on the next tick.
 - `VideoFrameTrack`: decoded RGB frames from a bounded queue, paced at the clip's fps.
 - `MicResampler`: browser audio frames (Opus decodes to 48 kHz stereo) to PCM16 mono
   at the session's input rate, with `av.AudioResampler`.
@@ -18,6 +19,7 @@ an unbounded queue:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fractions
 import time
 from collections import OrderedDict, deque
@@ -64,6 +66,7 @@ class PlayoutBuffer:
         self._played: OrderedDict[str, int] = OrderedDict()
         self._received: dict[str, int] = {}
         self._in_reply = False  # the previous frame carried audio
+        self.arrived = asyncio.Event()  # set by push(): audio is queued
         self.stats = PlayoutStats()
 
     @property
@@ -102,6 +105,7 @@ class PlayoutBuffer:
         self._received[response_id] = self._received.get(response_id, 0) + len(samples)
         self._queue.append((response_id, samples))
         self._queued += len(samples)
+        self.arrived.set()
         excess = self._queued - self.capacity
         if excess > 0:
             self._drop(excess)
@@ -163,7 +167,12 @@ class ReplyAudioTrack(MediaStreamTrack):
     """The outgoing audio track: a 20 ms, 48 kHz mono frame per tick from a PlayoutBuffer.
 
     Frames are due at `start + pts / rate`; a late caller gets frames back to back
-    until it has caught up (as aiortc's own AudioStreamTrack does)."""
+    until it has caught up (as aiortc's own AudioStreamTrack does). While the buffer is
+    empty the track waits for the next tick or for audio, whichever comes first: a
+    reply's first frame leaves as soon as its audio arrives (up to a frame earlier
+    than the tick), and the clock restarts from it. The clock then runs ahead of the
+    RTP timestamps' real time by what was gained; silent frames give it back, 1 ms
+    each, so over a conversation the track sends exactly in real time."""
 
     kind = "audio"
 
@@ -174,21 +183,36 @@ class ReplyAudioTrack(MediaStreamTrack):
         self._pts = 0
         self._time_base = fractions.Fraction(1, buffer.rate)
         self._frame_samples = buffer.rate * FRAME_MS // 1000
+        self.ahead_s = 0.0  # how far the clock was moved forward by early first frames, not yet given back
 
     async def recv(self) -> av.AudioFrame:
         if self.readyState != "live":
             raise MediaStreamError
+        buffer = self.buffer
         if self._start is None:
             self._start = time.perf_counter()
         else:
             self._pts += self._frame_samples
-            delay = self._start + self._pts / self.buffer.rate - time.perf_counter()
-            if delay > 0:
+            idle = not buffer.queued_samples
+            if idle and self.ahead_s > 0:  # a silent frame gives back up to 1 ms of the lead
+                payback = min(self.ahead_s, 0.001)
+                self._start += payback
+                self.ahead_s -= payback
+            delay = self._start + self._pts / buffer.rate - time.perf_counter()
+            if delay > 0 and idle:
+                buffer.arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(buffer.arrived.wait(), delay)
+                early = self._start + self._pts / buffer.rate - time.perf_counter()
+                if early > 0:  # audio arrived before the tick: this frame is due now
+                    self._start -= early
+                    self.ahead_s += early
+            elif delay > 0:
                 await asyncio.sleep(delay)
-        samples = self.buffer.pull(self._frame_samples)
+        samples = buffer.pull(self._frame_samples)
         frame = av.AudioFrame(format="s16", layout="mono", samples=self._frame_samples)
         frame.planes[0].update(samples.tobytes())
-        frame.sample_rate = self.buffer.rate
+        frame.sample_rate = buffer.rate
         frame.pts = self._pts
         frame.time_base = self._time_base
         return frame

@@ -4,10 +4,11 @@ straight over gRPC, measured in one run against one `rtmedia serve --web` proces
 
     .venv/bin/python tests/perf/bench_web.py [--rounds 8] [--client-prefetch N] [--bridge-prefetch N]
 
-The bridge is the one `rtmedia serve --web` runs beside the server (it holds one 20 ms
-microphone frame before decoding); `--bridge-prefetch N` measures a separate
+The bridge is the one `rtmedia serve --web` runs beside the server (it decodes each
+microphone packet as it arrives); `--bridge-prefetch N` measures a separate
 `rtmedia web --audio-prefetch N` against the same server instead (aiortc's own
-default is 4, as is the client's with `--client-prefetch 4`).
+default is 4, as is the client's with `--client-prefetch 4`). The client decodes each
+reply packet as it arrives unless `--client-prefetch N` says otherwise.
 
 voice-to-voice (SPEC 1.5): from the last voiced 20 ms frame the client sent to the first
 audible reply frame at the client (-45 dBFS). Over gRPC, the reply is "played" from its
@@ -128,12 +129,14 @@ async def run(rounds: int, url: str, target: str, prefetch: int, bridge_prefetch
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--client-prefetch", type=int, default=1,
-                        help="the aiortc client's audio jitter-buffer frames (aiortc's default is 4 = 80 ms; a "
-                             "browser's adaptive buffer sits near 1-2 frames on a clean local path)")
+    parser.add_argument("--client-prefetch", type=int, default=0,
+                        help="the aiortc client's audio receive buffer: 0 decodes each packet as it arrives, as "
+                             "the direct gRPC client plays each delta as it arrives (default); N holds N frames "
+                             "(aiortc's own default is 4 = 80 ms; a browser's adaptive buffer sits near 1-2 "
+                             "frames on a clean local path)")
     parser.add_argument("--bridge-prefetch", type=int, default=None,
                         help="measure a separate `rtmedia web --audio-prefetch N` instead of the bridge of "
-                             "`rtmedia serve --web` (which holds 1 frame)")
+                             "`rtmedia serve --web` (which holds none)")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         served = stack.enter_context(serve_with_web(Path(stack.enter_context(tempfile.TemporaryDirectory()))))

@@ -9,7 +9,16 @@ import av
 import numpy as np
 import pytest
 from aiortc.mediastreams import MediaStreamError
-from rtmedia.web.bridge import OfferError, cap_sctp_chunk_size, ice_server, parse_udp_ports, validate_offer
+from aiortc.rtp import RtpPacket
+from rtmedia.web.bridge import (
+    OfferError,
+    PacketAudioBuffer,
+    cap_sctp_chunk_size,
+    ice_server,
+    parse_udp_ports,
+    set_audio_prefetch,
+    validate_offer,
+)
 from rtmedia.web.tracks import FRAME_SAMPLES, MicResampler, PlayoutBuffer, ReplyAudioTrack, VideoFrameTrack
 
 
@@ -82,6 +91,44 @@ def test_playout_rejects_bad_input():
         PlayoutBuffer(max_ms=0)
 
 
+# ---- microphone receive buffer ----------------------------------------------------------------------
+
+def rtp(seq: int) -> RtpPacket:
+    packet = RtpPacket(payload_type=111, sequence_number=seq, timestamp=seq * 960)
+    packet._data = bytes([seq % 256])  # the depayloaded frame, as aiortc's receiver sets it
+    return packet
+
+
+def test_packet_audio_buffer_decodes_each_packet_at_once_and_drops_late_ones():
+    buf = PacketAudioBuffer()
+    got = [buf.add(rtp(seq)) for seq in (65534, 65535, 0, 2)]  # the sequence wraps; 1 is lost
+    assert [(pli, f.data, f.timestamp) for pli, f in got] == \
+        [(False, bytes([s % 256]), s * 960) for s in (65534, 65535, 0, 2)]
+    assert buf.add(rtp(1)) == (False, None)  # late (after 2): dropped, not played out of order
+    assert buf.add(rtp(2)) == (False, None)  # repeated
+    assert buf.late == 2
+    assert buf.add(rtp(3))[1].data == b"\x03"
+
+
+async def test_set_audio_prefetch_installs_the_buffers():
+    from aiortc import RTCPeerConnection
+    from aiortc.jitterbuffer import JitterBuffer
+
+    async def installed(frames: int) -> list:
+        pc = RTCPeerConnection()
+        pc.addTransceiver("audio")
+        pc.addTransceiver("video")
+        try:
+            return set_audio_prefetch(pc, frames)
+        finally:
+            await pc.close()
+
+    [packet] = await installed(0)
+    assert isinstance(packet, PacketAudioBuffer)
+    [held] = await installed(2)
+    assert type(held) is JitterBuffer and held._prefetch == 2
+
+
 # ---- tracks -------------------------------------------------------------------------------------------
 
 async def test_reply_track_paces_20ms_frames():
@@ -108,6 +155,25 @@ async def test_reply_track_barge_in_is_immediate():
     assert (await track.recv()).to_ndarray().any()
     buf.clear()
     assert not (await track.recv()).to_ndarray().any()  # the very next frame is silent
+
+
+async def test_reply_track_sends_a_replys_first_frame_as_its_audio_arrives():
+    buf = PlayoutBuffer()
+    track = ReplyAudioTrack(buf)
+    assert not (await track.recv()).to_ndarray().any()  # silence: the next frame is due in 20 ms
+    asyncio.get_running_loop().call_later(0.001, buf.push, "r", ramp(960))
+    started = time.perf_counter()
+    frame = await track.recv()
+    assert time.perf_counter() - started < 0.0185, "the reply frame waited for the tick"
+    assert np.array_equal(frame.to_ndarray().reshape(-1), ramp(960)) and frame.pts == FRAME_SAMPLES
+    gained = track.ahead_s
+    assert 0.0015 < gained < 0.02, gained
+    # Silent frames give the gain back, 1 ms each, so the track keeps to real time.
+    started = time.perf_counter()
+    frames = [await track.recv() for _ in range(25)]
+    assert track.ahead_s == 0.0
+    assert [f.pts for f in frames] == [n * FRAME_SAMPLES for n in range(2, 27)]
+    assert time.perf_counter() - started > 25 * 0.02 - 0.02 + gained - 0.005
 
 
 async def test_video_track_paces_at_fps_and_restarts_after_a_gap():
