@@ -247,7 +247,8 @@ async def test_failed_step_ends_only_its_stream(server, channel, monkeypatch):
         return stream
 
     monkeypatch.setattr(engine, "open_stream", open_doomed)
-    bad_call = decode(channel, request(z))
+    bad_call = asyncio.ensure_future(decode(channel, request(z)))
+    await wait_until(lambda: doomed)  # the first stream opened is the bad call's, not the good one's
     good_call = decode(channel, request(z))
     bad, good = await asyncio.gather(bad_call, good_call, return_exceptions=True)
     assert isinstance(bad, grpc.aio.AioRpcError), bad
