@@ -170,9 +170,9 @@ class ReplyAudioTrack(MediaStreamTrack):
     until it has caught up (as aiortc's own AudioStreamTrack does). While the buffer is
     empty the track waits for the next tick or for audio, whichever comes first: a
     reply's first frame leaves as soon as its audio arrives (up to a frame earlier
-    than the tick), and the clock restarts from it. The clock then runs ahead of the
-    RTP timestamps' real time by what was gained; silent frames give it back, 1 ms
-    each, so over a conversation the track sends exactly in real time."""
+    than the tick), and the clock restarts from it. The RTP timestamps then run ahead
+    of real time by what was gained; silent frames give it back, 1 ms each, so over a
+    conversation the track sends exactly in real time."""
 
     kind = "audio"
 
@@ -204,7 +204,7 @@ class ReplyAudioTrack(MediaStreamTrack):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(buffer.arrived.wait(), delay)
                 early = self._start + self._pts / buffer.rate - time.perf_counter()
-                if early > 0:  # audio arrived before the tick: this frame is due now
+                if buffer.arrived.is_set() and early > 0:  # audio arrived before the tick: this frame is due now
                     self._start -= early
                     self.ahead_s += early
             elif delay > 0:
