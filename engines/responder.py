@@ -32,6 +32,10 @@ class ReplyRequest:
     # The conversation (session id) the reply belongs to: an LM responder keeps its
     # KV cache between the conversation's turns.
     conversation: Hashable | None = None
+    # While it returns True a local LM holds back this reply's next tokens: the session
+    # says so while the reply's first clause is being synthesised, so the synthesis the
+    # user is waiting for has the CPU to itself.
+    pause: Callable[[], bool] | None = None
 
 
 class Responder(Protocol):

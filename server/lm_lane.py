@@ -37,6 +37,8 @@ from rtmedia.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+PAUSE_POLL_S = 0.005  # how often a lane whose generations are all paused looks again
+
 
 @dataclass(eq=False)
 class Generation:
@@ -52,6 +54,7 @@ class Generation:
     key: Hashable | None = None  # the conversation whose slot it keeps
     prepare_only: bool = False  # prefill the prompt and keep it; never waits
     cached: list[int] = field(default_factory=list)  # the tokens the slot holds
+    pause: Callable[[], bool] | None = None  # while it returns True, the generation is not decoded
 
 
 @dataclass
@@ -112,10 +115,12 @@ class LmLane:
 
     async def generate(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
                        on_wait: Callable[[int], None] | None = None, key: Hashable | None = None,
-                       ) -> AsyncIterator[int]:
+                       pause: Callable[[], bool] | None = None) -> AsyncIterator[int]:
         """Stream generated token ids. `on_wait(position)` is called if no slot is free.
-        With a `key`, the slot is kept for the key's next generation (see the module docstring)."""
-        generation = Generation(list(prompt), max_new_tokens, frozenset(stop_ids), key=key)
+        With a `key`, the slot is kept for the key's next generation (see the module docstring).
+        While `pause()` returns True the generation sits out the decode steps (checked every
+        PAUSE_POLL_S when nothing else runs)."""
+        generation = Generation(list(prompt), max_new_tokens, frozenset(stop_ids), key=key, pause=pause)
         self.prompts.append(generation.prompt)
         if on_wait is not None and (self._waiting or not (self.engine.slots_free or self._kept)):
             on_wait(len(self._waiting))
@@ -200,7 +205,7 @@ class LmLane:
                 self._active.append(generation)
                 self._emit(generation, logits)
             decoding = [g for g in self._active if g.slot is not None and g.last is not None and not g.cancelled]
-            decoding = [g for g in decoding if g not in admitted]
+            decoding = [g for g in decoding if g not in admitted and not (g.pause is not None and g.pause())]
             if decoding:
                 tokens = {g.slot: g.last for g in decoding}
                 try:
@@ -216,6 +221,11 @@ class LmLane:
                         if generation.slot is not None and not generation.cancelled:
                             self._emit(generation, results[generation.slot])
                 self._metrics.lane_batch_size.labels(self.name).observe(len(tokens))
+            if not admitted and not decoding:  # every active generation is paused
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), PAUSE_POLL_S)
+                continue
             self._metrics.lane_step_seconds.labels(self.name).observe(time.perf_counter() - started)
             await asyncio.sleep(0)  # let consumers run between steps
 

@@ -60,7 +60,7 @@ class LmResponder:
         text = Detokenizer(tokenizer)
         started = False  # the reply's leading whitespace is dropped
         async for token in self.lane.generate(prompt, max_new, sorted(stop), request.on_wait,
-                                              key=request.conversation):
+                                              key=request.conversation, pause=request.pause):
             delta = text.push(token)
             if not started:
                 delta = delta.lstrip()

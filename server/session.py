@@ -450,7 +450,8 @@ class Session:
             self._spawn(prepare(self._reply_request()), "prepare")
 
     def _reply_request(self, instructions: str | None = None, max_tokens: int | None = None,
-                       on_wait: Callable[[int], None] | None = None) -> ReplyRequest:
+                       on_wait: Callable[[int], None] | None = None,
+                       pause: Callable[[], bool] | None = None) -> ReplyRequest:
         settings = self.settings
         return ReplyRequest(
             history=list(self.history),
@@ -459,6 +460,7 @@ class Session:
             images=list(self.camera),
             on_wait=on_wait,
             conversation=self.id,
+            pause=pause,
         )
 
     def _on_speech_stopped(self, end_ms: int) -> None:
@@ -540,6 +542,8 @@ class Session:
                 on_wait=lambda position: self.send_media(response, "response.waiting",
                                                          response_id=response.response_id, reason="lm_slot",
                                                          queue_position=position),
+                # The LM waits while the first clause, which the user is waiting for, is synthesised.
+                pause=lambda: bool(spoken) and not spoken[0].done(),
             )
             tts = services.tts.open_stream(settings.voice, settings.output_rate)
 

@@ -1,6 +1,7 @@
 """The LM lane's kept conversations: a key's next generation prefills only what follows the tokens its
 slot already holds, and generates exactly what a fresh slot would; kept slots are given up least
-recently used first when a generation would wait, and when forgotten; prefills ahead of time never wait.
+recently used first when a generation would wait, and when forgotten; prefills ahead of time never wait;
+a paused generation sits out decode steps.
 
 A real LmEngine on a tiny random Llama saved to a temp dir."""
 
@@ -109,6 +110,25 @@ async def test_a_prepare_beside_a_running_generation_of_the_same_key_leaks_nothi
     assert lane.kept == 1 and lane.engine.slots_free == 1
     lane.forget("s")
     assert lane.engine.slots_free == 2
+
+
+async def test_a_paused_generation_sits_out_decode_steps_and_resumes(lane: LmLane) -> None:
+    expected = await generate(lane, PROMPT, n=8)
+    paused = True
+    held, other = [], []
+
+    async def consume(out: list[int], pause=None) -> None:
+        async for token in lane.generate(PROMPT, 8, pause=pause):
+            out.append(token)
+
+    first = asyncio.create_task(consume(held, lambda: paused))
+    second = asyncio.create_task(consume(other))
+    await second  # the other generation runs to its end meanwhile
+    assert other == expected
+    assert held == expected[:1], "only the token from the prefill, no decode step while paused"
+    paused = False
+    await asyncio.wait_for(first, 10)
+    assert held == expected, "it resumes where it stopped and generates the same tokens"
 
 
 def test_common_prefix() -> None:
