@@ -1,0 +1,83 @@
+"""Does pausing the LM while a reply's first clause is synthesised shorten the `llm` response
+latency? Both ways in one run, on one in-process server (default settings, responder `llm`)
+and one Converse session: blocks of the spoken questions of bench_lm.py, alternately with the
+pause (the server's behaviour) and without it (the lane ignores the session's pause).
+
+    .venv/bin/python tests/perf/bench_llm_pause.py [--turns 18]
+
+Response latency per SPEC 1.5: speech_stopped received -> first reply audio delta received.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from rtmedia.server import lm_lane
+from rtmedia.server.app import RtmediaServer
+from rtmedia.server.config import ServerConfig
+
+from tests.perf.bench_lm import QUESTIONS
+from tests.perf.bench_realtime import CHUNK_MS, RATE, Clip
+from tests.perf.bench_speech import machine
+from tests.support.converse import Conversation
+from tests.support.speech import Speaker
+
+PAUSING = [True]
+_generate = lm_lane.LmLane.generate
+
+
+def generate(self, *args, pause=None, **kwargs):
+    return _generate(self, *args, pause=pause if PAUSING[0] else None, **kwargs)
+
+
+async def run(turns: int) -> dict:
+    lm_lane.LmLane.generate = generate
+    server = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1))
+    await server.start()
+    latency: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        clips = [Clip(Speaker(), q) for q in QUESTIONS]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel, Conversation(channel) as c:
+            c.send("session.update", session={"output_sample_rate": 24000, "max_output_tokens": 48})
+            for turn in range(turns):
+                PAUSING[0] = (turn // len(clips)) % 2 == 0  # every question once per block
+                first = len(c.events)
+                await c.stream(clips[turn % len(clips)].pcm, RATE, CHUNK_MS)
+                done = await c.wait_for("response.done", count=turn + 1, timeout=60)
+                events = c.events[first:]
+                stopped = next(e["t"] for e in events if e["type"] == "input_audio_buffer.speech_stopped")
+                audio = next(e["t"] for e in events if e["type"] == "response.output_audio.delta")
+                latency[PAUSING[0]].append(round((audio - stopped) * 1000, 1))
+                await asyncio.sleep(done["usage"]["output_audio_ms"] / 1000 + 0.3)  # let the reply play out
+    finally:
+        await server.stop(0)
+        lm_lane.LmLane.generate = _generate
+
+    def summary(values: list[float]) -> dict:
+        return {"p50_ms": statistics.median(values), "all_ms": values}
+
+    paused, plain = summary(latency[True]), summary(latency[False])
+    return {"benchmark": "llm_first_clause_pause", "machine": machine(), "turns": turns,
+            "with_pause": paused, "without_pause": plain,
+            "p50_gain_ms": round(plain["p50_ms"] - paused["p50_ms"], 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=18)
+    args = parser.parse_args()
+    print(json.dumps(asyncio.run(run(args.turns)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
