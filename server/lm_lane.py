@@ -7,6 +7,8 @@ lane's loop runs ONE batched decode step for all generations in the decode
 phase, samples the next tokens (greedy), and hands them to their consumers.
 A generation ends on an end-of-sequence token, at its token limit, or when
 its consumer goes away (barge-in); its slot is freed within that iteration.
+A generation whose `pause()` returns True sits out the decode steps until it
+returns False (a session pauses its reply while the first clause is synthesised).
 The engine runs in the lane's own thread, never on the event loop.
 
 Kept conversations. A generation may carry a conversation key (the session
