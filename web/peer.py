@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 import numpy as np
 from aiortc import RTCPeerConnection
+from aiortc.jitterbuffer import JitterBuffer
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from rtmedia.engines.resample import Resampler, float_to_pcm16, make_resampler, pcm16_to_float
 from rtmedia.server.errors import error_reason
@@ -40,7 +41,14 @@ from rtmedia.server.events import EventError, client_event, event_type, from_jso
 from rtmedia.v1 import realtime_pb2, video_pb2
 from rtmedia.v1.realtime_pb2_grpc import RealtimeServiceStub
 from rtmedia.v1.video_pb2_grpc import VideoServiceStub
-from rtmedia.web.tracks import PLAYOUT_RATE, MicResampler, PlayoutBuffer, ReplyAudioTrack, VideoFrameTrack
+from rtmedia.web.tracks import (
+    PLAYOUT_RATE,
+    MicResampler,
+    PacketAudioBuffer,
+    PlayoutBuffer,
+    ReplyAudioTrack,
+    VideoFrameTrack,
+)
 
 log = logging.getLogger("rtmedia.web")
 
@@ -107,7 +115,7 @@ class Peer:
         self.video_defaults = video
         self._on_closed = on_closed
         self.buffer = PlayoutBuffer()
-        self.mic_buffers: list[Any] = []  # the microphone's receive buffers (bridge.set_audio_prefetch)
+        self.mic_buffers: list[JitterBuffer] = []  # the microphone's receive buffers (set_audio_prefetch)
         self.audio_out = ReplyAudioTrack(self.buffer)
         self.video_out = VideoFrameTrack()
         self.stats = PeerStats()
@@ -449,7 +457,7 @@ class Peer:
         return {"id": self.id, "session_id": self.session_id, "connection_state": self.pc.connectionState,
                 "playout": vars(self.buffer.stats) | {"queued_ms": round(self.buffer.queued_ms)},
                 "stats": {k: v for k, v in vars(self.stats).items() if k != "opened_at"},
-                "late_mic_packets": sum(getattr(b, "late", 0) for b in self.mic_buffers),
+                "late_mic_packets": sum(b.late for b in self.mic_buffers if isinstance(b, PacketAudioBuffer)),
                 "age_s": round(time.perf_counter() - self.stats.opened_at, 1)}
 
 

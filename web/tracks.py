@@ -14,6 +14,8 @@ an unbounded queue:
 - `VideoFrameTrack`: decoded RGB frames from a bounded queue, paced at the clip's fps.
 - `MicResampler`: browser audio frames (Opus decodes to 48 kHz stereo) to PCM16 mono
   at the session's input rate, with `av.AudioResampler`.
+- `PacketAudioBuffer` / `set_audio_prefetch`: how long the microphone's packets wait
+  before they are decoded.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ from dataclasses import dataclass
 
 import av
 import numpy as np
+from aiortc import RTCPeerConnection
+from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from aiortc.rtp import RtpPacket
+from aiortc.utils import uint16_add
 
 PLAYOUT_RATE = 48000
 FRAME_MS = 20
@@ -325,3 +331,44 @@ class MicResampler:
         data = b"".join(bytes(f.planes[0])[: f.samples * 2] for f in frames)
         self.samples_out += len(data) // 2
         return data
+
+
+class PacketAudioBuffer(JitterBuffer):
+    """An audio receive buffer that hands each RTP packet to the decoder as it arrives.
+
+    aiortc's JitterBuffer knows a frame is complete only when a packet of the next frame
+    arrives, so even its smallest setting holds every frame one packet time (20 ms). An
+    Opus RTP packet is always one whole frame (RFC 7587), so it can be decoded at once.
+    A packet that is not newer than the newest one seen (late, reordered or repeated)
+    is dropped and counted in `late`: the decoder needs packets in order, and a late one
+    would be played after audio that followed it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(capacity=16)
+        self.newest: int | None = None
+        self.late = 0
+
+    def add(self, packet: RtpPacket) -> tuple[bool, JitterFrame | None]:
+        seq = packet.sequence_number
+        if self.newest is not None and not 0 < uint16_add(seq, -self.newest) < 0x8000:
+            self.late += 1
+            return False, None
+        self.newest = seq
+        return False, JitterFrame(data=packet._data, timestamp=packet.timestamp)
+
+
+def set_audio_prefetch(pc: RTCPeerConnection, frames: int) -> list[JitterBuffer]:
+    """Set how many audio frames each audio receiver holds before decoding (aiortc holds
+    4, i.e. 80 ms, and exposes no setting): 0 decodes each packet as it arrives
+    (`PacketAudioBuffer`); N >= 1 is aiortc's JitterBuffer with prefetch N, which adds
+    20 ms per frame (a frame is complete when the next one starts). Call after
+    setRemoteDescription, before media flows. Returns the buffers it installed."""
+    installed = []
+    for transceiver in pc.getTransceivers():
+        receiver = transceiver.receiver
+        if transceiver.kind == "audio" and hasattr(receiver, "_RTCRtpReceiver__jitter_buffer"):
+            buffer = PacketAudioBuffer() if frames == 0 else JitterBuffer(capacity=16, prefetch=frames)
+            receiver._RTCRtpReceiver__jitter_buffer = buffer
+            installed.append(buffer)
+    return installed

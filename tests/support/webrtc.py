@@ -19,7 +19,7 @@ import av
 import numpy as np
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
-from rtmedia.web.tracks import FRAME_SAMPLES, PLAYOUT_RATE, PlayoutBuffer, ReplyAudioTrack
+from rtmedia.web.tracks import FRAME_SAMPLES, PLAYOUT_RATE, PlayoutBuffer, ReplyAudioTrack, set_audio_prefetch
 
 from tests.support.serve import RTMEDIA, free_port, running_server
 
@@ -118,8 +118,6 @@ class BridgePeer:
         self.peer_id = body["id"]
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=body["sdp"], type="answer"))
         if self.prefetch is not None:
-            from rtmedia.web.bridge import set_audio_prefetch
-
             set_audio_prefetch(self.pc, self.prefetch)
 
     def send(self, event: dict[str, Any]) -> None:

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 from aiortc.mediastreams import MediaStreamError
 from aiortc.rtp import RtpPacket
-from rtmedia.web.bridge import (
-    OfferError,
+from rtmedia.web.bridge import OfferError, cap_sctp_chunk_size, ice_server, parse_udp_ports, validate_offer
+from rtmedia.web.tracks import (
+    FRAME_SAMPLES,
+    MicResampler,
     PacketAudioBuffer,
-    cap_sctp_chunk_size,
-    ice_server,
-    parse_udp_ports,
+    PlayoutBuffer,
+    ReplyAudioTrack,
+    VideoFrameTrack,
     set_audio_prefetch,
-    validate_offer,
 )
-from rtmedia.web.tracks import FRAME_SAMPLES, MicResampler, PlayoutBuffer, ReplyAudioTrack, VideoFrameTrack
 
 
 def ramp(n: int, start: int = 1) -> np.ndarray:
