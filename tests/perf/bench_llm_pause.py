@@ -1,7 +1,7 @@
 """Does pausing the LM while a reply's first clause is synthesised shorten the `llm` response
 latency? Both ways in one run, on one in-process server (default settings, responder `llm`)
-and one Converse session: blocks of the spoken questions of bench_lm.py, alternately with the
-pause (the server's behaviour) and without it (the lane ignores the session's pause).
+a Converse session per block of the spoken questions of bench_lm.py, blocks alternately with
+the pause (the server's behaviour) and without it (the lane ignores the session's pause).
 
     .venv/bin/python tests/perf/bench_llm_pause.py [--turns 18]
 
@@ -27,9 +27,8 @@ from rtmedia.server.app import RtmediaServer
 from rtmedia.server.config import ServerConfig
 
 from tests.perf.bench_lm import QUESTIONS
-from tests.perf.bench_realtime import CHUNK_MS, RATE, Clip
+from tests.perf.bench_realtime import Clip, talk_turns
 from tests.perf.bench_speech import machine
-from tests.support.converse import Conversation
 from tests.support.speech import Speaker
 
 PAUSING = [True]
@@ -47,18 +46,12 @@ async def run(turns: int) -> dict:
     latency: dict[bool, list[float]] = {True: [], False: []}
     try:
         clips = [Clip(Speaker(), q) for q in QUESTIONS]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel, Conversation(channel) as c:
-            c.send("session.update", session={"output_sample_rate": 24000, "max_output_tokens": 48})
-            for turn in range(turns):
-                PAUSING[0] = (turn // len(clips)) % 2 == 0  # every question once per block
-                first = len(c.events)
-                await c.stream(clips[turn % len(clips)].pcm, RATE, CHUNK_MS)
-                done = await c.wait_for("response.done", count=turn + 1, timeout=60)
-                events = c.events[first:]
-                stopped = next(e["t"] for e in events if e["type"] == "input_audio_buffer.speech_stopped")
-                audio = next(e["t"] for e in events if e["type"] == "response.output_audio.delta")
-                latency[PAUSING[0]].append(round((audio - stopped) * 1000, 1))
-                await asyncio.sleep(done["usage"]["output_audio_ms"] / 1000 + 0.3)  # let the reply play out
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            for block in range(-(-turns // len(clips))):  # a session per block: every question once
+                PAUSING[0] = block % 2 == 0
+                out: dict = {"response": [], "v2v": [], "statuses": []}
+                await talk_turns(channel, clips, len(clips), 0.0, out, session={"max_output_tokens": 48})
+                latency[PAUSING[0]] += [round(ms, 1) for ms in out["response"]]
     finally:
         await server.stop(0)
         lm_lane.LmLane.generate = _generate

@@ -125,7 +125,7 @@ def main() -> None:
     decode, prefill, invariance = {}, {}, {}
     for quantize in ("int8",) if args.llm_only else ("int8", None):  # the server's default first, then float32
         engines = [EmbeddedLmEngine(slots=16, context=1024, threads=1, quantize=quantize)  # as the server runs it
-                   for _ in range(2)]
+                   for _ in range(1 if args.llm_only else 2)]  # the second: batch invariance's "alone"
         for engine in engines:
             engine.load()
             engine.warmup()
