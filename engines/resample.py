@@ -242,8 +242,10 @@ def pcm16_to_float(b: bytes) -> np.ndarray:
 
 
 def _to_int16(x: np.ndarray) -> np.ndarray:
-    a = np.clip(np.nan_to_num(np.asarray(x, dtype=np.float64), nan=0.0), -1.0, 1.0)
-    return np.minimum(np.rint(a * 32768.0), 32767).astype(np.int16)
+    a = np.rint(np.asarray(x, dtype=np.float64) * 32768.0)
+    np.clip(a, -32768.0, 32767.0, out=a)
+    a[np.isnan(a)] = 0.0
+    return a.astype(np.int16)
 
 
 def float_to_pcm16(x: np.ndarray) -> bytes:

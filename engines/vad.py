@@ -13,14 +13,20 @@ windows of many streams into one onnxruntime call and writes every row's new
 state and context back to its stream. Several windows of one stream in a batch
 are processed in rounds (round k holds the k-th window of every stream that
 has one), so the result equals processing each stream's windows in order.
+A large round is split over `parallel_runs` concurrent single-threaded runs of
+the one onnxruntime session (rows are independent): the model's small ops do
+not spread over intra-op threads (two threads run a 500-row call no faster),
+but two half-batch runs take half the wall time on two free cores.
 The caller must not step one stream from two threads at once.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import itertools
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +40,7 @@ WINDOW_MS = WINDOW * 1000 // SAMPLE_RATE
 CONTEXT = 64  # samples of the previous window prepended to each window
 STATE_SHAPE = (2, 128)  # one stream's row of the model's [2, batch, 128] state
 _SR = np.array(SAMPLE_RATE, dtype=np.int64)
+MIN_SPLIT_ROWS = 32  # a round is split only into runs of at least this many rows
 
 
 def model_path() -> str:
@@ -66,6 +73,10 @@ class VadItem:
 
 def _check(item: Any) -> np.ndarray:
     """The item's window as float32 [512]; ValueError says what is wrong."""
+    w = getattr(item, "window", None)
+    if type(w) is np.ndarray and w.dtype == np.float32 and w.shape == (WINDOW,) \
+            and type(item) is VadItem and type(item.stream) is VadStream:
+        return w
     if not isinstance(item, VadItem) or not isinstance(item.stream, VadStream):
         raise ValueError(f"VAD items must be VadItem(VadStream, window), got {type(item).__name__}")
     w = item.window
@@ -96,10 +107,14 @@ class VadEngine:
 
     name = "vad"
 
-    def __init__(self, intra_op_threads: int = 1) -> None:
+    def __init__(self, intra_op_threads: int = 1, parallel_runs: int = 1) -> None:
         if intra_op_threads < 0:
             raise ValueError(f"intra_op_threads must be >= 0, got {intra_op_threads}")
+        if parallel_runs < 1:
+            raise ValueError(f"parallel_runs must be >= 1, got {parallel_runs}")
         self._threads = intra_op_threads
+        self._runs = parallel_runs
+        self._pool: ThreadPoolExecutor | None = None  # the extra runs' threads, while loaded
         self._session: Any = None
         self._lock = threading.Lock()
 
@@ -117,6 +132,8 @@ class VadEngine:
             self._session = onnxruntime.InferenceSession(
                 model_path(), sess_options=options, providers=["CPUExecutionProvider"]
             )
+            if self._runs > 1:
+                self._pool = ThreadPoolExecutor(self._runs - 1, "vad-run")
 
     def warmup(self) -> None:
         self.load()
@@ -127,7 +144,9 @@ class VadEngine:
 
     def close(self) -> None:
         with self._lock:
-            self._session = None
+            self._session, pool, self._pool = None, self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     def open_stream(self) -> VadStream:
         return VadStream()
@@ -142,17 +161,27 @@ class VadEngine:
         probs = [0.0] * len(items)
         for idx in _rounds(items):
             streams = [items[i].stream for i in idx]
-            x = np.empty((len(idx), CONTEXT + WINDOW), np.float32)
-            for row, (i, s) in enumerate(zip(idx, streams, strict=True)):
-                x[row, :CONTEXT] = s.context
-                x[row, CONTEXT:] = windows[i]
+            x = np.concatenate([np.stack([s.context for s in streams]), np.stack([windows[i] for i in idx])], axis=1)
             state = np.stack([s.state for s in streams], axis=1)
-            out, state_n = session.run(None, {"input": x, "state": state, "sr": _SR})
-            for row, (i, s) in enumerate(zip(idx, streams, strict=True)):
+            out, state_n = self._run(session, x, state)
+            for row, s in enumerate(streams):
                 s.state[...] = state_n[:, row]
                 s.context[...] = x[row, -CONTEXT:]
-                probs[i] = float(out[row, 0])
+            for i, p in zip(idx, out[:, 0].tolist(), strict=True):
+                probs[i] = p
         return probs
+
+    def _run(self, session: Any, x: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One round: a single run, or `parallel_runs` concurrent runs over slices of its rows."""
+        parts, pool = min(self._runs, len(x) // MIN_SPLIT_ROWS), self._pool
+        if parts < 2 or pool is None:
+            return session.run(None, {"input": x, "state": state, "sr": _SR})
+        bounds = np.linspace(0, len(x), parts + 1).astype(int).tolist()
+        feeds = [{"input": x[a:b], "state": np.ascontiguousarray(state[:, a:b]), "sr": _SR}
+                 for a, b in itertools.pairwise(bounds)]
+        futures = [pool.submit(session.run, None, feed) for feed in feeds[1:]]
+        results = [session.run(None, feeds[0])] + [f.result() for f in futures]
+        return np.concatenate([r[0] for r in results]), np.concatenate([r[1] for r in results], axis=1)
 
     def step_unbatched(self, items: Sequence[VadItem]) -> list[float]:
         """The same results as `step`, with one onnxruntime call per item (a baseline)."""

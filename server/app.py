@@ -89,7 +89,8 @@ class RtmediaServer:
         if config.default_responder not in responders:
             raise ValueError(f"default_responder {config.default_responder!r} is not available; "
                              f"available: {', '.join(sorted(responders))}")
-        self.realtime = RealtimeService(self.scheduler, VadEngine(), max_sessions=config.max_sessions,
+        vad = VadEngine(parallel_runs=config.vad_threads)
+        self.realtime = RealtimeService(self.scheduler, vad, max_sessions=config.max_sessions,
                                         lm_slots=config.lm_slots, responders=responders,
                                         defaults=SessionSettings(responder=config.default_responder))
         self.services = SERVICE_NAMES + (RIVA_SERVICE_NAMES if config.riva else [])

@@ -44,6 +44,7 @@ DECODERS = {PCM16: pcm16_to_float, ULAW: ulaw_to_float, ALAW: alaw_to_float}
 BYTES_PER_SAMPLE = {PCM16: 2, ULAW: 1, ALAW: 1}
 
 Action = tuple[str, Any]
+_EMPTY = np.zeros(0, np.float32)
 
 
 @dataclass
@@ -55,11 +56,30 @@ class _Frontend:
     detector: TurnDetector | None
     resampler: Any = None
     pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    history: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    # The latest windowed audio, oldest block first: HISTORY_SAMPLES at least once that much came.
+    history: list[np.ndarray] = field(default_factory=list)
+    history_len: int = 0
     samples: int = 0  # 16 kHz samples taken in (VAD: in whole windows)
+    detector_settings: SessionSettings | None = None  # the settings the detector runs on
 
     def __post_init__(self) -> None:
         self.resampler = make_resampler(self.settings.input_rate, RATE)
+
+    def remember(self, block: np.ndarray) -> None:
+        self.history.append(block)
+        self.history_len += len(block)
+        while self.history_len - len(self.history[0]) >= HISTORY_SAMPLES:
+            self.history_len -= len(self.history.pop(0))
+
+    def before(self, block: np.ndarray, lo: int, count: int) -> np.ndarray:
+        """The `count` samples (at most) before sample `lo` of `block`, which follows the history."""
+        parts, need = [block[max(0, lo - count):lo]], count - min(lo, count)
+        for old in reversed(self.history):
+            if need <= 0:
+                break
+            parts.append(old[max(0, len(old) - need):])
+            need -= len(parts[-1])
+        return np.concatenate(parts[::-1])
 
 
 class AudioInput:
@@ -170,6 +190,7 @@ class VadTick:
     def process(self, work: list[tuple[AudioInput, list[tuple[bytes, Callable[[], None] | None]], _Frontend]]
                 ) -> list[tuple[AudioInput, list[Action]]]:
         windows: list[tuple[int, np.ndarray]] = []  # (work index, window)
+        blocks: list[tuple[int, np.ndarray, int]] = []  # (work index, its windows in one block, first window)
         actions: list[list[Action]] = []
         for n, (inp, segments, fe) in enumerate(work):
             decode = DECODERS[fe.settings.input_encoding]
@@ -194,12 +215,15 @@ class VadTick:
             samples = fe.resampler.process(decode(b"".join(data for data, _ in segments)))
             fe.pending = np.concatenate([fe.pending, samples])
             count = len(fe.pending) // WINDOW
-            windows += [(n, fe.pending[i * WINDOW:(i + 1) * WINDOW]) for i in range(count)]
-            fe.pending = fe.pending[count * WINDOW:]
+            if count:
+                blocks.append((n, fe.pending[:count * WINDOW], len(windows)))
+                windows += [(n, fe.pending[i * WINDOW:(i + 1) * WINDOW]) for i in range(count)]
+                fe.pending = fe.pending[count * WINDOW:]
         if windows:
             probs = self.engine.step([VadItem(work[n][2].vad, w) for n, w in windows])  # type: ignore[arg-type]
-            for (n, window), prob in zip(windows, probs, strict=True):
-                _turn_window(work[n][2], window, prob, actions[n])
+            for n, block, first in blocks:
+                inp, _, fe = work[n]
+                _turn_windows(fe, block, probs[first:first + len(block) // WINDOW], actions[n], inp.transcribing)
         for (_, segments, fe), acts in zip(work, actions, strict=True):
             if fe.detector is not None:  # with VAD, markers follow the tick's windows
                 acts += [("marker", marker) for _, marker in segments if marker is not None]
@@ -211,24 +235,38 @@ class VadTick:
                 inp.deliver(actions)
 
 
-def _turn_window(fe: _Frontend, window: np.ndarray, prob: float, out: list[Action]) -> None:
-    """Feed one window's probability to the detector; route its audio."""
-    detector = fe.detector
+def _turn_windows(fe: _Frontend, block: np.ndarray, probs: list[float], out: list[Action],
+                  transcribing: bool) -> None:
+    """Feed a block of windows' probabilities to the detector, in order; route their audio
+    (one "audio" action per run of turn audio in the block, none when not transcribing)."""
+    detector, s = fe.detector, fe.settings
     assert detector is not None
-    s = fe.settings
-    detector.update(threshold=s.threshold, prefix_padding_ms=s.prefix_padding_ms,
-                    silence_duration_ms=s.silence_duration_ms)
-    event = detector.push(prob)
-    offset_ms = fe.samples * 1000 // RATE
-    if event is not None and event.kind == "speech_started":
-        out.append(("started", event.audio_ms))
-        pad = min(len(fe.history), s.prefix_padding_ms * RATE // 1000)
-        audio = np.concatenate([fe.history[len(fe.history) - pad:], window])
-        out.append(("audio", (offset_ms - pad * 1000 // RATE, float_to_pcm16(audio))))
-    elif detector.in_speech:
-        out.append(("audio", (offset_ms, float_to_pcm16(window))))
-    elif event is not None:  # speech_stopped: this window is the last of the turn
-        out.append(("audio", (offset_ms, float_to_pcm16(window))))
-        out.append(("stopped", event.audio_ms))
-    fe.history = np.concatenate([fe.history, window])[-HISTORY_SAMPLES:]
-    fe.samples += len(window)
+    if fe.detector_settings is not s:
+        detector.update(threshold=s.threshold, prefix_padding_ms=s.prefix_padding_ms,
+                        silence_duration_ms=s.silence_duration_ms)
+        fe.detector_settings = s
+    run: tuple[int, np.ndarray, int] | None = None  # turn audio so far: (offset_ms, prefix, block start)
+
+    def flush(hi: int) -> None:
+        if run is not None and transcribing:
+            offset_ms, prefix, lo = run
+            out.append(("audio", (offset_ms, float_to_pcm16(np.concatenate([prefix, block[lo:hi]])))))
+
+    for j, prob in enumerate(probs):
+        lo = j * WINDOW
+        event = detector.push(prob)
+        if event is not None and event.kind == "speech_started":
+            out.append(("started", event.audio_ms))
+            pad = min(fe.history_len + lo, s.prefix_padding_ms * RATE // 1000)
+            run = ((fe.samples + lo) * 1000 // RATE - pad * 1000 // RATE, fe.before(block, lo, pad), lo)
+        elif event is not None:  # speech_stopped: this window is the last of the turn
+            if run is None:
+                run = ((fe.samples + lo) * 1000 // RATE, _EMPTY, lo)
+            flush(lo + WINDOW)
+            run = None
+            out.append(("stopped", event.audio_ms))
+        elif detector.in_speech and run is None:
+            run = ((fe.samples + lo) * 1000 // RATE, _EMPTY, lo)
+    flush(len(block))
+    fe.remember(block)
+    fe.samples += len(block)

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", dest="grace_s", type=float, default=None, help="drain grace period in seconds (30)")
     p.add_argument("--asr-workers", type=int, default=None, help="PocketSphinx worker processes (2)")
     p.add_argument("--max-sessions", type=int, default=None, help="concurrent Converse sessions (256)")
+    p.add_argument("--vad-threads", type=int, default=None,
+                   help="concurrent onnxruntime runs one VAD tick's batch is split over (2)")
     p.add_argument("--responder", dest="default_responder", default=None,
                    help="default responder of a session: llm (default), echo, transformers, openai")
     p.add_argument("--no-llm", dest="llm", action="store_false", default=None,

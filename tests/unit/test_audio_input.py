@@ -38,3 +38,49 @@ def test_turn_settings_change_in_place():
     audio.reconfigure(dataclasses.replace(SessionSettings(), silence_duration_ms=900), reset=False)
     _, after = audio.take()
     assert after is before and after.settings.silence_duration_ms == 900
+
+
+def _tick_run(engine, pcm: bytes, chunk_bytes: int, transcription: bool = True) -> list:
+    """All the actions the VAD tick delivers for `pcm` (16 kHz) sent in `chunk_bytes`
+    pieces, one tick per piece; turn audio joined into one ("audio", (offset, pcm)) per turn."""
+    from rtmedia.server.audio_input import VadTick
+
+    got: list = []
+    tick = VadTick(engine)
+    settings = dataclasses.replace(SessionSettings(), input_rate=16000, transcription=transcription)
+    inp = AudioInput(settings, 2000, got.extend, engine.open_stream())
+    tick.inputs.add(inp)
+    for at in range(0, len(pcm), chunk_bytes):
+        inp.append(pcm[at:at + chunk_bytes])
+        tick.deliver(tick.process(tick.collect()))
+    joined: list = []
+    for kind, value in got:
+        if kind == "audio" and joined and joined[-1][0] == "audio":
+            offset, audio = joined[-1][1]
+            assert offset + len(audio) // 32 == value[0]  # turn audio is contiguous
+            joined[-1] = ("audio", (offset, audio + value[1]))
+        else:
+            joined.append((kind, value))
+    return joined
+
+
+def test_tick_results_do_not_depend_on_chunking(speaker):
+    """The same speech sent as one window per tick and as 100 ms chunks (three or four
+    windows per tick, a turn's audio in one piece per tick) gives the same events and
+    the same turn audio, prefix padding included; without transcription, the same
+    events and no audio."""
+    from rtmedia.engines.vad import VadEngine
+
+    engine = VadEngine()
+    engine.load()
+    pieces = [speaker.silence(0.7), speaker.say("Please call me back tomorrow afternoon."),
+              speaker.silence(1.2), speaker.say("What time is it?"), speaker.silence(0.9)]
+    pcm = np.concatenate(pieces).astype("<i2").tobytes()
+    per_window = _tick_run(engine, pcm, 1024)
+    assert [kind for kind, _ in per_window] == ["started", "audio", "stopped"] * 2
+    started, (offset, audio) = per_window[0][1], per_window[1][1]
+    assert offset == started - 300  # 300 ms of prefix padding before the speech
+    assert pcm[offset * 32:offset * 32 + len(audio)] == audio
+    assert _tick_run(engine, pcm, 3200) == per_window
+    events = [(kind, value) for kind, value in per_window if kind != "audio"]
+    assert _tick_run(engine, pcm, 3200, transcription=False) == events

@@ -183,3 +183,24 @@ def test_report_throughput(engine: VadEngine, capsys: pytest.CaptureFixture[str]
         )
     with capsys.disabled():
         print("\nVAD throughput, 1 thread: " + "; ".join(lines))
+
+
+def test_parallel_runs_equal_one_run(engine: VadEngine, speech: list[np.ndarray]) -> None:
+    """A round split over two concurrent runs gives the same probabilities and the same
+    next state as one run over all its rows."""
+    split = VadEngine(parallel_runs=2)
+    split.load()
+    try:
+        audio = _stream_audio(speech, 8) * 10  # 80 rows: split 40 + 40
+        one, two = ([engine.open_stream() for _ in audio] for _ in range(2))
+        for i in range(0, N_WINDOWS, 3):
+            want = engine.step([VadItem(s, a[i]) for s, a in zip(one, audio, strict=True)])
+            got = split.step([VadItem(s, a[i]) for s, a in zip(two, audio, strict=True)])
+            np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+        for a, b in zip(one, two, strict=True):
+            np.testing.assert_allclose(b.state, a.state, atol=1e-6, rtol=0)
+        assert max(want) > 0.9
+    finally:
+        split.close()
+    with pytest.raises(ValueError, match="parallel_runs must be >= 1"):
+        VadEngine(parallel_runs=0)
