@@ -95,6 +95,10 @@ class ServerConfig:
     # "json" (one object per line) or "text".
     log_format: str = "json"
 
+    def __post_init__(self) -> None:
+        if self.vad_threads < 1:
+            raise ValueError(f"vad_threads must be at least 1, got {self.vad_threads}")
+
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: object) -> ServerConfig:
         """Defaults, then the YAML file's keys, then the overrides that are not None."""

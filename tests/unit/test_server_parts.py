@@ -37,6 +37,12 @@ def test_config_rejects_unknown_keys(tmp_path):
         ServerConfig.load(path)
 
 
+def test_config_rejects_no_vad_runs():
+    assert ServerConfig.load(vad_threads=3).vad_threads == 3
+    with pytest.raises(ValueError, match="vad_threads must be at least 1, got 0"):
+        ServerConfig.load(vad_threads=0)
+
+
 def test_shipped_deploy_file_loads():
     from pathlib import Path
 
