@@ -73,7 +73,7 @@ class VadItem:
 
 def _check(item: Any) -> np.ndarray:
     """The item's window as float32 [512]; ValueError says what is wrong."""
-    w = getattr(item, "window", None)
+    w = getattr(item, "window", None)  # the VAD tick's windows take this path: a few checks per window
     if type(w) is np.ndarray and w.dtype == np.float32 and w.shape == (WINDOW,) \
             and type(item) is VadItem and type(item.stream) is VadStream:
         return w

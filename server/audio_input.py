@@ -72,14 +72,9 @@ class _Frontend:
             self.history_len -= len(self.history.pop(0))
 
     def before(self, block: np.ndarray, lo: int, count: int) -> np.ndarray:
-        """The `count` samples (at most) before sample `lo` of `block`, which follows the history."""
-        parts, need = [block[max(0, lo - count):lo]], count - min(lo, count)
-        for old in reversed(self.history):
-            if need <= 0:
-                break
-            parts.append(old[max(0, len(old) - need):])
-            need -= len(parts[-1])
-        return np.concatenate(parts[::-1])
+        """The `count` samples before sample `lo` of `block`, which follows the history
+        (called once per turn start, so joining the history is cheap enough)."""
+        return np.concatenate([*self.history, block[:lo]])[self.history_len + lo - count:]
 
 
 class AudioInput:
@@ -189,8 +184,7 @@ class VadTick:
 
     def process(self, work: list[tuple[AudioInput, list[tuple[bytes, Callable[[], None] | None]], _Frontend]]
                 ) -> list[tuple[AudioInput, list[Action]]]:
-        windows: list[tuple[int, np.ndarray]] = []  # (work index, window)
-        blocks: list[tuple[int, np.ndarray, int]] = []  # (work index, its windows in one block, first window)
+        blocks: list[tuple[int, np.ndarray]] = []  # (work index, the input's whole windows of this tick)
         actions: list[list[Action]] = []
         for n, (inp, segments, fe) in enumerate(work):
             decode = DECODERS[fe.settings.input_encoding]
@@ -216,14 +210,17 @@ class VadTick:
             fe.pending = np.concatenate([fe.pending, samples])
             count = len(fe.pending) // WINDOW
             if count:
-                blocks.append((n, fe.pending[:count * WINDOW], len(windows)))
-                windows += [(n, fe.pending[i * WINDOW:(i + 1) * WINDOW]) for i in range(count)]
+                blocks.append((n, fe.pending[:count * WINDOW]))
                 fe.pending = fe.pending[count * WINDOW:]
-        if windows:
-            probs = self.engine.step([VadItem(work[n][2].vad, w) for n, w in windows])  # type: ignore[arg-type]
-            for n, block, first in blocks:
+        if blocks:
+            probs = self.engine.step([VadItem(work[n][2].vad, block[i:i + WINDOW])  # type: ignore[arg-type]
+                                      for n, block in blocks for i in range(0, len(block), WINDOW)])
+            first = 0
+            for n, block in blocks:
                 inp, _, fe = work[n]
-                _turn_windows(fe, block, probs[first:first + len(block) // WINDOW], actions[n], inp.transcribing)
+                count = len(block) // WINDOW
+                _turn_windows(fe, block, probs[first:first + count], actions[n], inp.transcribing)
+                first += count
         for (_, segments, fe), acts in zip(work, actions, strict=True):
             if fe.detector is not None:  # with VAD, markers follow the tick's windows
                 acts += [("marker", marker) for _, marker in segments if marker is not None]
