@@ -1,12 +1,13 @@
 """Voice activity detection: Silero VAD v6 on onnxruntime, batched across sessions.
 
 The model is the `silero_vad.onnx` file shipped in the `silero-vad` wheel, run
-directly on onnxruntime (importing `silero_vad` would import torch). It takes
-one 32 ms window (512 samples at 16 kHz) per row, preceded by the last 64
-samples of that stream's previous window, plus a recurrent state of
-[2, batch, 128]; it returns a speech probability per row and the next state.
-This is exactly what `silero_vad.utils_vad.OnnxWrapper` does at 16 kHz, but
-with each row belonging to a different stream.
+on onnxruntime (importing `silero_vad` would import torch) as the batch-wide
+graph `silero_graph` builds from its weights. It takes one 32 ms window (512
+samples at 16 kHz) per row, preceded by the last 64 samples of that stream's
+previous window, plus a recurrent state of [2, batch, 128]; it returns a
+speech probability per row and the next state. This is what
+`silero_vad.utils_vad.OnnxWrapper` does at 16 kHz, but with each row
+belonging to a different stream.
 
 A `VadStream` holds one stream's state row and context. `step()` stacks the
 windows of many streams into one onnxruntime call and writes every row's new
@@ -33,13 +34,13 @@ from typing import Any
 import numpy as np
 
 from .base import EngineError
+from .silero_graph import batched_model
 
 SAMPLE_RATE = 16000
 WINDOW = 512  # samples per window: 32 ms at 16 kHz
 WINDOW_MS = WINDOW * 1000 // SAMPLE_RATE
 CONTEXT = 64  # samples of the previous window prepended to each window
 STATE_SHAPE = (2, 128)  # one stream's row of the model's [2, batch, 128] state
-_SR = np.array(SAMPLE_RATE, dtype=np.int64)
 MIN_SPLIT_ROWS = 32  # a round is split only into runs of at least this many rows
 
 
@@ -130,7 +131,7 @@ class VadEngine:
             # Idle worker threads sleep instead of spinning: the cores are shared with other engines.
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             self._session = onnxruntime.InferenceSession(
-                model_path(), sess_options=options, providers=["CPUExecutionProvider"]
+                batched_model(model_path()), sess_options=options, providers=["CPUExecutionProvider"]
             )
             if self._runs > 1:
                 self._pool = ThreadPoolExecutor(self._runs - 1, "vad-run")
@@ -175,9 +176,9 @@ class VadEngine:
         """One round: a single run, or `parallel_runs` concurrent runs over slices of its rows."""
         parts, pool = min(self._runs, len(x) // MIN_SPLIT_ROWS), self._pool
         if parts < 2 or pool is None:
-            return session.run(None, {"input": x, "state": state, "sr": _SR})
+            return session.run(None, {"input": x, "state": state})
         bounds = np.linspace(0, len(x), parts + 1).astype(int).tolist()
-        feeds = [{"input": x[a:b], "state": np.ascontiguousarray(state[:, a:b]), "sr": _SR}
+        feeds = [{"input": x[a:b], "state": np.ascontiguousarray(state[:, a:b])}
                  for a, b in itertools.pairwise(bounds)]
         futures = [pool.submit(session.run, None, feed) for feed in feeds[1:]]
         results = [session.run(None, feeds[0])] + [f.result() for f in futures]
@@ -191,7 +192,7 @@ class VadEngine:
         for item, w in zip(items, windows, strict=True):
             s = item.stream
             x = np.concatenate([s.context, w])[None]
-            out, state_n = session.run(None, {"input": x, "state": s.state[:, None], "sr": _SR})
+            out, state_n = session.run(None, {"input": x, "state": s.state[:, None]})
             s.state[...] = state_n[:, 0]
             s.context[...] = w[-CONTEXT:]
             probs.append(float(out[0, 0]))

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from rtmedia.engines.base import EngineError
+from rtmedia.engines.silero_graph import read_weights
 from rtmedia.engines.vad import SAMPLE_RATE, WINDOW, VadEngine, VadItem, VadStream, model_path
 
 from tests.support.speech import Speaker
@@ -107,6 +108,42 @@ def test_matches_silero_onnx_wrapper(engine: VadEngine, speech: list[np.ndarray]
         want = wrapper(torch.from_numpy(batch), SAMPLE_RATE).numpy()[:, 0]
         got = engine.step([VadItem(s, a[i]) for s, a in zip(streams, audio, strict=True)])
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_batched_graph_equals_wheel_model(engine: VadEngine, speech: list[np.ndarray]) -> None:
+    """The batch-wide graph gives the wheel's own model's probabilities and states, window after
+    window over ~13 s streams of speech, pauses, noise and clipping-level gain."""
+    import onnxruntime
+
+    stock = onnxruntime.InferenceSession(model_path(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(3)
+    pause = np.zeros(8000, np.float32)
+    audio = []
+    for k in range(6):
+        parts = [speech[(k + j) % 2] * (0.3 + 0.25 * k) for j in range(4)]
+        a = np.concatenate([p for part in parts for p in (part, pause)])
+        audio.append(np.clip(a + rng.normal(0, 0.001 * k, len(a)).astype(np.float32), -1, 1))
+    n = min(len(a) for a in audio) // WINDOW
+    streams = [engine.open_stream() for _ in audio]
+    state = np.zeros((2, len(audio), 128), np.float32)
+    context = np.zeros((len(audio), 64), np.float32)
+    worst = 0.0
+    for i in range(n):
+        x = np.stack([a[i * WINDOW : (i + 1) * WINDOW] for a in audio])
+        inp = np.concatenate([context, x], axis=1)
+        want, state = stock.run(None, {"input": inp, "state": state, "sr": np.array(SAMPLE_RATE, np.int64)})
+        context = inp[:, -64:]
+        got = engine.step([VadItem(s, w) for s, w in zip(streams, x, strict=True)])
+        worst = max(worst, float(np.abs(np.array(got) - want[:, 0]).max()))
+    assert n > 400 and worst < 1e-5, worst
+    for row, s in enumerate(streams):
+        np.testing.assert_allclose(s.state, state[:, row], atol=1e-4, rtol=1e-5)
+
+
+def test_other_model_layout_refused() -> None:
+    other = model_path().replace("silero_vad.onnx", "silero_vad_16k_op15.onnx")  # same wheel, other export
+    with pytest.raises(ValueError, match=r"not the Silero VAD v6 layout.*no stft\.forward_basis_buffer"):
+        read_weights(other)
 
 
 def test_silence_low_speech_high(engine: VadEngine, speech: list[np.ndarray]) -> None:
