@@ -33,7 +33,7 @@ from rtmedia.engines.resample import (
     pcm16_to_float,
     ulaw_to_float,
 )
-from rtmedia.engines.vad import WINDOW, VadEngine, VadItem, VadStream
+from rtmedia.engines.vad import WINDOW, VadEngine, VadStream
 from rtmedia.server.session_config import ALAW, PCM16, ULAW, SessionSettings
 from rtmedia.server.turns import TurnDetector
 
@@ -213,14 +213,10 @@ class VadTick:
                 blocks.append((n, fe.pending[:count * WINDOW]))
                 fe.pending = fe.pending[count * WINDOW:]
         if blocks:
-            probs = self.engine.step([VadItem(work[n][2].vad, block[i:i + WINDOW])  # type: ignore[arg-type]
-                                      for n, block in blocks for i in range(0, len(block), WINDOW)])
-            first = 0
-            for n, block in blocks:
+            probs = self.engine.step_blocks([(work[n][2].vad, block) for n, block in blocks])  # type: ignore[misc]
+            for (n, block), p in zip(blocks, probs, strict=True):
                 inp, _, fe = work[n]
-                count = len(block) // WINDOW
-                _turn_windows(fe, block, probs[first:first + count], actions[n], inp.transcribing)
-                first += count
+                _turn_windows(fe, block, p.tolist(), actions[n], inp.transcribing)
         for (_, segments, fe), acts in zip(work, actions, strict=True):
             if fe.detector is not None:  # with VAD, markers follow the tick's windows
                 acts += [("marker", marker) for _, marker in segments if marker is not None]

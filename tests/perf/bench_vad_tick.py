@@ -10,7 +10,10 @@ setting of the engine's `parallel_runs`: the tick's wall time and the process's
 CPU time per second of audio (the fraction of one thread / of the cores a
 realtime server spends on it), microseconds per window, and the same windows
 through `VadEngine.step` alone (the Silero model plus the engine's batching) as
-the floor the tick is compared with. Prints one JSON object.
+the floor the tick is compared with. Also the Silero network itself: the wheel's
+`silero_vad.onnx` against the batch-wide graph the engine builds from it
+(`engines/silero_graph.py`), microseconds per row on one thread at 1, 32 and 500
+rows, alternating. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -103,6 +106,38 @@ def engine_alone(engine: VadEngine, audio: list[bytes], seconds: float) -> dict:
     return {"us_per_window_wall": round(wall / windows * 1e6, 1), "us_per_window_cpu": round(cpu / windows * 1e6, 1)}
 
 
+def graphs(rounds: int = 3) -> dict:
+    """The wheel's model and the batch-wide graph, us per row on one thread, alternating."""
+    import onnxruntime
+    from rtmedia.engines.silero_graph import batched_model
+    from rtmedia.engines.vad import model_path
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    wheel = onnxruntime.InferenceSession(model_path(), options, providers=["CPUExecutionProvider"])
+    batched = onnxruntime.InferenceSession(batched_model(model_path()), options, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    out: dict = {}
+    for rows in (1, 32, 500):
+        x = rng.normal(0, 0.1, (rows, 576)).astype(np.float32)
+        state = np.zeros((2, rows, 128), np.float32)
+        feeds = {"wheel": (wheel, {"input": x, "state": state, "sr": np.array(RATE, np.int64)}),
+                 "batched": (batched, {"input": x, "state": state})}
+        times: dict[str, list[float]] = {name: [] for name in feeds}
+        for _ in range(rounds):
+            for name, (session, feed) in feeds.items():
+                calls = max(5, 2000 // rows)
+                session.run(None, feed)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    session.run(None, feed)
+                times[name].append((time.perf_counter() - start) / calls / rows * 1e6)
+        out[f"rows_{rows}"] = {"wheel_us_per_row": [round(t, 1) for t in times["wheel"]],
+                               "batched_us_per_row": [round(t, 1) for t in times["batched"]],
+                               "wheel_over_batched": round(min(times["wheel"]) / min(times["batched"]), 2)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=500)
@@ -111,6 +146,7 @@ def main() -> None:
     audio = streams(args.sessions, args.seconds)
     result: dict = {"benchmark": "vad_tick", "machine": machine(), "sessions": args.sessions,
                     "chunk_ms": CHUNK_MS, "audio_s": args.seconds}
+    result["silero_graph"] = graphs()
     for runs in (1, 2):
         engine = VadEngine(parallel_runs=runs)
         engine.load()

@@ -96,6 +96,34 @@ def test_repeated_streams_in_one_batch_run_in_order(engine: VadEngine, speech: l
         np.testing.assert_allclose(got[k], expected[k], atol=1e-5, rtol=0)
 
 
+def test_blocks_equal_windows_in_order(engine: VadEngine, speech: list[np.ndarray]) -> None:
+    """step_blocks over blocks of 1-4 windows per stream (different per stream and per step)
+    gives the same probabilities as each stream's windows one at a time."""
+    audio = _stream_audio(speech, 8)
+    expected = [_sequential(engine, w) for w in audio]
+    streams = [engine.open_stream() for _ in audio]
+    got: list[list[float]] = [[] for _ in audio]
+    rng = np.random.default_rng(5)
+    while min(map(len, got)) < N_WINDOWS:
+        blocks, owners = [], []
+        for k, stream in enumerate(streams):
+            take = min(int(rng.integers(0, 5)), N_WINDOWS - len(got[k]))
+            if take:
+                blocks.append((stream, np.concatenate(audio[k][len(got[k]):len(got[k]) + take])))
+                owners.append(k)
+        for k, probs in zip(owners, engine.step_blocks(blocks), strict=True):
+            got[k] += probs.tolist()
+    for k in range(len(audio)):
+        np.testing.assert_allclose(got[k], expected[k], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="only one block per step"):
+        engine.step_blocks([(streams[0], audio[0][0]), (streams[0], audio[0][1])])
+    with pytest.raises(ValueError, match=r"whole number of 512-sample windows.*shape \(700,\)"):
+        engine.step_blocks([(streams[1], np.zeros(700, np.float32))])
+    with pytest.raises(ValueError, match=r"blocks must be \(VadStream, samples\), got str"):
+        engine.step_blocks([("stream", audio[0][0])])  # type: ignore[list-item]
+    assert engine.step_blocks([]) == []
+
+
 def test_matches_silero_onnx_wrapper(engine: VadEngine, speech: list[np.ndarray]) -> None:
     import torch
     from silero_vad.utils_vad import OnnxWrapper
