@@ -24,6 +24,7 @@ import onnxruntime
 from piper.config import PiperConfig, SynthesisConfig
 from piper.voice import PiperVoice
 from rtmedia.engines.base import EngineError
+from rtmedia.engines.piper_graph import decoder_2d
 from rtmedia.engines.resample import float_to_pcm16, make_resampler
 
 # Output rates every voice offers on top of its native rate.
@@ -192,8 +193,10 @@ class TtsEngine:
                 # Idle worker threads sleep instead of spinning: the cores are shared
                 # with ASR workers and other engines.
                 options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+                # The decoder in 2-D when its layout allows (engines/piper_graph.py): the same audio, faster.
+                model = decoder_2d(str(spec.model_path)) or str(spec.model_path)
                 session = onnxruntime.InferenceSession(
-                    str(spec.model_path), sess_options=options, providers=["CPUExecutionProvider"]
+                    model, sess_options=options, providers=["CPUExecutionProvider"]
                 )
                 self._models[spec.name] = PiperVoice(config=PiperConfig.from_dict(spec.config), session=session)
 

@@ -1,5 +1,7 @@
 """Speech benchmark: TTS time to first audio and real-time factor, ASR real-time
-factor, and the gRPC overhead of Synthesize against the engine in-process.
+factor, the gRPC overhead of Synthesize against the engine in-process, and
+Piper's real-time factor on one thread with the voice's own graph against the
+2-D decoder the engine loads (engines/piper_graph.py).
 
     .venv/bin/python tests/perf/bench_speech.py [--runs 20]
 
@@ -74,6 +76,32 @@ def over_grpc(stub, text: str) -> tuple[float, float, float]:
         samples += len(reply.audio) // 2
         rate = reply.sample_rate
     return first or 0.0, time.perf_counter() - started, samples / rate
+
+
+def decoder_2d_rtf(runs: int) -> dict:
+    """The paragraph's sentences on one thread: the voice's graph and the 2-D decoder, alternating."""
+    import onnxruntime
+    from piper.config import PiperConfig, SynthesisConfig
+    from piper.voice import PiperVoice
+    from rtmedia.engines.piper_graph import decoder_2d
+    from rtmedia.engines.tts import default_voices
+
+    spec = default_voices()[0]
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    voices = {name: PiperVoice(config=PiperConfig.from_dict(spec.config), session=onnxruntime.InferenceSession(
+        model, options, providers=["CPUExecutionProvider"]))
+        for name, model in (("voice_graph", str(spec.model_path)), ("decoder_2d", decoder_2d(str(spec.model_path))))}
+    config = SynthesisConfig(normalize_audio=False)
+    sentences = [voices["voice_graph"].phonemes_to_ids(p) for p in voices["voice_graph"].phonemize(PARAGRAPH) if p]
+    rtf: dict[str, list[float]] = {name: [] for name in voices}
+    for run in range(runs):
+        for name in voices if run % 2 == 0 else list(voices)[::-1]:
+            start = time.perf_counter()
+            samples = sum(len(voices[name].phoneme_ids_to_audio(ids, config)) for ids in sentences)
+            rtf[name].append((time.perf_counter() - start) / (samples / spec.native_rate))
+    return {f"rtf_{name}": round(statistics.median(values), 4) for name, values in rtf.items()} | {
+        "decoder_2d_over_voice_graph": round(statistics.median(rtf["decoder_2d"]) / statistics.median(rtf["voice_graph"]), 3)}
 
 
 def asr_rtf(runs: int) -> dict:
@@ -151,6 +179,7 @@ def main() -> None:
             "first_audio_ratio_ten_words": round(med("grpc_short", 0) / med("local_short", 0), 4),
         },
         "asr": asr_rtf(max(3, args.runs // 4)),
+        "piper_one_thread": decoder_2d_rtf(max(4, args.runs // 2)),
     }
     print(json.dumps(report, indent=2))
 
