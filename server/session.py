@@ -39,6 +39,10 @@ from rtmedia.v1 import realtime_pb2
 
 log = logging.getLogger(__name__)
 ACK_FRESH_S = 1.0  # an ack older than this no longer tells where playback is
+# A long sentence is decoded in windows from this many latent frames (~0.56 s of audio at
+# 22.05 kHz), doubling: its first audio comes after a quarter of its decode or less.
+TTS_WINDOW_FRAMES = 48
+TTS_DUE_MARGIN_S = 0.3  # a later TTS item is due this long before the audio before it runs out
 PLAYED_TOLERANCE_MS = 40
 
 
@@ -527,13 +531,16 @@ class Session:
     async def _respond(self, response: Response, turn: Turn | None, instructions: str | None,
                        max_tokens: int | None) -> None:
         """Transcript -> responder text -> TTS clause by clause -> audio deltas. A clause's audio
-        is sent as soon as it is synthesised, while the responder produces the next text; the
-        stream's clauses are synthesised in order, one at a time."""
+        is sent as soon as it is synthesised (a long sentence's window by window), while the
+        responder produces the next text; the stream's items are synthesised in order, one at a
+        time, and other sessions' items run between the windows of a long sentence."""
         services, settings = self.services, self.settings
         status, reason, text = "completed", "", ""
         spoken: list[asyncio.Future[bytes]] = []
+        texts: asyncio.Queue[tuple[str, bool] | None] = asyncio.Queue()  # chunks to speak, and whether final
         sending: asyncio.Queue[tuple[str, asyncio.Future[bytes]] | None] = asyncio.Queue()
         sender: asyncio.Future[None] | None = None
+        synthesizer: asyncio.Future[None] | None = None
         try:
             if turn is not None:
                 await asyncio.wait_for(asyncio.shield(turn.transcript), self.limits.transcript_wait_s)
@@ -545,26 +552,53 @@ class Session:
                 # The LM waits while the first clause, which the user is waiting for, is synthesised.
                 pause=lambda: bool(spoken) and not spoken[0].done(),
             )
-            tts = services.tts.open_stream(settings.voice, settings.output_rate)
+            tts = services.tts.open_stream(settings.voice, settings.output_rate, window_frames=TTS_WINDOW_FRAMES)
 
             async def send_all() -> None:
                 while (item := await sending.get()) is not None:
                     said, audio = item
                     await self._send_audio(response, said, await audio, tts.output_rate, turn)
 
+            async def synthesize_all() -> None:
+                """The stream's items one at a time, in order (the stream is stateful): each chunk,
+                then, while the stream has more, the later windows of its long sentences. The first
+                item is due at once (the user is waiting); each later one when the audio before it
+                would run out at the client, less TTS_DUE_MARGIN_S (the lane runs the item due
+                soonest, so a session about to run dry goes before one with audio to spare)."""
+                loop = asyncio.get_running_loop()
+                playing_from, audio_s = None, 0.0  # when the first audio was ready; audio so far
+                while (chunk := await texts.get()) is not None:
+                    text, final = chunk
+                    while True:
+                        due = None if playing_from is None else playing_from + audio_s - TTS_DUE_MARGIN_S
+                        spoken.append(asyncio.ensure_future(services.scheduler.submit(
+                            "tts", TtsItem(tts, text, final=final), Priority.REALTIME, due)))
+                        sending.put_nowait((text, spoken[-1]))
+                        await asyncio.wait([spoken[-1]])
+                        if spoken[-1].cancelled() or spoken[-1].exception() is not None:
+                            sending.put_nowait(None)  # the sender stops at the failed item
+                            return
+                        audio_s += len(spoken[-1].result()) / 2 / tts.output_rate
+                        if playing_from is None and audio_s:
+                            playing_from = loop.time()
+                        if not tts.pending:
+                            break
+                        text = ""
+                sending.put_nowait(None)
+
             sender = asyncio.ensure_future(send_all())
+            synthesizer = asyncio.ensure_future(synthesize_all())
 
             async def speak(chunks: list[str], final: bool = False) -> None:
-                for chunk in chunks + ([""] if final else []):  # "" flushes the resampler's tail
-                    if spoken:  # the TTS stream is stateful: one clause at a time, in order
+                for chunk in chunks:
+                    if spoken:  # the responder goes on once the audio before this chunk is synthesised
                         await asyncio.wait([spoken[-1]])
                     if sender.done():
                         sender.result()  # sending failed: raise it here
-                    item = TtsItem(tts, chunk, final=final and not chunk)
-                    # The first clause is what the user is waiting for; later ones have the output lead.
-                    priority = Priority.INTERACTIVE if len(spoken) else Priority.REALTIME
-                    spoken.append(asyncio.ensure_future(services.scheduler.submit("tts", item, priority)))
-                    sending.put_nowait((chunk, spoken[-1]))
+                    texts.put_nowait((chunk, False))
+                if final:
+                    texts.put_nowait(("", True))  # flushes the resampler's tail
+                    texts.put_nowait(None)
 
             chunker = TextChunker()
             async for delta in services.responders[settings.responder].reply(request):
@@ -573,7 +607,7 @@ class Session:
                                 item_id=response.item_id, delta=delta)
                 await speak(chunker.feed(delta))
             await speak(chunker.flush(), final=True)
-            sending.put_nowait(None)
+            await synthesizer
             await sender
         except TimeoutError:
             status, reason = "failed", "the transcript of the turn did not arrive in time"
@@ -581,7 +615,7 @@ class Session:
             log.exception("response failed", extra={"session_id": self.id})
             status, reason = "failed", f"{type(exc).__name__}: {exc}"
         finally:
-            for task in [*spoken, *([sender] if sender is not None else [])]:
+            for task in [*spoken, *(t for t in (sender, synthesizer) if t is not None)]:
                 task.cancel()
         self._finish_response(response, text, status, reason)
 
@@ -606,6 +640,8 @@ class Session:
                             item_id=response.item_id, audio=piece, sample_rate=rate, channels=1)
         if clause and audio:
             response.clauses.append((clause, start_ms, response.sent_ms))
+        elif audio and response.clauses and response.clauses[-1][2] == start_ms:  # its sentence's later window
+            response.clauses[-1] = (*response.clauses[-1][:2], response.sent_ms)
 
     def _observe_latency(self, latency: float) -> None:
         self.services.metrics.response_latency.observe(latency)

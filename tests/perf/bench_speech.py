@@ -1,7 +1,8 @@
 """Speech benchmark: TTS time to first audio and real-time factor, ASR real-time
 factor, the gRPC overhead of Synthesize against the engine in-process, and
 Piper's real-time factor on one thread with the voice's own graph against the
-2-D decoder the engine loads (engines/piper_graph.py).
+engine's split graph with its 2-D decoder (engines/piper_graph.py), whole and
+decoded in windows.
 
     .venv/bin/python tests/perf/bench_speech.py [--runs 20]
 
@@ -79,29 +80,43 @@ def over_grpc(stub, text: str) -> tuple[float, float, float]:
 
 
 def decoder_2d_rtf(runs: int) -> dict:
-    """The paragraph's sentences on one thread: the voice's graph and the 2-D decoder, alternating."""
+    """The paragraph's sentences on one thread: the voice's own graph, and the engine's latent
+    graph + 2-D decoder (whole sentences, and in windows from 48 frames), alternating."""
     import onnxruntime
     from piper.config import PiperConfig, SynthesisConfig
     from piper.voice import PiperVoice
-    from rtmedia.engines.piper_graph import decoder_2d
-    from rtmedia.engines.tts import default_voices
 
-    spec = default_voices()[0]
+    engine = TtsEngine(intra_op_threads=1)
+    engine.load()
+    spec = engine.voice("")
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = 1
-    voices = {name: PiperVoice(config=PiperConfig.from_dict(spec.config), session=onnxruntime.InferenceSession(
-        model, options, providers=["CPUExecutionProvider"]))
-        for name, model in (("voice_graph", str(spec.model_path)), ("decoder_2d", decoder_2d(str(spec.model_path))))}
-    config = SynthesisConfig(normalize_audio=False)
-    sentences = [voices["voice_graph"].phonemes_to_ids(p) for p in voices["voice_graph"].phonemize(PARAGRAPH) if p]
-    rtf: dict[str, list[float]] = {name: [] for name in voices}
+    own = PiperVoice(config=PiperConfig.from_dict(spec.config), session=onnxruntime.InferenceSession(
+        str(spec.model_path), options, providers=["CPUExecutionProvider"]))
+    sentences = [own.phonemes_to_ids(p) for p in own.phonemize(PARAGRAPH) if p]
+
+    def voice_graph() -> int:
+        return sum(len(own.phoneme_ids_to_audio(ids, SynthesisConfig(normalize_audio=False))) for ids in sentences)
+
+    def split_graph(window_frames: int) -> int:
+        stream = engine.open_stream(window_frames=window_frames)
+        pcm = engine.step([TtsItem(stream, PARAGRAPH)])
+        while stream.pending:
+            pcm += engine.step([TtsItem(stream, "")])
+        return len(b"".join(pcm)) // 2
+
+    runs_by_name = {"voice_graph": voice_graph, "split_2d": lambda: split_graph(0),
+                    "split_2d_windows": lambda: split_graph(48)}
+    rtf: dict[str, list[float]] = {name: [] for name in runs_by_name}
     for run in range(runs):
-        for name in voices if run % 2 == 0 else list(voices)[::-1]:
+        for name in runs_by_name if run % 2 == 0 else list(runs_by_name)[::-1]:
             start = time.perf_counter()
-            samples = sum(len(voices[name].phoneme_ids_to_audio(ids, config)) for ids in sentences)
+            samples = runs_by_name[name]()
             rtf[name].append((time.perf_counter() - start) / (samples / spec.native_rate))
-    return {f"rtf_{name}": round(statistics.median(values), 4) for name, values in rtf.items()} | {
-        "decoder_2d_over_voice_graph": round(statistics.median(rtf["decoder_2d"]) / statistics.median(rtf["voice_graph"]), 3)}
+    med = {name: statistics.median(values) for name, values in rtf.items()}
+    return {f"rtf_{name}": round(value, 4) for name, value in med.items()} | {
+        "split_2d_over_voice_graph": round(med["split_2d"] / med["voice_graph"], 3),
+        "windows_over_whole": round(med["split_2d_windows"] / med["split_2d"], 3)}
 
 
 def asr_rtf(runs: int) -> dict:

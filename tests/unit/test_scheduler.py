@@ -97,6 +97,32 @@ async def test_priority_order_within_a_lane(scheduler):
     assert order == [3, 4, 2, 1]
 
 
+async def test_due_items_sort_by_due_time_within_a_priority(scheduler):
+    """An item due later waits behind one submitted after it but due sooner; an item without
+    `due` counts as due when it arrived; priority still comes first."""
+    engine = FakeEngine("e")
+    engine.gate.clear()
+    scheduler.add(engine, LanePolicy(max_batch=1))
+    scheduler.start()
+    first = asyncio.ensure_future(scheduler.submit("e", 0))
+    await asyncio.sleep(0.05)
+    now = asyncio.get_running_loop().time()
+    order = []
+
+    async def tracked(item, priority, due):
+        await scheduler.submit("e", item, priority, due)
+        order.append(item)
+
+    tasks = [asyncio.ensure_future(tracked(1, Priority.REALTIME, now + 5)),  # plenty of slack
+             asyncio.ensure_future(tracked(2, Priority.REALTIME, None)),  # due on arrival
+             asyncio.ensure_future(tracked(3, Priority.REALTIME, now - 1)),  # overdue
+             asyncio.ensure_future(tracked(4, Priority.INTERACTIVE, now - 9))]  # lower priority
+    await asyncio.sleep(0.05)
+    engine.gate.set()
+    await asyncio.gather(first, *tasks)
+    assert order == [3, 2, 1, 4]
+
+
 async def test_cancelled_caller_withdraws_its_item(scheduler):
     engine = FakeEngine("e")
     engine.gate.clear()
