@@ -76,50 +76,44 @@ async def test_item_and_batch_failures(scheduler):
     assert scheduler.metrics.registry.get_sample_value("rtmedia_lane_step_failures_total", {"lane": "e"}) == 2
 
 
-async def test_priority_order_within_a_lane(scheduler):
-    engine = FakeEngine("e")
-    engine.gate.clear()  # hold the first batch so the rest queue up
-    scheduler.add(engine, LanePolicy(max_batch=1))
-    scheduler.start()
-    first = asyncio.ensure_future(scheduler.submit("e", 0))
-    await asyncio.sleep(0.05)
-    order = []
-
-    async def tracked(item, priority):
-        await scheduler.submit("e", item, priority)
-        order.append(item)
-
-    tasks = [asyncio.ensure_future(tracked(1, Priority.BULK)), asyncio.ensure_future(tracked(2, Priority.INTERACTIVE)),
-             asyncio.ensure_future(tracked(3, Priority.REALTIME)), asyncio.ensure_future(tracked(4, Priority.REALTIME))]
-    await asyncio.sleep(0.05)
-    engine.gate.set()
-    await asyncio.gather(first, *tasks)
-    assert order == [3, 4, 2, 1]
-
-
-async def test_due_items_sort_by_due_time_within_a_priority(scheduler):
-    """An item due later waits behind one submitted after it but due sooner; an item without
-    `due` counts as due when it arrived; priority still comes first."""
+async def _order_taken(scheduler, submissions) -> list:
+    """Hold the lane's first batch, queue (item, priority, due) submissions, release: the order
+    in which the items ran."""
     engine = FakeEngine("e")
     engine.gate.clear()
     scheduler.add(engine, LanePolicy(max_batch=1))
     scheduler.start()
     first = asyncio.ensure_future(scheduler.submit("e", 0))
     await asyncio.sleep(0.05)
-    now = asyncio.get_running_loop().time()
     order = []
 
     async def tracked(item, priority, due):
         await scheduler.submit("e", item, priority, due)
         order.append(item)
 
-    tasks = [asyncio.ensure_future(tracked(1, Priority.REALTIME, now + 5)),  # plenty of slack
-             asyncio.ensure_future(tracked(2, Priority.REALTIME, None)),  # due on arrival
-             asyncio.ensure_future(tracked(3, Priority.REALTIME, now - 1)),  # overdue
-             asyncio.ensure_future(tracked(4, Priority.INTERACTIVE, now - 9))]  # lower priority
+    tasks = [asyncio.ensure_future(tracked(*submission)) for submission in submissions]
     await asyncio.sleep(0.05)
     engine.gate.set()
     await asyncio.gather(first, *tasks)
+    return order
+
+
+async def test_priority_order_within_a_lane(scheduler):
+    order = await _order_taken(scheduler, [(1, Priority.BULK, None), (2, Priority.INTERACTIVE, None),
+                                           (3, Priority.REALTIME, None), (4, Priority.REALTIME, None)])
+    assert order == [3, 4, 2, 1]
+
+
+async def test_due_items_sort_by_due_time_within_a_priority(scheduler):
+    """An item due later waits behind one submitted after it but due sooner; an item without
+    `due` counts as due when it arrived; priority still comes first."""
+    now = asyncio.get_running_loop().time()
+    order = await _order_taken(scheduler, [
+        (1, Priority.REALTIME, now + 5),  # plenty of slack
+        (2, Priority.REALTIME, None),  # due on arrival
+        (3, Priority.REALTIME, now - 1),  # overdue
+        (4, Priority.INTERACTIVE, now - 9),  # lower priority
+    ])
     assert order == [3, 2, 1, 4]
 
 
