@@ -298,15 +298,14 @@ class TtsEngine:
         """Queue the text's sentences; decode all of them, or one window when the stream
         decodes in windows. Float32 at the voice's native rate."""
         voice = self._loaded(stream.voice.name)
-        # Without windows nothing is kept on the stream: a caller may step two of its items at once.
-        queued = stream.queued if stream.window_frames else []
+        queued = stream.queued
         if text:
             first = stream.window_frames or 1 << 30
             queued += [(latent, 0, first) for latent in self._latents(voice, text)]
         parts = []
         while queued:
             latent, start, size = queued[0]
-            frames = latent.shape[2] if voice.decoder is not None else 0
+            frames = latent.shape[2] if voice.decoder is not None else 0  # a whole graph's audio: one piece
             stop = frames if frames - start <= 2 * size else start + size  # no short last window
             parts.append(np.clip(self._decode(voice, latent, start, stop) * OUTPUT_GAIN, -1.0, 1.0))
             if stop >= frames:

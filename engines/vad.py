@@ -73,21 +73,17 @@ class VadItem:
     window: np.ndarray
 
 
+def _describe(x: Any) -> str:
+    return f"shape {getattr(x, 'shape', None)} {getattr(x, 'dtype', type(x).__name__)}"
+
+
 def _check(item: Any) -> np.ndarray:
     """The item's window as float32 [512]; ValueError says what is wrong."""
-    w = getattr(item, "window", None)  # the VAD tick's windows take this path: a few checks per window
-    if type(w) is np.ndarray and w.dtype == np.float32 and w.shape == (WINDOW,) \
-            and type(item) is VadItem and type(item.stream) is VadStream:
-        return w
     if not isinstance(item, VadItem) or not isinstance(item.stream, VadStream):
         raise ValueError(f"VAD items must be VadItem(VadStream, window), got {type(item).__name__}")
     w = item.window
     if not isinstance(w, np.ndarray) or w.shape != (WINDOW,) or not np.issubdtype(w.dtype, np.floating):
-        shape = getattr(w, "shape", None)
-        dtype = getattr(w, "dtype", type(w).__name__)
-        raise ValueError(
-            f"VAD window must be {WINDOW} float samples, shape ({WINDOW},); got shape {shape} {dtype}"
-        )
+        raise ValueError(f"VAD window must be {WINDOW} float samples, shape ({WINDOW},); got {_describe(w)}")
     return w.astype(np.float32, copy=False)
 
 
@@ -100,10 +96,8 @@ def _check_block(stream: Any, block: Any) -> np.ndarray:
         raise ValueError(f"VAD blocks must be (VadStream, samples), got {type(stream).__name__}")
     if (not isinstance(block, np.ndarray) or block.ndim != 1 or not len(block) or len(block) % WINDOW
             or not np.issubdtype(block.dtype, np.floating)):
-        shape = getattr(block, "shape", None)
-        dtype = getattr(block, "dtype", type(block).__name__)
         raise ValueError(f"a VAD block must be a whole number of {WINDOW}-sample windows of float samples; "
-                         f"got shape {shape} {dtype}")
+                         f"got {_describe(block)}")
     return block.astype(np.float32, copy=False)
 
 

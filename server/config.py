@@ -67,7 +67,7 @@ class ServerConfig:
     openai_url: str | None = None
     openai_model: str = "gpt-4o-mini"
     # onnxruntime intra-op threads per TTS synthesis (0: onnxruntime's default, one per core),
-    # and syntheses that run at once. Alone, two threads make a synthesis ~1.2x faster (the
+    # and syntheses that run at once. Alone, two threads make a synthesis 1.1-1.4x faster (the
     # first audio of a Synthesize call waits for its whole first chunk); two syntheses at once
     # on one thread each gave 21-22 s of audio per wall second and 11.3 per CPU second here,
     # on two threads each 19-20 and 9.7-10.3, so 1 suits a box full of talking sessions.

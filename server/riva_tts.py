@@ -1,8 +1,9 @@
 """NVIDIA Riva's `nvidia.riva.tts.RivaSpeechSynthesis` on rtmedia's TTS lane (Piper voices).
 
-`Synthesize` splits the text by the streaming rule (SPEC 2.2), submits every
-chunk to the TTS lane at once (a stream's items are stepped in order, its
-resampler state running from chunk to chunk) and returns the joined audio.
+`Synthesize` splits the text by the streaming rule (SPEC 2.2), submits the
+chunks to the TTS lane one after another (a stream's items must be stepped in
+order: its resampler state runs from chunk to chunk) and returns the joined
+audio.
 `SynthesizeOnline` is a bidirectional stream: each request's text is appended
 as it comes (append-only deltas, as from a language model, so whitespace
 between requests is the client's), a `TextChunker` cuts clauses as soon as
@@ -72,7 +73,9 @@ class RivaTtsService(riva_tts_pb2_grpc.RivaSpeechSynthesisServicer):
             await abort_rejected(context, exc)
         chunks = split_text(request.text.strip())
         last = len(chunks) - 1
-        tasks = [self._synthesize(stream, chunk, final=n == last) for n, chunk in enumerate(chunks)]
+        tasks: list[asyncio.Task[bytes]] = []
+        for n, chunk in enumerate(chunks):
+            tasks.append(self._synthesize(stream, chunk, final=n == last, after=tasks[-1] if tasks else None))
         try:
             audio = b"".join(await asyncio.gather(*tasks))
         finally:
@@ -123,10 +126,13 @@ class RivaTtsService(riva_tts_pb2_grpc.RivaSpeechSynthesisServicer):
                          stream: TtsStream, queue: asyncio.Queue) -> None:
         """Chunk the requests' text as it arrives; each complete chunk is submitted at once."""
         chunker, text, number = TextChunker(), first.text, 0
+        last: asyncio.Task[bytes] | None = None
 
-        def submit(chunks: list[str]) -> None:
+        def submit(chunks: list[str], final: bool = False) -> None:
+            nonlocal last
             for chunk in chunks:
-                queue.put_nowait((chunk, self._synthesize(stream, chunk)))
+                last = self._synthesize(stream, chunk, final, after=last)
+                queue.put_nowait((chunk, last))
 
         try:
             self._check_text(text, complete=False)
@@ -142,13 +148,19 @@ class RivaTtsService(riva_tts_pb2_grpc.RivaSpeechSynthesisServicer):
                 submit(chunker.feed(request.text))
             self._check_text(text, complete=True)
             submit(chunker.flush())
-            queue.put_nowait(("", self._synthesize(stream, "", final=True)))  # flushes the resampler's tail
+            submit([""], final=True)  # flushes the resampler's tail
             queue.put_nowait(None)
         except Rejected as exc:
             queue.put_nowait(exc)
 
-    def _synthesize(self, stream: TtsStream, text: str, final: bool = False) -> asyncio.Task[bytes]:
-        return asyncio.ensure_future(self.scheduler.submit("tts", TtsItem(stream, text, final)))
+    def _synthesize(self, stream: TtsStream, text: str, final: bool = False,
+                    after: asyncio.Task[bytes] | None = None) -> asyncio.Task[bytes]:
+        """The chunk's synthesis, submitted once `after` (the stream's previous chunk) is done."""
+        async def run() -> bytes:
+            if after is not None:
+                await asyncio.wait([after])
+            return await self.scheduler.submit("tts", TtsItem(stream, text, final))
+        return asyncio.ensure_future(run())
 
     def _open(self, request: riva_tts_pb2.SynthesizeSpeechRequest) -> TtsStream:
         """A TTS stream for the request's voice and rate, or Rejected naming the option not served."""

@@ -591,7 +591,7 @@ class Session:
 
             async def speak(chunks: list[str], final: bool = False) -> None:
                 for chunk in chunks:
-                    if spoken:  # the responder goes on once the audio before this chunk is synthesised
+                    if spoken:  # the responder waits for the TTS item submitted last (the LM's pacing)
                         await asyncio.wait([spoken[-1]])
                     if sender.done():
                         sender.result()  # sending failed: raise it here

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from rtmedia.engines.asr import AsrEngine, AsrItem  # noqa: E402
 from rtmedia.engines.tts import TtsEngine, TtsItem, split_text  # noqa: E402
+from rtmedia.server.session import TTS_WINDOW_FRAMES  # noqa: E402
 from rtmedia.v1 import speech_pb2, speech_pb2_grpc  # noqa: E402
 
 from tests.support.serve import RTMEDIA, free_port, wait_serving  # noqa: E402
@@ -79,9 +80,9 @@ def over_grpc(stub, text: str) -> tuple[float, float, float]:
     return first or 0.0, time.perf_counter() - started, samples / rate
 
 
-def decoder_2d_rtf(runs: int) -> dict:
+def piper_one_thread_rtf(runs: int) -> dict:
     """The paragraph's sentences on one thread: the voice's own graph, and the engine's latent
-    graph + 2-D decoder (whole sentences, and in windows from 48 frames), alternating."""
+    graph + 2-D decoder (whole sentences, and in a session's windows), alternating."""
     import onnxruntime
     from piper.config import PiperConfig, SynthesisConfig
     from piper.voice import PiperVoice
@@ -106,7 +107,7 @@ def decoder_2d_rtf(runs: int) -> dict:
         return len(b"".join(pcm)) // 2
 
     runs_by_name = {"voice_graph": voice_graph, "split_2d": lambda: split_graph(0),
-                    "split_2d_windows": lambda: split_graph(48)}
+                    "split_2d_windows": lambda: split_graph(TTS_WINDOW_FRAMES)}
     rtf: dict[str, list[float]] = {name: [] for name in runs_by_name}
     for run in range(runs):
         for name in runs_by_name if run % 2 == 0 else list(runs_by_name)[::-1]:
@@ -194,7 +195,7 @@ def main() -> None:
             "first_audio_ratio_ten_words": round(med("grpc_short", 0) / med("local_short", 0), 4),
         },
         "asr": asr_rtf(max(3, args.runs // 4)),
-        "piper_one_thread": decoder_2d_rtf(max(4, args.runs // 2)),
+        "piper_one_thread": piper_one_thread_rtf(max(4, args.runs // 2)),
     }
     print(json.dumps(report, indent=2))
 

@@ -9,7 +9,7 @@ exactly as the server's lane does, without gRPC or the event loop). Reported per
 setting of the engine's `parallel_runs`: the tick's wall time and the process's
 CPU time per second of audio (the fraction of one thread / of the cores a
 realtime server spends on it), microseconds per window, and the same windows
-through `VadEngine.step` alone (the Silero model plus the engine's batching) as
+through `VadEngine.step_blocks` alone (the Silero model plus the engine's batching) as
 the floor the tick is compared with. Also the Silero network itself: the wheel's
 `silero_vad.onnx` against the batch-wide graph the engine builds from it
 (`engines/silero_graph.py`), microseconds per row on one thread at 1, 32 and 500
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from rtmedia.clients.client import read_wav  # noqa: E402
 from rtmedia.clients.loadtest_speech import synthesized  # noqa: E402
-from rtmedia.engines.vad import WINDOW, VadEngine, VadItem  # noqa: E402
+from rtmedia.engines.vad import WINDOW, VadEngine  # noqa: E402
 from rtmedia.server.audio_input import AudioInput, VadTick  # noqa: E402
 from rtmedia.server.session_config import SessionSettings  # noqa: E402
 
@@ -89,17 +89,16 @@ def tick_run(engine: VadEngine, audio: list[bytes], seconds: float) -> dict:
 
 
 def engine_alone(engine: VadEngine, audio: list[bytes], seconds: float) -> dict:
-    """The same windows through VadEngine.step, one call per 32 ms of audio."""
+    """The same windows through VadEngine.step_blocks, one call per 32 ms of audio."""
     per_tick = TICK_MS * RATE // 1000 // WINDOW or 1
     floats = [np.frombuffer(a, "<i2").astype(np.float32) / 32768 for a in audio]
     vads = [engine.open_stream() for _ in audio]
     steps = int(seconds * 1000 / TICK_MS)
     wall = cpu = 0.0
     for k in range(steps):
-        items = [VadItem(s, f[(k * per_tick + j) * WINDOW:(k * per_tick + j + 1) * WINDOW])
-                 for s, f in zip(vads, floats, strict=True) for j in range(per_tick)]
+        blocks = [(s, f[k * per_tick * WINDOW:(k + 1) * per_tick * WINDOW]) for s, f in zip(vads, floats, strict=True)]
         w0, c0 = time.perf_counter(), time.process_time()
-        engine.step(items)
+        engine.step_blocks(blocks)
         wall += time.perf_counter() - w0
         cpu += time.process_time() - c0
     windows = steps * per_tick * len(audio)
