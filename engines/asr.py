@@ -7,8 +7,10 @@ model, LM and dictionary shipped in the wheel). A stream is pinned to the
 least-loaded worker for its life, since its state lives there. `step()` sends
 each worker its share of the batch before reading any reply, so workers decode
 in parallel; one lock per worker pipe (taken in worker order) and request ids
-make concurrent `step()` calls from several threads safe. The items of one
-stream must still arrive in order.
+make concurrent `step()` calls from several threads safe; a step whose items
+are all on one worker waits for that worker only (the server's ASR lane steps
+each worker's items on a runner of its own). The items of one stream must
+still arrive in order.
 
 Streams come in two modes (`open_stream(segment=...)`):
 

@@ -75,8 +75,10 @@ class RtmediaServer:
         # result until its last one is done), two steps at once on the two cores.
         self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads),
                            LanePolicy(max_batch=1, concurrency=config.tts_concurrency))
+        # One runner per PocketSphinx worker, each stepping only its own streams' items.
         self.scheduler.add(AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders),
-                           LanePolicy(Priority.REALTIME, max_batch=64, concurrency=1))
+                           LanePolicy(Priority.REALTIME, max_batch=64, concurrency=config.asr_workers,
+                                      shard=lambda item: item.stream.worker))
         # Video decode: one latent step per work item, BULK, so speech runs between any two steps.
         self.scheduler.add(build_video_engine(config, self.placement, self.metrics),
                            LanePolicy(Priority.BULK, max_batch=1, concurrency=1))

@@ -66,11 +66,12 @@ class ServerConfig:
     # from the OPENAI_API_KEY environment variable.
     openai_url: str | None = None
     openai_model: str = "gpt-4o-mini"
-    # onnxruntime intra-op threads per TTS synthesis (0: onnxruntime's default, one per core),
-    # and syntheses that run at once. Alone, two threads make a synthesis 1.1-1.4x faster (the
-    # first audio of a Synthesize call waits for its whole first chunk); two syntheses at once
-    # on one thread each gave 21-22 s of audio per wall second and 11.3 per CPU second here,
-    # on two threads each 19-20 and 9.7-10.3, so 1 suits a box full of talking sessions.
+    # onnxruntime intra-op threads per TTS synthesis, and syntheses that run at once. 0: one per
+    # core for a synthesis that starts alone, one for one that starts beside another
+    # (engines/tts.py). Alone, two threads make a synthesis 1.1-1.4x faster (the first audio of
+    # a Synthesize call waits for its whole first chunk); two syntheses at once on one thread
+    # each gave 21-22 s of audio per wall second and 11.3 per CPU second here, on two threads
+    # each 19-20 and 9.7-10.3.
     tts_threads: int = 0
     tts_concurrency: int = 2
     # Concurrent single-threaded onnxruntime runs one VAD tick's batch is split over (500
@@ -100,6 +101,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.vad_threads < 1:
             raise ValueError(f"vad_threads must be at least 1, got {self.vad_threads}")
+        if self.tts_threads < 0:
+            raise ValueError(f"tts_threads must be at least 0, got {self.tts_threads}")
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: object) -> ServerConfig:

@@ -15,6 +15,11 @@ arrival, so a lane without due items is first come, first served. Across lanes, 
 REALTIME or INTERACTIVE lane has work waiting, so long bulk jobs (video
 decode steps) run between realtime steps, never in front of them.
 
+A lane with a `shard` function keeps one queue per runner and gives runner i
+only the items whose shard is i: the ASR lane has one runner per recogniser
+worker process, so a worker's slow step (a long turn's final) never holds up
+the items of streams pinned to the other.
+
 A tick lane (`TickLane`) has no queue: every period it collects the work of
 all live sessions on the loop, processes it in one batched step in its
 thread, and hands the results back on the loop (the VAD lane).
@@ -57,6 +62,9 @@ class LanePolicy:
     max_wait_ms: float = 0.0
     # Batches that may run at once (each in its own worker thread).
     concurrency: int = 1
+    # With a shard function, runner i takes only the items whose shard(item) % concurrency is i
+    # (an engine whose items are pinned to separate workers: no runner waits on another's).
+    shard: Callable[[Any], int] | None = None
 
 
 class Lane:
@@ -68,8 +76,8 @@ class Lane:
         self.policy = policy
         self._scheduler = scheduler
         self._metrics = scheduler.metrics
-        # Heap of [priority, due, seq, item, future]; withdrawn entries have future done.
-        self._queue: list[list[Any]] = []
+        # Heaps of [priority, due, seq, item, future], one per shard; withdrawn entries have future done.
+        self._queues: list[list[list[Any]]] = [[] for _ in range(policy.concurrency if policy.shard else 1)]
         self._seq = 0
         self._ready = asyncio.Condition()
         self._executor = ThreadPoolExecutor(policy.concurrency, thread_name_prefix=f"engine-{self.name}")
@@ -77,12 +85,20 @@ class Lane:
 
     @property
     def waiting(self) -> int:
-        return sum(1 for entry in self._queue if not entry[4].done())
+        return sum(1 for queue in self._queues for entry in queue if not entry[4].done())
 
     def start(self) -> None:
         self._runners = [
-            asyncio.create_task(self._run(), name=f"lane-{self.name}-{i}") for i in range(self.policy.concurrency)
+            asyncio.create_task(self._run(self._queues[i % len(self._queues)]), name=f"lane-{self.name}-{i}")
+            for i in range(self.policy.concurrency)
         ]
+
+    def _queue_of(self, item: Any) -> list[list[Any]]:
+        shard = self.policy.shard
+        return self._queues[shard(item) % len(self._queues)] if shard else self._queues[0]
+
+    def _depth(self) -> None:
+        self._metrics.lane_queue_depth.labels(self.name).set(sum(map(len, self._queues)))
 
     async def submit(self, item: Any, priority: Priority | None = None, due: float | None = None) -> Any:
         loop = asyncio.get_running_loop()
@@ -90,33 +106,33 @@ class Lane:
         self._seq += 1
         rank = self.policy.priority if priority is None else priority
         async with self._ready:
-            heapq.heappush(self._queue, [rank, loop.time() if due is None else due, self._seq, item, future])
-            self._metrics.lane_queue_depth.labels(self.name).set(len(self._queue))
-            self._ready.notify()
+            heapq.heappush(self._queue_of(item), [rank, loop.time() if due is None else due, self._seq, item, future])
+            self._depth()
+            self._ready.notify_all()
         try:
             return await future
         finally:
             future.cancel()  # a no-op when resolved; withdraws the item when the caller was cancelled
 
-    async def _next_batch(self) -> list[list[Any]]:
+    async def _next_batch(self, queue: list[list[Any]]) -> list[list[Any]]:
         async with self._ready:
-            await self._ready.wait_for(lambda: bool(self._queue))
+            await self._ready.wait_for(lambda: bool(queue))
         if self.policy.priority is Priority.BULK:
             await self._scheduler.wait_realtime_idle()
-        if self.policy.max_wait_ms and len(self._queue) < self.policy.max_batch:
+        if self.policy.max_wait_ms and len(queue) < self.policy.max_batch:
             await asyncio.sleep(self.policy.max_wait_ms / 1000)
         batch = []
-        while self._queue and len(batch) < self.policy.max_batch:
-            entry = heapq.heappop(self._queue)
+        while queue and len(batch) < self.policy.max_batch:
+            entry = heapq.heappop(queue)
             if not entry[4].done():
                 batch.append(entry)
-        self._metrics.lane_queue_depth.labels(self.name).set(len(self._queue))
+        self._depth()
         return batch
 
-    async def _run(self) -> None:
+    async def _run(self, queue: list[list[Any]]) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            batch = await self._next_batch()
+            batch = await self._next_batch(queue)
             if not batch:
                 continue
             items = [entry[3] for entry in batch]
@@ -151,9 +167,10 @@ class Lane:
 
     async def close(self) -> None:
         await _cancel_all(self._runners)
-        for entry in self._queue:
-            entry[4].cancel()
-        self._queue.clear()
+        for queue in self._queues:
+            for entry in queue:
+                entry[4].cancel()
+            queue.clear()
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 

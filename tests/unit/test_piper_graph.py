@@ -4,7 +4,10 @@ whole."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import threading
+import time
 
 import numpy as np
 import onnx
@@ -91,6 +94,48 @@ def test_windows_join_into_the_whole_decode(rate: int) -> None:
     assert len(pieces[0]) < len(b"".join(pieces)) // 4  # the first audio is a short window
     with pytest.raises(ValueError, match="window_frames must be >= 0"):
         TtsEngine().open_stream(window_frames=-1)
+
+
+def _threads(engine: TtsEngine) -> list[int]:
+    return [v.latent.get_session_options().intra_op_num_threads for v in engine._models[engine.default_voice]]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one thread count on a one-core machine")
+def test_a_step_beside_another_runs_on_one_thread(monkeypatch) -> None:
+    """By default a step that starts while another runs uses the voice's one-thread graphs
+    (the same audio); a step that starts alone uses one thread per core."""
+    tts = _engine()
+    assert _threads(tts) == [0, 1]
+    alone = tts._next_audio(tts.open_stream(), SENTENCES, crowded=False)
+    beside = tts._next_audio(tts.open_stream(), SENTENCES, crowded=True)  # fresh graphs: the same noise
+    assert len(alone) == len(beside) > 22050 and np.abs(alone - beside).max() < 1e-4
+
+    seen, hold, loaded = [], threading.Event(), tts._loaded
+
+    def held_first(name: str, crowded: bool):
+        seen.append(crowded)
+        if len(seen) == 1:
+            hold.wait(5)
+        return loaded(name, crowded)
+
+    monkeypatch.setattr(tts, "_loaded", held_first)
+    first = threading.Thread(target=tts.step, args=([TtsItem(tts.open_stream(), "One.")],))
+    first.start()
+    while not seen:
+        time.sleep(0.01)
+    tts.step([TtsItem(tts.open_stream(), "Two.")])  # while the first is still running
+    hold.set()
+    first.join()
+    tts.step([TtsItem(tts.open_stream(), "Three.")])
+    assert seen == [False, True, False]
+
+
+def test_a_fixed_thread_count_loads_each_voice_once() -> None:
+    fixed = TtsEngine(intra_op_threads=1)
+    fixed.load()
+    assert _threads(fixed) == [1]
+    with pytest.raises(ValueError, match="intra_op_threads must be >= 0, got -1"):
+        TtsEngine(intra_op_threads=-1)
 
 
 def _graph(decoder_ops: list[str], tmp_path, name: str) -> str:

@@ -117,6 +117,32 @@ async def test_due_items_sort_by_due_time_within_a_priority(scheduler):
     assert order == [3, 2, 1, 4]
 
 
+async def test_a_sharded_lane_runs_each_shard_on_its_own(scheduler):
+    """Runner i takes only the items of shard i: a held batch of one shard does not hold up
+    the other shard's items, and no batch mixes shards."""
+
+    class HeldEvens(FakeEngine):
+        def step(self, items):
+            if items[0] % 2 == 0:
+                self.gate.wait(5)
+            self.batches.append(list(items))
+            return [i * 2 for i in items]
+
+    engine = HeldEvens("e")
+    engine.gate.clear()
+    scheduler.add(engine, LanePolicy(max_batch=8, concurrency=2, shard=lambda item: item % 2))
+    scheduler.start()
+    held = [asyncio.ensure_future(scheduler.submit("e", 0))]
+    await asyncio.sleep(0.05)
+    held.append(asyncio.ensure_future(scheduler.submit("e", 2)))
+    await asyncio.sleep(0.01)
+    assert await asyncio.wait_for(asyncio.gather(scheduler.submit("e", 1), scheduler.submit("e", 3)), 2) == [2, 6]
+    assert not any(f.done() for f in held) and scheduler.lanes["e"].waiting == 1  # 2 waits behind 0
+    engine.gate.set()
+    assert await asyncio.gather(*held) == [0, 4]
+    assert all(len({i % 2 for i in batch}) == 1 for batch in engine.batches)
+
+
 async def test_cancelled_caller_withdraws_its_item(scheduler):
     engine = FakeEngine("e")
     engine.gate.clear()
