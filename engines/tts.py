@@ -42,7 +42,7 @@ import onnxruntime
 from piper.config import PiperConfig
 from piper.voice import PiperVoice
 from rtmedia.engines.base import EngineError
-from rtmedia.engines.piper_graph import CONTEXT_FRAMES, split
+from rtmedia.engines.piper_graph import CONTEXT_FRAMES, PiperParts, split
 from rtmedia.engines.resample import float_to_pcm16, make_resampler
 
 # Output rates every voice offers on top of its native rate.
@@ -231,10 +231,11 @@ class TtsEngine:
         with self._load_lock:
             for spec in self.voices.values():
                 if spec.name not in self._models:
-                    self._models[spec.name] = [self._load_voice(spec, threads) for threads in self._threads]
+                    parts = split(str(spec.model_path))
+                    self._models[spec.name] = [self._load_voice(spec, parts, threads) for threads in self._threads]
 
     @staticmethod
-    def _load_voice(spec: VoiceSpec, threads: int) -> _Voice:
+    def _load_voice(spec: VoiceSpec, parts: PiperParts | None, threads: int) -> _Voice:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads
         # Idle worker threads sleep instead of spinning: the cores are shared
@@ -244,7 +245,6 @@ class TtsEngine:
         def session(model: str | bytes) -> onnxruntime.InferenceSession:
             return onnxruntime.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
 
-        parts = split(str(spec.model_path))
         config = PiperConfig.from_dict(spec.config)
         if parts is None:  # a graph of another layout: whole, decoded in one piece
             whole = session(str(spec.model_path))

@@ -80,7 +80,9 @@ class Lane:
         self._queues: list[list[list[Any]]] = [[] for _ in range(policy.concurrency if policy.shard else 1)]
         self._seq = 0
         self._ready = asyncio.Condition()
-        self._executor = ThreadPoolExecutor(policy.concurrency, thread_name_prefix=f"engine-{self.name}")
+        # One thread per runner (a runner runs one step at a time), started with the lane.
+        self._executors = [ThreadPoolExecutor(1, thread_name_prefix=f"engine-{self.name}-{i}")
+                           for i in range(policy.concurrency)]
         self._runners: list[asyncio.Task[None]] = []
 
     @property
@@ -88,10 +90,11 @@ class Lane:
         return sum(1 for queue in self._queues for entry in queue if not entry[4].done())
 
     def start(self) -> None:
-        self._runners = [
-            asyncio.create_task(self._run(self._queues[i % len(self._queues)]), name=f"lane-{self.name}-{i}")
-            for i in range(self.policy.concurrency)
-        ]
+        self._runners = []
+        for i, executor in enumerate(self._executors):
+            executor.submit(lambda: None)  # starts its thread now rather than at the first step
+            self._runners.append(asyncio.create_task(self._run(self._queues[i % len(self._queues)], executor),
+                                                     name=f"lane-{self.name}-{i}"))
 
     def _queue_of(self, item: Any) -> list[list[Any]]:
         shard = self.policy.shard
@@ -129,7 +132,7 @@ class Lane:
         self._depth()
         return batch
 
-    async def _run(self, queue: list[list[Any]]) -> None:
+    async def _run(self, queue: list[list[Any]], executor: ThreadPoolExecutor) -> None:
         loop = asyncio.get_running_loop()
         while True:
             batch = await self._next_batch(queue)
@@ -138,14 +141,14 @@ class Lane:
             items = [entry[3] for entry in batch]
             started = time.perf_counter()
             try:
-                results = await loop.run_in_executor(self._executor, self.engine.step, items)
+                results = await loop.run_in_executor(executor, self.engine.step, items)
                 if len(results) != len(items):
                     raise EngineError(f"{self.name}.step returned {len(results)} results for {len(items)} items")
             except Exception as exc:  # the batch failed: find out which items did, one by one
                 self._metrics.lane_step_failures.labels(self.name).inc()
                 log.exception("lane %s: step failed", self.name)
                 results = [exc] if len(items) == 1 else [
-                    await loop.run_in_executor(self._executor, self._step_one, item) for item in items
+                    await loop.run_in_executor(executor, self._step_one, item) for item in items
                 ]
             self._metrics.lane_step_seconds.labels(self.name).observe(time.perf_counter() - started)
             self._metrics.lane_batch_size.labels(self.name).observe(len(items))
@@ -171,7 +174,8 @@ class Lane:
             for entry in queue:
                 entry[4].cancel()
             queue.clear()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        for executor in self._executors:
+            executor.shutdown(wait=True, cancel_futures=True)
 
 
 class TickLane:

@@ -50,7 +50,7 @@ async def test_batches_run_off_the_loop_and_resolve_in_order(scheduler):
     results = await asyncio.gather(*(scheduler.submit("e", i) for i in range(5)))
     assert results == [0, 2, 4, 6, 8]
     assert engine.batches == [[0, 1, 2, 3, 4]], "max_wait_ms gathers the items into one batch"
-    assert engine.threads == {"engine-e_0"}
+    assert engine.threads == {"engine-e-0_0"}
     assert scheduler.metrics.registry.get_sample_value("rtmedia_lane_batch_size_sum", {"lane": "e"}) == 5
 
 
