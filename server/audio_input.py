@@ -10,7 +10,8 @@ as ordered actions (`deliver`):
 
     ("started", audio_start_ms)   speech started (server_vad)
     ("audio", (offset_ms, pcm))   turn audio for the recogniser (16 kHz PCM16), prefix
-                                  padding included; offset_ms: where it starts in the input
+                                  padding included, trailing silence cut to 160 ms;
+                                  offset_ms: where it starts in the input
     ("stopped", audio_end_ms)     the turn ended
     ("marker", callback)          a commit or response.create queued behind the input
 
@@ -40,6 +41,7 @@ from rtmedia.server.turns import TurnDetector
 RATE = 16000
 WINDOW_MS = WINDOW * 1000 // RATE
 HISTORY_SAMPLES = 2 * RATE  # prefix padding is at most 2000 ms
+TRAILING_SILENCE_MS = 160  # of a turn's trailing silence, the recogniser gets this much
 DECODERS = {PCM16: pcm16_to_float, ULAW: ulaw_to_float, ALAW: alaw_to_float}
 BYTES_PER_SAMPLE = {PCM16: 2, ULAW: 1, ALAW: 1}
 
@@ -61,6 +63,8 @@ class _Frontend:
     history_len: int = 0
     samples: int = 0  # 16 kHz samples taken in (VAD: in whole windows)
     detector_settings: SessionSettings | None = None  # the settings the detector runs on
+    held: np.ndarray = field(default_factory=lambda: _EMPTY)  # turn audio not sent yet (see _turn_windows)
+    held_ms: int = 0  # where `held` starts in the input
 
     def __post_init__(self) -> None:
         self.resampler = make_resampler(self.settings.input_rate, RATE)
@@ -231,35 +235,48 @@ class VadTick:
 def _turn_windows(fe: _Frontend, block: np.ndarray, probs: list[float], out: list[Action],
                   transcribing: bool) -> None:
     """Feed a block of windows' probabilities to the detector, in order; route their audio
-    (one "audio" action per run of turn audio in the block, none when not transcribing)."""
+    (one "audio" action per run of turn audio in the block, none when not transcribing).
+
+    A turn's trailing silence beyond TRAILING_SILENCE_MS is held back: sent once speech
+    resumes, dropped when the turn ends (the recogniser needs only a little silence after the
+    last word, and the rest of the `silence_duration_ms` before speech_stopped cost it ~8 % of
+    its CPU)."""
     detector, s = fe.detector, fe.settings
     assert detector is not None
     if fe.detector_settings is not s:
         detector.update(threshold=s.threshold, prefix_padding_ms=s.prefix_padding_ms,
                         silence_duration_ms=s.silence_duration_ms)
         fe.detector_settings = s
-    run: tuple[int, np.ndarray, int] | None = None  # turn audio so far: (offset_ms, prefix, block start)
+    lo = 0 if detector.in_speech else None  # where this block's unsent turn audio starts
 
-    def flush(hi: int) -> None:
-        if run is not None and transcribing:
-            offset_ms, prefix, lo = run
-            out.append(("audio", (offset_ms, float_to_pcm16(np.concatenate([prefix, block[lo:hi]])))))
+    def send(hi: int, ended: bool) -> None:
+        """Turn audio up to sample `hi` of the block, but for held trailing silence."""
+        if not transcribing:
+            return
+        start_ms = fe.held_ms if len(fe.held) else (fe.samples + lo) * 1000 // RATE
+        audio = np.concatenate([fe.held, block[lo:hi]]) if len(fe.held) else block[lo:hi]
+        quiet = (fe.samples + hi) - detector.voiced_end_ms * RATE // 1000
+        keep = len(audio) - max(0, quiet - TRAILING_SILENCE_MS * RATE // 1000)
+        if keep > 0:
+            out.append(("audio", (start_ms, float_to_pcm16(audio[:keep]))))
+        fe.held = _EMPTY if ended else audio[max(keep, 0):]
+        fe.held_ms = start_ms + max(keep, 0) * 1000 // RATE
 
     for j, prob in enumerate(probs):
-        lo = j * WINDOW
+        at = j * WINDOW
         event = detector.push(prob)
         if event is not None and event.kind == "speech_started":
             out.append(("started", event.audio_ms))
-            pad = min(fe.history_len + lo, s.prefix_padding_ms * RATE // 1000)
-            run = ((fe.samples + lo) * 1000 // RATE - pad * 1000 // RATE, fe.before(block, lo, pad), lo)
+            pad = min(fe.history_len + at, s.prefix_padding_ms * RATE // 1000)
+            fe.held = fe.before(block, at, pad) if transcribing else _EMPTY
+            fe.held_ms = (fe.samples + at) * 1000 // RATE - pad * 1000 // RATE
+            lo = at
         elif event is not None:  # speech_stopped: this window is the last of the turn
-            if run is None:
-                run = ((fe.samples + lo) * 1000 // RATE, _EMPTY, lo)
-            flush(lo + WINDOW)
-            run = None
+            assert lo is not None
+            send(at + WINDOW, ended=True)
+            lo = None
             out.append(("stopped", event.audio_ms))
-        elif detector.in_speech and run is None:
-            run = ((fe.samples + lo) * 1000 // RATE, _EMPTY, lo)
-    flush(len(block))
+    if lo is not None:
+        send(len(block), ended=False)
     fe.remember(block)
     fe.samples += len(block)

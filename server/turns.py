@@ -114,6 +114,11 @@ class TurnDetector:
         return self._windows * WINDOW_MS
 
     @property
+    def voiced_end_ms(self) -> int:
+        """End of the current (or last) turn's last window that was not silence."""
+        return self._voiced_end * WINDOW_MS
+
+    @property
     def speech_start_ms(self) -> int | None:
         """`audio_ms` of the current turn's start, or None outside speech."""
         return None if self._start is None else self._start * WINDOW_MS

@@ -67,20 +67,25 @@ def _tick_run(engine, pcm: bytes, chunk_bytes: int, transcription: bool = True) 
 def test_tick_results_do_not_depend_on_chunking(speaker):
     """The same speech sent as one window per tick and as 100 ms chunks (three or four
     windows per tick, a turn's audio in one piece per tick) gives the same events and
-    the same turn audio, prefix padding included; without transcription, the same
-    events and no audio."""
+    the same turn audio, prefix padding included and trailing silence cut to 160 ms, a
+    pause inside a turn kept; without transcription, the same events and no audio."""
     from rtmedia.engines.vad import VadEngine
 
     engine = VadEngine()
     engine.load()
     pieces = [speaker.silence(0.7), speaker.say("Please call me back tomorrow afternoon."),
+              speaker.silence(0.2), speaker.say("Thanks."),
               speaker.silence(1.2), speaker.say("What time is it?"), speaker.silence(0.9)]
     pcm = np.concatenate(pieces).astype("<i2").tobytes()
     per_window = _tick_run(engine, pcm, 1024)
     assert [kind for kind, _ in per_window] == ["started", "audio", "stopped"] * 2
     started, (offset, audio) = per_window[0][1], per_window[1][1]
     assert offset == started - 300  # 300 ms of prefix padding before the speech
+    # The first turn's audio is the input's, the ~350 ms quiet before "Thanks." included.
     assert pcm[offset * 32:offset * 32 + len(audio)] == audio
+    for n in (0, 3):  # each turn's audio ends 160 ms after its speech
+        (_, (offset, audio)), (_, stopped) = per_window[n + 1:n + 3]
+        assert offset + len(audio) // 32 == stopped + 160
     assert _tick_run(engine, pcm, 3200) == per_window
     events = [(kind, value) for kind, value in per_window if kind != "audio"]
     assert _tick_run(engine, pcm, 3200, transcription=False) == events
