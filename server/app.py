@@ -73,7 +73,7 @@ class RtmediaServer:
         voices = default_voices() + [voice_from_path(p) for p in config.voices]
         # One clause per step (Piper synthesises one text at a time, and a batch would hold every
         # result until its last one is done), two steps at once on the two cores.
-        self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads),
+        self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads, precision=config.tts_precision),
                            LanePolicy(max_batch=1, concurrency=config.tts_concurrency))
         # One runner per PocketSphinx worker, each stepping only its own streams' items.
         self.scheduler.add(AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders),

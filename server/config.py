@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from rtmedia.engines.piper_bf16 import PRECISIONS
 
 MiB = 1024 * 1024
 
@@ -74,6 +75,9 @@ class ServerConfig:
     # each 19-20 and 9.7-10.3.
     tts_threads: int = 0
     tts_concurrency: int = 2
+    # Piper's decoder: "auto" (bfloat16 on OpenVINO where the CPU has it natively, else float32
+    # on onnxruntime), "fp32", or "bf16" (refused where not native). engines/piper_bf16.py.
+    tts_precision: str = "auto"
     # Concurrent single-threaded onnxruntime runs one VAD tick's batch is split over (500
     # `listen` sessions: VAD start p95 129 and 133 ms with 2 against 401 and 134 ms with 1).
     vad_threads: int = 2
@@ -103,6 +107,8 @@ class ServerConfig:
             raise ValueError(f"vad_threads must be at least 1, got {self.vad_threads}")
         if self.tts_threads < 0:
             raise ValueError(f"tts_threads must be at least 0, got {self.tts_threads}")
+        if self.tts_precision not in PRECISIONS:
+            raise ValueError(f"tts_precision must be one of {', '.join(PRECISIONS)}, got {self.tts_precision!r}")
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: object) -> ServerConfig:

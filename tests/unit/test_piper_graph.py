@@ -1,6 +1,6 @@
 """Piper's graph split into a latent graph and a 2-D decoder: the same audio as the voice's own
-graph, windows that join into exactly the whole decode, and graphs of another layout loaded
-whole."""
+graph, windows that join into exactly the whole decode, graphs of another layout loaded
+whole, and the decoder in bfloat16 close to float32."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from piper.config import PiperConfig, SynthesisConfig
 from piper.voice import PiperVoice
+from rtmedia.engines import tts as tts_module
+from rtmedia.engines.piper_bf16 import SIZES, Bf16Decoder, bf16_unavailable
 from rtmedia.engines.piper_graph import PiperParts, split
 from rtmedia.engines.tts import TtsEngine, TtsItem, default_voices, voice_from_path
 
@@ -35,12 +37,20 @@ def parts() -> PiperParts:
     return parts
 
 
-def _engine() -> TtsEngine:
+needs_bf16 = pytest.mark.skipif(bool(bf16_unavailable()), reason=bf16_unavailable() or "")
+
+
+def _engine(precision: str = "auto") -> TtsEngine:
     """A freshly loaded engine: Piper's graph draws noise (noise_scale), from the same seed in
     every new session, so only first syntheses of fresh engines can be compared sample by sample."""
-    tts = TtsEngine()
+    tts = TtsEngine(precision=precision)
     tts.load()
     return tts
+
+
+def _snr_db(want: np.ndarray, got: np.ndarray) -> float:
+    want, got = want.astype(float), got.astype(float)
+    return float(10 * np.log10((want ** 2).sum() / ((want - got) ** 2).sum()))
 
 
 def test_decoder_convolutions_are_2d(parts: PiperParts) -> None:
@@ -84,8 +94,8 @@ def _speak(engine: TtsEngine, window_frames: int, rate: int) -> tuple[list[bytes
 
 @pytest.mark.parametrize("rate", [22050, 16000])
 def test_windows_join_into_the_whole_decode(rate: int) -> None:
-    whole, none = _speak(_engine(), 0, rate)
-    pieces, windows = _speak(_engine(), 16, rate)
+    whole, none = _speak(_engine("fp32"), 0, rate)
+    pieces, windows = _speak(_engine("fp32"), 16, rate)
     assert none == 0 and windows >= 3  # 16, 32, 64, ... frames: the long sentence comes in pieces
     want = np.frombuffer(b"".join(whole), np.int16).astype(int)
     got = np.frombuffer(b"".join(pieces), np.int16).astype(int)
@@ -94,6 +104,48 @@ def test_windows_join_into_the_whole_decode(rate: int) -> None:
     assert len(pieces[0]) < len(b"".join(pieces)) // 4  # the first audio is a short window
     with pytest.raises(ValueError, match="window_frames must be >= 0"):
         TtsEngine().open_stream(window_frames=-1)
+
+
+@needs_bf16
+@pytest.mark.parametrize("window_frames", [0, 16, 48])
+def test_bfloat16_decodes_close_to_float32(window_frames: int) -> None:
+    """By default (where the CPU has native bfloat16) the decoder runs in bfloat16: whole
+    sentences and windows, widened or padded to the compiled sizes, are within 30 dB SNR of
+    the float32 whole decode (~40 dB measured), with the same length."""
+    bf16 = _engine()
+    assert bf16.precision == "bf16" and isinstance(bf16._loaded(bf16.default_voice, False).decoder, Bf16Decoder)
+    want = np.frombuffer(b"".join(_speak(_engine("fp32"), 0, 22050)[0]), np.int16)
+    got = np.frombuffer(b"".join(_speak(bf16, window_frames, 22050)[0]), np.int16)
+    assert len(got) == len(want) > 22050
+    assert _snr_db(want, got) > 30
+
+
+@needs_bf16
+def test_bfloat16_decoder_takes_any_length_up_to_its_largest(parts: PiperParts) -> None:
+    """A sentence shorter than a compiled size is padded with zero frames after its end: its
+    audio is that of the float32 decoder within 30 dB SNR; longer stretches are refused."""
+    decoder, reference, tts = Bf16Decoder(parts.decoder), _session(parts.decoder), _engine("fp32")
+    voice = tts._loaded(tts.default_voice, False)
+    latents = [latent for text in ("Hi.", "You said:", "What time does the pharmacy open in the morning?")
+               for latent in tts._latents(voice, text)]
+    assert latents[0].shape[2] < SIZES[0] < latents[-1].shape[2] < SIZES[-1]  # ~40, ~60, ~220 frames
+    for latent in latents:
+        want = reference.run(None, {"latent": latent})[0].reshape(-1)
+        got = decoder.run(latent)
+        assert len(got) == next(s for s in SIZES if s >= latent.shape[2]) * parts.hop
+        assert _snr_db(want, got[:len(want)]) > 30
+    with pytest.raises(ValueError, match="257 latent frames: the decoder takes at most 256 per call"):
+        decoder.run(np.zeros((1, 192, SIZES[-1] + 1), np.float32))
+
+
+def test_precision_is_checked(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="precision must be one of auto, fp32, bf16, got 'fp16'"):
+        TtsEngine(precision="fp16")
+    assert TtsEngine(precision="fp32").precision == "fp32"
+    monkeypatch.setattr(tts_module, "bf16_unavailable", lambda: "this CPU has no native bfloat16")
+    with pytest.raises(ValueError, match="precision bf16 is not available: this CPU has no native bfloat16"):
+        TtsEngine(precision="bf16")
+    assert TtsEngine().precision == "fp32"  # auto falls back
 
 
 def _threads(engine: TtsEngine) -> list[int]:
@@ -187,6 +239,6 @@ def test_a_voice_that_cannot_be_split_runs_whole(tmp_path) -> None:
     other.load()
     got, windows = _speak(other, 16, spec.native_rate)
     assert windows == 1  # two sentences, each decoded whole
-    want = _speak(_engine(), 0, spec.native_rate)[0]
+    want = _speak(_engine("fp32"), 0, spec.native_rate)[0]
     assert np.abs(np.frombuffer(b"".join(got), np.int16).astype(int)
                   - np.frombuffer(b"".join(want), np.int16)).max() <= 1

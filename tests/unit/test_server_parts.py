@@ -43,6 +43,12 @@ def test_config_rejects_no_vad_runs():
         ServerConfig.load(vad_threads=0)
 
 
+def test_config_rejects_an_unknown_tts_precision():
+    assert ServerConfig.load(tts_precision="fp32").tts_precision == "fp32"
+    with pytest.raises(ValueError, match="tts_precision must be one of auto, fp32, bf16, got 'int8'"):
+        ServerConfig.load(tts_precision="int8")
+
+
 def test_shipped_deploy_file_loads():
     from pathlib import Path
 
