@@ -363,7 +363,7 @@ class AsrEngine:
 
     name = "asr"
 
-    def __init__(self, workers: int = 2, decoders: int = 6) -> None:
+    def __init__(self, workers: int = 2, decoders: int = 10) -> None:
         """`decoders`: fast-final decoders each worker builds at warm-up, i.e. the turns
         it can decode at once without building one on demand (~0.35 s stall each)."""
         if workers < 1:

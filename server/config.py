@@ -24,9 +24,10 @@ class ServerConfig:
     max_send_bytes: int = 4 * MiB
     max_text_chars: int = 5000
     asr_workers: int = 2
-    # Fast-final PocketSphinx decoders built per worker at start (~95 MB each): the
-    # user turns a worker decodes at once before building more on demand.
-    asr_decoders: int = 6
+    # Fast-final PocketSphinx decoders built per worker at start (~94 MB each): the
+    # user turns a worker decodes at once before building more on demand (~0.35 s, during
+    # which the worker decodes nothing). 10 per worker: 20 sessions speaking at once.
+    asr_decoders: int = 10
     # Concurrent Converse sessions; one more is refused with RESOURCE_EXHAUSTED.
     max_sessions: int = 256
     # LM slots (a separate, smaller pool; sessions wait for one, never refused).
