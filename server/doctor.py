@@ -116,12 +116,15 @@ def check_video(vae: str | None) -> tuple[str, str, float | None]:
 
 
 def check_speech() -> tuple[str, str, float | None]:
+    from rtmedia.engines.piper_bf16 import bf16_unavailable
     from rtmedia.engines.vad import VadEngine
 
     vad = VadEngine()
     vad.load()
     vad.close()
-    return "pass", "Silero VAD (onnxruntime, CPU, float32) loads", None
+    why = bf16_unavailable()
+    tts = f"float32 on onnxruntime ({why})" if why else "bfloat16 on OpenVINO"
+    return "pass", f"Silero VAD (onnxruntime, CPU, float32) loads; Piper's decoder by default: {tts}", None
 
 
 def check_graphs() -> tuple[str, str, float | None]:
