@@ -26,8 +26,8 @@ positive `intra_op_threads` fixes the count.
 Precision: the decoder was ~70 % of a synthesis in float32. With `precision="auto"`
 (the default) it runs in bfloat16 on OpenVINO (engines/piper_bf16.py) where the CPU
 computes bfloat16 natively (AMX or AVX512-BF16), on the calling thread: a whole
-synthesis then takes about half the CPU (22.3 against 10.8 s of audio per CPU
-second, one thread, this project's talk replies). The latent pass stays float32 on
+synthesis then takes about half the CPU (26.1 against 13.6 s of audio per CPU
+second on one thread, tests/perf/bench_tts_precision.py). The latent pass stays float32 on
 onnxruntime (in bfloat16 it changes the durations). Elsewhere, or with
 `precision="fp32"`, the decoder is float32 on onnxruntime; `"bf16"` refuses to load
 where bfloat16 is not native.
