@@ -1,14 +1,15 @@
 """A Piper voice's decoder (engines/piper_graph.py) in bfloat16 on OpenVINO's CPU plugin.
 
 On a CPU that computes bfloat16 natively (AMX or AVX512-BF16) OpenVINO runs the decoder
-3-4x faster than onnxruntime's float32 per latent frame on one thread. Against the float32
+2.5-4x faster than onnxruntime's float32 per latent frame on one thread. Against the float32
 decode of the same frames the audio has ~40 dB SNR, and its log-mel spectrum is about ten
 times closer to it than two float32 syntheses of the same text are to each other (Piper
 samples noise): tests/perf/bench_tts_precision.py measures both.
 
-OpenVINO compiles its kernels for each input length it meets (0.3-1.5 s each), so the
-decoder is compiled once per size in SIZES and every call is widened or padded to one of
-them (`run`); a caller decodes longer stretches in pieces of at most SIZES[-1] frames.
+OpenVINO compiles its kernels for each input length it meets (0.2-1.5 s each), so the
+decoder is compiled once per size in SIZES: `decode` cuts a stretch of frames into pieces
+that fit them, each widened with the sentence's own frames, and `run` pads a piece that
+reaches the sentence's end with zero frames.
 Inference runs on the calling thread (one thread), so concurrent callers do not share cores
 behind the scheduler's back; each takes an infer request of its own.
 """
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 import numpy as np
+from rtmedia.engines.piper_graph import CONTEXT_FRAMES, PiperParts
 
 # Latent frames the decoder is compiled for (a session's windows of 48, 96, 192 frames plus
 # 2 x 10 of context fit 64, 128 and 256).
@@ -41,14 +43,15 @@ def bf16_unavailable() -> str:
 
 
 class Bf16Decoder:
-    """The decoder graph ("latent" [1, channels, frames] -> "audio" [1, 1, frames * hop])
+    """A voice's decoder graph ("latent" [1, channels, frames] -> "audio" [1, 1, frames * hop])
     compiled in bfloat16 for each of SIZES."""
 
-    def __init__(self, model: bytes) -> None:
+    def __init__(self, parts: PiperParts) -> None:
         import openvino
 
+        self.hop = parts.hop
         core = openvino.Core()
-        graph = core.read_model(model)
+        graph = core.read_model(parts.decoder)
         channels = graph.input("latent").get_partial_shape()[1].get_length()
         config = {"INFERENCE_PRECISION_HINT": "bf16", "INFERENCE_NUM_THREADS": 1,
                   "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1, "ENABLE_CPU_PINNING": False}
@@ -62,11 +65,25 @@ class Bf16Decoder:
             self._compiled = dict(zip(SIZES, pool.map(compiled, SIZES), strict=True))
         self._idle: dict[int, queue.SimpleQueue] = {size: queue.SimpleQueue() for size in SIZES}
 
+    def decode(self, latent: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """Audio of frames [start, stop) of a sentence's latent [1, channels, frames], decoded
+        with CONTEXT_FRAMES of context each side, in pieces of at most SIZES[-1] frames."""
+        frames, hop, step = latent.shape[2], self.hop, SIZES[-1] - 2 * CONTEXT_FRAMES
+        pieces = []
+        for a in range(start, stop, step):
+            b = min(stop, a + step)
+            lo, hi = max(0, a - CONTEXT_FRAMES), min(frames, b + CONTEXT_FRAMES)
+            size = next(s for s in SIZES if s >= hi - lo)
+            hi = min(frames, lo + size)  # widened to the compiled size where the sentence has frames
+            lo = max(0, hi - size)
+            pieces.append(self.run(latent[:, :, lo:hi])[(a - lo) * hop:(b - lo) * hop])
+        return np.concatenate(pieces)
+
     def run(self, latent: np.ndarray) -> np.ndarray:
         """Audio of `latent` [1, channels, n], n <= SIZES[-1], padded with zero frames to the
-        next compiled size; the audio of all `size` frames. Callers pad only past a sentence's
-        end: in float32 that changes the sentence's last frame of audio by at most ~3e-4 of
-        full scale (five Piper sentences measured), far below bfloat16's own error."""
+        next compiled size; the audio of all `size` frames. `decode` pads only past a sentence's
+        end, where in float32 it changed the last frame of audio by at most ~3e-4 of full scale
+        (five Piper sentences), far below bfloat16's own error."""
         frames = latent.shape[2]
         size = next((s for s in SIZES if s >= frames), 0)
         if not size:

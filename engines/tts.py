@@ -53,7 +53,6 @@ from piper.config import PiperConfig
 from piper.voice import PiperVoice
 from rtmedia.engines.base import EngineError
 from rtmedia.engines.piper_bf16 import PRECISIONS, Bf16Decoder, bf16_unavailable
-from rtmedia.engines.piper_bf16 import SIZES as BF16_SIZES
 from rtmedia.engines.piper_graph import CONTEXT_FRAMES, PiperParts, split
 from rtmedia.engines.resample import float_to_pcm16, make_resampler
 
@@ -252,7 +251,7 @@ class TtsEngine:
                 if spec.name not in self._models:
                     parts = split(str(spec.model_path))
                     # one bfloat16 decoder per voice: it runs on the calling thread either way
-                    bf16 = Bf16Decoder(parts.decoder) if parts is not None and self.precision == "bf16" else None
+                    bf16 = Bf16Decoder(parts) if parts is not None and self.precision == "bf16" else None
                     self._models[spec.name] = [self._load_voice(spec, parts, threads, bf16)
                                                for threads in self._threads]
 
@@ -326,25 +325,15 @@ class TtsEngine:
         return out
 
     def _decode(self, voice: _Voice, latent: np.ndarray, start: int, stop: int) -> np.ndarray:
-        """Audio of latent frames [start, stop), decoded with CONTEXT_FRAMES of context each side
-        (in bfloat16: in pieces that fit the compiled sizes, each widened to its size with the
-        sentence's own frames where it has them)."""
-        decoder, frames, hop = voice.decoder, latent.shape[2], voice.hop
+        """Audio of latent frames [start, stop), decoded with CONTEXT_FRAMES of context each side."""
+        decoder = voice.decoder
         if decoder is None:
             return latent.reshape(-1)
-        if not isinstance(decoder, Bf16Decoder):
-            lo, hi = max(0, start - CONTEXT_FRAMES), min(frames, stop + CONTEXT_FRAMES)
-            audio = decoder.run(None, {"latent": latent[:, :, lo:hi]})[0].reshape(-1)
-            return audio[(start - lo) * hop:(stop - lo) * hop]
-        parts = []
-        for a in range(start, stop, BF16_SIZES[-1] - 2 * CONTEXT_FRAMES):
-            b = min(stop, a + BF16_SIZES[-1] - 2 * CONTEXT_FRAMES)
-            lo, hi = max(0, a - CONTEXT_FRAMES), min(frames, b + CONTEXT_FRAMES)
-            size = next(s for s in BF16_SIZES if s >= hi - lo)
-            hi = min(frames, lo + size)
-            lo = max(0, hi - size)
-            parts.append(decoder.run(latent[:, :, lo:hi])[(a - lo) * hop:(b - lo) * hop])
-        return np.concatenate(parts)
+        if isinstance(decoder, Bf16Decoder):
+            return decoder.decode(latent, start, stop)
+        lo, hi = max(0, start - CONTEXT_FRAMES), min(latent.shape[2], stop + CONTEXT_FRAMES)
+        audio = decoder.run(None, {"latent": latent[:, :, lo:hi]})[0].reshape(-1)
+        return audio[(start - lo) * voice.hop:(stop - lo) * voice.hop]
 
     def _next_audio(self, stream: TtsStream, text: str, crowded: bool) -> np.ndarray:
         """Queue the text's sentences; decode all of them, or one window when the stream

@@ -256,11 +256,11 @@ def _turn_windows(fe: _Frontend, block: np.ndarray, probs: list[float], out: lis
         start_ms = fe.held_ms if len(fe.held) else (fe.samples + lo) * 1000 // RATE
         audio = np.concatenate([fe.held, block[lo:hi]]) if len(fe.held) else block[lo:hi]
         quiet = (fe.samples + hi) - detector.voiced_end_ms * RATE // 1000
-        keep = len(audio) - max(0, quiet - TRAILING_SILENCE_MS * RATE // 1000)
-        if keep > 0:
+        keep = max(0, len(audio) - max(0, quiet - TRAILING_SILENCE_MS * RATE // 1000))
+        if keep:
             out.append(("audio", (start_ms, float_to_pcm16(audio[:keep]))))
-        fe.held = _EMPTY if ended else audio[max(keep, 0):]
-        fe.held_ms = start_ms + max(keep, 0) * 1000 // RATE
+        fe.held = _EMPTY if ended else audio[keep:]
+        fe.held_ms = start_ms + keep * 1000 // RATE
 
     for j, prob in enumerate(probs):
         at = j * WINDOW

@@ -124,7 +124,7 @@ def test_bfloat16_decodes_close_to_float32(window_frames: int) -> None:
 def test_bfloat16_decoder_takes_any_length_up_to_its_largest(parts: PiperParts) -> None:
     """A sentence shorter than a compiled size is padded with zero frames after its end: its
     audio is that of the float32 decoder within 30 dB SNR; longer stretches are refused."""
-    decoder, reference, tts = Bf16Decoder(parts.decoder), _session(parts.decoder), _engine("fp32")
+    decoder, reference, tts = Bf16Decoder(parts), _session(parts.decoder), _engine("fp32")
     voice = tts._loaded(tts.default_voice, False)
     latents = [latent for text in ("Hi.", "You said:", "What time does the pharmacy open in the morning?")
                for latent in tts._latents(voice, text)]
