@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_tts_pb2, riva_tts_pb2_grpc
-from rtmedia.engines.asr import AsrEngine
+from rtmedia.engines.asr import AsrEngine, AsrFinals
 from rtmedia.engines.openai_chat import OpenAIResponder
 from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
 from rtmedia.engines.vad import VadEngine
@@ -75,10 +75,12 @@ class RtmediaServer:
         # result until its last one is done), two steps at once on the two cores.
         self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads, precision=config.tts_precision),
                            LanePolicy(max_batch=1, concurrency=config.tts_concurrency))
-        # One runner per PocketSphinx worker, each stepping only its own streams' items.
-        self.scheduler.add(AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders),
-                           LanePolicy(Priority.REALTIME, max_batch=64, concurrency=config.asr_workers,
-                                      shard=lambda item: item.stream.worker))
+        # One runner per PocketSphinx worker, each stepping only its own streams' items; a turn's
+        # final goes through the `asr_final` lane, which each worker answers mid-step.
+        asr = AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders)
+        for engine in (asr, AsrFinals(asr)):
+            self.scheduler.add(engine, LanePolicy(Priority.REALTIME, max_batch=64, concurrency=config.asr_workers,
+                                                  shard=lambda item: item.stream.worker))
         # Video decode: one latent step per work item, BULK, so speech runs between any two steps.
         self.scheduler.add(build_video_engine(config, self.placement, self.metrics),
                            LanePolicy(Priority.BULK, max_batch=1, concurrency=1))

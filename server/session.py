@@ -495,7 +495,10 @@ class Session:
             if self._asr_stream is None:
                 self._asr_stream = self.services.asr.open_stream(segment=False, fast_final=True)
             item = AsrItem(self._asr_stream, audio, end=kind != "audio")
-            events = await self.services.scheduler.submit("asr", item, Priority.REALTIME)
+            # A bare end goes to the urgent lane (the worker answers it mid-step); an end that
+            # came behind audio still queued here travels with that audio.
+            lane = "asr" if audio else "asr_final"
+            events = await self.services.scheduler.submit(lane, item, Priority.REALTIME)
             if kind != "abort":  # an aborted (cleared) turn's transcript is dropped
                 for event in events:
                     self._on_transcript(event, turn)

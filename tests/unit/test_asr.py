@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import jiwer
 import numpy as np
 import pytest
-from rtmedia.engines.asr import _FAST_SEARCH, AsrEngine, AsrEvent, AsrItem, AsrStream, _Worker
+from rtmedia.engines.asr import _FAST_SEARCH, AsrEngine, AsrEvent, AsrItem, AsrStream, _Worker, _worker_main
 
 RATE = 16000
 CHUNK = RATE // 10  # 100 ms of samples
@@ -425,3 +425,68 @@ def test_odd_byte_count_is_rejected(engine: AsrEngine) -> None:
         assert engine.step([AsrItem(stream, b"")]) == [[]]
     finally:
         engine.close_stream(stream)
+
+
+def test_urgent_final_does_not_wait_for_a_running_step(speech: dict[str, np.ndarray]) -> None:
+    """A turn's end on the urgent pipe is answered between two pieces of another stream's long
+    step (one worker holds both streams), with the same words as through the step pipe."""
+    eng = AsrEngine(workers=1, decoders=2)
+    eng.load()
+    try:
+        talker, ender = (eng.open_stream(segment=False, fast_final=True) for _ in range(2))
+        turn = np.concatenate([_silence(0.2), speech[FOX], _silence(0.2)])
+        for chunk in _chunks(turn):
+            eng.step([AsrItem(ender, chunk)])
+        [[expected]] = eng.step([AsrItem(ender, b"", end=True)])  # the same turn through the step pipe
+        for chunk in _chunks(turn):
+            eng.step([AsrItem(ender, chunk)])
+        long = np.tile(np.concatenate([speech[CALL], _silence(0.3)]), 8)  # ~30 s: seconds of decoding
+        done: dict[str, float] = {}
+
+        def talk() -> None:
+            eng.step([AsrItem(talker, long.tobytes())])
+            done["talker"] = time.perf_counter()
+
+        thread = threading.Thread(target=talk)
+        thread.start()
+        time.sleep(0.3)  # the long step is being decoded
+        started = time.perf_counter()
+        [[final]] = eng.step([AsrItem(ender, b"", end=True)], urgent=True)
+        done["ender"] = time.perf_counter()
+        thread.join(timeout=120)
+        assert "talker" in done and done["ender"] < done["talker"] - 0.5, (started, done)
+        assert final.is_final and final.text == expected.text and _wer(FOX, final.text) < 0.35
+        assert [w for w, *_ in final.words] == [w for w, *_ in expected.words]
+        # the worker still answers both pipes (the urgent request it took mid-step is not waited for again)
+        assert eng.step([AsrItem(ender, speech[FOX].tobytes())]) != [[]]
+        [[last]] = eng.step([AsrItem(talker, b"", end=True)], urgent=True)
+        assert last.is_final and _wer(" ".join([CALL] * 8), last.text) < 0.35
+        with pytest.raises(ValueError, match="urgent ASR item only ends an utterance"):
+            eng.step([AsrItem(ender, b"\0\0", end=True)], urgent=True)
+        with pytest.raises(ValueError, match="urgent ASR item only ends an utterance"):
+            eng.step([AsrItem(ender, b"")], urgent=True)
+    finally:
+        eng.close()
+
+
+def test_worker_loop_reads_only_pipes_that_still_hold_a_request(speech: dict[str, np.ndarray]) -> None:
+    """Both pipes ready at once: the step answers the urgent request itself, and the loop then
+    serves the next request instead of waiting on the emptied urgent pipe (the worker's loop
+    runs in a thread of this process here)."""
+    conn, child = multiprocessing.Pipe()
+    urgent, urgent_child = multiprocessing.Pipe()
+    sid = (1, False, True)  # stream 1: segment=False, fast_final=True
+    conn.send((1, "step", [(sid[0], speech[FOX].tobytes(), False, *sid[1:])]))
+    urgent.send((2, "step", [(7, b"", True, False, True)]))  # another stream's (empty) turn ends
+    worker = threading.Thread(target=_worker_main, args=(child, urgent_child), daemon=True)
+    worker.start()
+    try:
+        assert urgent.poll(60) and urgent.recv()[:2] == (2, True)
+        assert conn.poll(60) and conn.recv()[:2] == (1, True)
+        conn.send((3, "ping", None))
+        assert conn.poll(10), "the worker stopped answering its step pipe"
+        assert conn.recv() == (3, True, None)
+    finally:
+        conn.send((0, "stop", None))
+        worker.join(timeout=10)
+    assert not worker.is_alive()
