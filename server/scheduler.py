@@ -18,7 +18,8 @@ decode steps) run between realtime steps, never in front of them.
 A lane with a `shard` function keeps one queue per runner and gives runner i
 only the items whose shard is i: the ASR lane has one runner per recogniser
 worker process, so a worker's slow step (a long turn's final) never holds up
-the items of streams pinned to the other.
+the items of streams pinned to the other (and so has the `asr_final` lane of
+turn ends, which a worker answers between two pieces of its current step).
 
 A tick lane (`TickLane`) has no queue: every period it collects the work of
 all live sessions on the loop, processes it in one batched step in its
