@@ -375,7 +375,7 @@ def _answer(worker: _Worker, conn: Any) -> bool:
         reply = (rid, False, f"{type(exc).__name__}: {exc}")
     try:
         conn.send(reply)
-    except (OSError, ValueError):  # the parent went away
+    except OSError:  # the parent went away
         return False
     return True
 
