@@ -386,11 +386,12 @@ def _worker_main(conn: Any, urgent: Any) -> None:
     except Exception as exc:
         conn.send((0, False, f"ASR worker failed to load: {type(exc).__name__}: {exc}"))
         return
-    while True:
-        for ready in multiprocessing.connection.wait([conn, urgent]):
-            # a step answers the urgent requests that came while it ran: check again before reading
-            if ready.poll() and not _answer(worker, ready):
-                return
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C reaches the workers too: the parent closes them
+        while True:
+            for ready in multiprocessing.connection.wait([conn, urgent]):
+                # a step answers the urgent requests that came while it ran: check again before reading
+                if ready.poll() and not _answer(worker, ready):
+                    return
 
 
 # ----------------------------------------------------------------------------- parent process
