@@ -52,11 +52,12 @@ urgent pipe (`step(items, urgent=True)`, the `AsrFinals` engine of the server's
 `asr_final` lane) for items that only end an utterance (`end=True`, no audio).
 The worker answers those between two items or two 300 ms pieces of the step it
 is decoding, so a turn's final costs its own work (`end_utt` and the lattice
-pass: 17-21 ms median, 37-49 ms p95 from request to reply with 16 `talk`
-sessions on two cores) rather than the rest of a step that may carry seconds
-of other streams' audio. A stream's items must still arrive in order: send its
-end only after its last audio item came back (an end that follows audio not
-yet sent travels with that audio, on the step pipe).
+pass: 17-21 ms median, 37-49 ms p95 in the worker with 16 `talk` sessions on
+two cores) rather than the rest of a step that may carry seconds of other
+streams' audio. `asr_lane(item)` names the lane an item goes to. A stream's
+items must still arrive in order: send its end only after its last audio item
+came back (an end that follows audio not yet sent travels with that audio, on
+the step pipe).
 
 Every 300 ms of decoded speech emits a partial with append-only text: a word is
 committed once two consecutive hypotheses agree on it and it is not the newest
@@ -365,7 +366,7 @@ def _answer(worker: _Worker, conn: Any) -> bool:
     """Read one request from `conn` and send its reply; False when the worker is to stop."""
     try:
         rid, op, arg = conn.recv()
-    except (EOFError, OSError, KeyboardInterrupt):
+    except (EOFError, OSError):
         return False  # the parent went away
     if op == "stop":
         return False
@@ -479,7 +480,7 @@ class AsrEngine:
         answered by each worker between two pieces of the step it is decoding."""
         groups: dict[int, list[int]] = {}
         for i, item in enumerate(items):
-            if urgent and (item.audio or not item.end):
+            if urgent and asr_lane(item) != AsrFinals.name:
                 raise ValueError("an urgent ASR item only ends an utterance: end=True and no audio")
             if len(item.audio) % 2:
                 raise ValueError(
@@ -571,3 +572,9 @@ class AsrFinals:
 
     def close(self) -> None:
         pass
+
+
+def asr_lane(item: AsrItem) -> str:
+    """The scheduler lane of an item: `asr_final` for one that only ends an utterance (the
+    worker answers it mid-step), `asr` for anything with audio."""
+    return AsrFinals.name if item.end and not item.audio else AsrEngine.name

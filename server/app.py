@@ -75,8 +75,9 @@ class RtmediaServer:
         # result until its last one is done), two steps at once on the two cores.
         self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads, precision=config.tts_precision),
                            LanePolicy(max_batch=1, concurrency=config.tts_concurrency))
-        # One runner per PocketSphinx worker, each stepping only its own streams' items; a turn's
-        # final goes through the `asr_final` lane, which each worker answers mid-step.
+        # One runner per PocketSphinx worker, each stepping only its own streams' items; an item
+        # that only ends an utterance goes through the `asr_final` lane (`asr_lane`), which each
+        # worker answers mid-step.
         asr = AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders)
         for engine in (asr, AsrFinals(asr)):
             self.scheduler.add(engine, LanePolicy(Priority.REALTIME, max_batch=64, concurrency=config.asr_workers,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_audio_pb2
-from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem
+from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem, asr_lane
 from rtmedia.engines.vad import VadEngine
 from rtmedia.server.audio_input import WINDOW_MS, Action, AudioInput, VadTick
 from rtmedia.server.endpointing import DEFAULTS, HistoryEndpointer, check_endpointing
@@ -260,7 +260,7 @@ class Recognition:
                 kind, _, more = queue.popleft()  # coalesce what queued up while the lane was busy
                 pcm += more
             item = AsrItem(self._stream, pcm, end=kind == "end")
-            for event in await self.scheduler.submit("asr", item, self.priority):
+            for event in await self.scheduler.submit(asr_lane(item), item, self.priority):
                 result = self._result(event, utterance)
                 if result is not None:
                     self.results.put_nowait(result)

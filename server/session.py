@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rtmedia.engines.asr import AsrEvent, AsrItem
+from rtmedia.engines.asr import AsrEvent, AsrItem, asr_lane
 from rtmedia.engines.responder import Message, ReplyRequest
 from rtmedia.engines.tts import TextChunker, TtsItem
 from rtmedia.server.audio_input import Action, AudioInput
@@ -495,10 +495,7 @@ class Session:
             if self._asr_stream is None:
                 self._asr_stream = self.services.asr.open_stream(segment=False, fast_final=True)
             item = AsrItem(self._asr_stream, audio, end=kind != "audio")
-            # A bare end goes to the urgent lane (the worker answers it mid-step); an end that
-            # came behind audio still queued here travels with that audio.
-            lane = "asr" if audio else "asr_final"
-            events = await self.services.scheduler.submit(lane, item, Priority.REALTIME)
+            events = await self.services.scheduler.submit(asr_lane(item), item, Priority.REALTIME)
             if kind != "abort":  # an aborted (cleared) turn's transcript is dropped
                 for event in events:
                     self._on_transcript(event, turn)

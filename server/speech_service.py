@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem
+from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem, asr_lane
 from rtmedia.engines.resample import (
     float_to_pcm16,
     make_resampler,
@@ -142,7 +142,8 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
             self.asr.close_stream(stream)
 
     async def _asr(self, stream, pcm: bytes, end: bool) -> list[AsrEvent]:
-        return await self.scheduler.submit("asr", AsrItem(stream, pcm, end))
+        item = AsrItem(stream, pcm, end)
+        return await self.scheduler.submit(asr_lane(item), item)
 
     async def _transcribe_setup(self, config, context):
         fmt = config.audio_format

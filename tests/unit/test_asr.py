@@ -12,7 +12,16 @@ from collections.abc import Iterator
 import jiwer
 import numpy as np
 import pytest
-from rtmedia.engines.asr import _FAST_SEARCH, AsrEngine, AsrEvent, AsrItem, AsrStream, _Worker, _worker_main
+from rtmedia.engines.asr import (
+    _FAST_SEARCH,
+    AsrEngine,
+    AsrEvent,
+    AsrItem,
+    AsrStream,
+    _Worker,
+    _worker_main,
+    asr_lane,
+)
 
 RATE = 16000
 CHUNK = RATE // 10  # 100 ms of samples
@@ -461,6 +470,8 @@ def test_urgent_final_does_not_wait_for_a_running_step(speech: dict[str, np.ndar
         assert eng.step([AsrItem(ender, speech[FOX].tobytes())]) != [[]]
         [[last]] = eng.step([AsrItem(talker, b"", end=True)], urgent=True)
         assert last.is_final and _wer(" ".join([CALL] * 8), last.text) < 0.35
+        assert [asr_lane(AsrItem(ender, b"", end=True)), asr_lane(AsrItem(ender, b"\0\0", end=True))] == \
+            ["asr_final", "asr"]
         with pytest.raises(ValueError, match="urgent ASR item only ends an utterance"):
             eng.step([AsrItem(ender, b"\0\0", end=True)], urgent=True)
         with pytest.raises(ValueError, match="urgent ASR item only ends an utterance"):
