@@ -28,6 +28,7 @@ from rtmedia.server.responders import build_responders
 from rtmedia.server.riva_asr import RivaAsrService
 from rtmedia.server.riva_tts import RivaTtsService
 from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler
+from rtmedia.server.session import Limits
 from rtmedia.server.session_config import SessionSettings
 from rtmedia.server.speech_service import SpeechService
 from rtmedia.server.video_service import VideoService
@@ -97,7 +98,8 @@ class RtmediaServer:
         vad = VadEngine(parallel_runs=config.vad_threads)
         self.realtime = RealtimeService(self.scheduler, vad, max_sessions=config.max_sessions,
                                         lm_slots=config.lm_slots, responders=responders,
-                                        defaults=SessionSettings(responder=config.default_responder))
+                                        defaults=SessionSettings(responder=config.default_responder),
+                                        limits=Limits(early_finals=config.early_finals))
         self.services = SERVICE_NAMES + (RIVA_SERVICE_NAMES if config.riva else [])
         self.health = health.aio.HealthServicer()
         self.state = "starting"

@@ -12,6 +12,9 @@ as ordered actions (`deliver`):
     ("audio", (offset_ms, pcm))   turn audio for the recogniser (16 kHz PCM16), prefix
                                   padding included, trailing silence cut to 160 ms;
                                   offset_ms: where it starts in the input
+    ("pause", None)               the turn's speech paused: the recogniser has had all of
+                                  its audio but for held trailing silence (sent if speech
+                                  resumes); once per pause, before speech_stopped
     ("stopped", audio_end_ms)     the turn ended
     ("marker", callback)          a commit or response.create queued behind the input
 
@@ -65,6 +68,7 @@ class _Frontend:
     detector_settings: SessionSettings | None = None  # the settings the detector runs on
     held: np.ndarray = field(default_factory=lambda: _EMPTY)  # turn audio not sent yet (see _turn_windows)
     held_ms: int = 0  # where `held` starts in the input
+    paused: bool = False  # "pause" was said for the silence now held
 
     def __post_init__(self) -> None:
         self.resampler = make_resampler(self.settings.input_rate, RATE)
@@ -240,7 +244,8 @@ def _turn_windows(fe: _Frontend, block: np.ndarray, probs: list[float], out: lis
     A turn's trailing silence beyond TRAILING_SILENCE_MS is held back: sent once speech
     resumes, dropped when the turn ends (the recogniser needs only a little silence after the
     last word, and the rest of the `silence_duration_ms` before speech_stopped cost it ~8 % of
-    its CPU)."""
+    its CPU). When it starts to be held, a "pause" action says so: the session can have the
+    recogniser finish the audio so far before the turn is known to have ended."""
     detector, s = fe.detector, fe.settings
     assert detector is not None
     if fe.detector_settings is not s:
@@ -259,8 +264,12 @@ def _turn_windows(fe: _Frontend, block: np.ndarray, probs: list[float], out: lis
         keep = max(0, len(audio) - max(0, quiet - TRAILING_SILENCE_MS * RATE // 1000))
         if keep:
             out.append(("audio", (start_ms, float_to_pcm16(audio[:keep]))))
+            fe.paused = False
         fe.held = _EMPTY if ended else audio[keep:]
         fe.held_ms = start_ms + keep * 1000 // RATE
+        if len(fe.held) and not fe.paused:
+            out.append(("pause", None))
+            fe.paused = True
 
     for j, prob in enumerate(probs):
         at = j * WINDOW

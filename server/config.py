@@ -28,6 +28,9 @@ class ServerConfig:
     # user turns a worker decodes at once before building more on demand (~0.35 s, during
     # which the worker decodes nothing). 10 per worker: 20 sessions speaking at once.
     asr_decoders: int = 10
+    # A server_vad turn's recogniser utterance ends at each pause (160 ms of silence) rather than
+    # at speech_stopped, so its final is ready when the turn ends (server/session.py Limits).
+    early_finals: bool = True
     # Concurrent Converse sessions; one more is refused with RESOURCE_EXHAUSTED.
     max_sessions: int = 256
     # LM slots (a separate, smaller pool; sessions wait for one, never refused).

@@ -7,7 +7,8 @@ TTS work through the scheduler's lanes.
 
 Tasks, each owned here and cancelled by `close()`:
 - the ASR feeder: sends turn audio to the recogniser in order and turns its
-  results into transcription events;
+  results into transcription events (a server_vad turn's utterance ends at each
+  pause, so its final is ready when speech_stopped comes: Limits.early_finals);
 - the response task: transcript -> responder -> TTS -> audio deltas.
 
 Every response has an epoch. Cancelling a response (barge-in,
@@ -55,6 +56,11 @@ class Limits:
     max_text_chars: int = 5000
     max_outbox_events: int = 4096
     transcript_wait_s: float = 20.0  # a late reply beats a failed one under overload
+    # At a pause in a server_vad turn (160 ms of silence, SPEC 1.3's silence_duration_ms not
+    # yet reached) the recogniser finishes the turn's audio so far, so the final is ready by
+    # speech_stopped; speech that resumes starts a new segment, and the turn's transcript joins
+    # the segments' finals.
+    early_finals: bool = True
     # Reply audio goes out in deltas of this length, at most output_lead_ms ahead of
     # the client's playback (acked position, or wall clock since the first delta).
     output_delta_ms: int = 200
@@ -81,6 +87,10 @@ class Turn:
     # stream (which joins every turn's audio): word timings are shifted by the difference.
     input_offset_ms: int | None = None
     asr_offset_ms: int = 0
+    # The recogniser's finals of the turn's segments: one, unless the turn was cut at pauses
+    # (Limits.early_finals); and whether a segment has audio sent and no end yet.
+    segments: list[AsrEvent] = field(default_factory=list)
+    segment_open: bool = False
 
 
 @dataclass
@@ -415,6 +425,9 @@ class Session:
                         turn.input_offset_ms, turn.asr_offset_ms = offset_ms, self._asr_samples // 16
                     self._asr_samples += len(pcm) // 2
                     self._to_asr("audio", turn, pcm)
+            elif kind == "pause":
+                if self.turn is not None and self.limits.early_finals:
+                    self._to_asr("cut", self.turn)
             elif kind == "stopped":
                 self._on_speech_stopped(value)
             elif kind == "marker":
@@ -481,8 +494,9 @@ class Session:
 
     # ---- recognition -------------------------------------------------------
     async def _asr_feeder(self) -> None:
-        """Sends turn audio to the recogniser in order, one utterance per turn. Queue
-        entries are ("audio", turn, pcm), ("end", turn) or ("abort", turn)."""
+        """Sends turn audio to the recogniser in order, one utterance per segment of a turn.
+        Queue entries are ("audio", turn, pcm), ("cut", turn) (a pause: end the segment),
+        ("end", turn) or ("abort", turn)."""
         queue = self._asr_queue
         while True:
             while not queue:
@@ -492,32 +506,53 @@ class Session:
             while kind == "audio" and queue and queue[0][1] is turn:  # coalesce the turn's audio
                 kind, _, more = queue.popleft()
                 audio += more
-            if self._asr_stream is None:
-                self._asr_stream = self.services.asr.open_stream(segment=False, fast_final=True)
-            item = AsrItem(self._asr_stream, audio, end=kind != "audio")
-            events = await self.services.scheduler.submit(asr_lane(item), item, Priority.REALTIME)
-            if kind != "abort":  # an aborted (cleared) turn's transcript is dropped
+            if audio or turn.segment_open:  # else nothing to send: a pause cut the segment already
+                if self._asr_stream is None:
+                    self._asr_stream = self.services.asr.open_stream(segment=False, fast_final=True)
+                item = AsrItem(self._asr_stream, audio, end=kind != "audio")
+                turn.segment_open = kind == "audio"
+                events = await self.services.scheduler.submit(asr_lane(item), item, Priority.REALTIME)
+                if kind == "abort":  # an aborted (cleared) turn's transcript is dropped
+                    continue
                 for event in events:
                     self._on_transcript(event, turn)
+            if kind == "end":
+                self._complete(turn)
 
     def _on_transcript(self, event: AsrEvent, turn: Turn) -> None:
-        if not event.is_final:
-            if event.delta:  # deltas concatenate into the text: words after the first get their space
-                delta = f" {event.delta}" if turn.partial else event.delta
-                turn.partial += delta
-                self.send("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, delta=delta)
-            return
+        """A partial becomes a delta; a segment's final is kept for the turn's transcript, and
+        the words it adds to the deltas sent so far go out as one more delta."""
+        if event.is_final:
+            turn.segments.append(event)
+            said = self._said(turn)
+            if not said.startswith(turn.partial) or said[len(turn.partial):][:1] not in ("", " "):
+                return  # the final revised words already sent as deltas: the transcript decides
+            added = said[len(turn.partial):].strip()
+        else:
+            added = event.delta
+        if added:  # deltas concatenate into the text: words after the first get their space
+            delta = f" {added}" if turn.partial else added
+            turn.partial += delta
+            self.send("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, delta=delta)
+
+    @staticmethod
+    def _said(turn: Turn) -> str:
+        return " ".join(event.text for event in turn.segments if event.text)
+
+    def _complete(self, turn: Turn) -> None:
+        """The turn's transcript: its segments' finals joined."""
+        text = self._said(turn)
         shift = (turn.input_offset_ms or 0) - turn.asr_offset_ms  # recogniser stream -> session input
         words = [{"word": w, "start_ms": s + shift, "end_ms": e + shift, "confidence": c}
-                 for w, s, e, c in event.words]
+                 for event in turn.segments for w, s, e, c in event.words]
         self.send("conversation.item.input_audio_transcription.completed", item_id=turn.item_id,
-                  transcript=event.text, words=words)
+                  transcript=text, words=words)
         if turn in self.pending_turns:
             self.pending_turns.remove(turn)
-        if event.text:
-            self.history.append(Message("user", event.text))
+        if text:
+            self.history.append(Message("user", text))
         if not turn.transcript.done():
-            turn.transcript.set_result(event.text)
+            turn.transcript.set_result(text)
 
     # ---- responses -----------------------------------------------------------
     def _start_response(self, turn: Turn | None, instructions: str | None = None,

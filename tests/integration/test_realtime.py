@@ -71,6 +71,52 @@ async def test_server_vad_turn(channel, speaker):
         assert done["usage"]["output_audio_ms"] == pytest.approx(len(audio) / 2 / rate * 1000, abs=2)
 
 
+@pytest.mark.parametrize("early", [True, False])
+async def test_a_turns_final_is_ready_when_it_ends_and_pauses_join_segments(server, channel, speaker, monkeypatch,
+                                                                           early):
+    """A turn with a ~350 ms quiet inside (a pause, not its end): with early finals each run of
+    speech is finished by the recogniser at its pause, before speech_stopped, and the turn's
+    transcript joins the two; without them one utterance ends after speech_stopped. Either way
+    the deltas concatenate into words and the word timings are in the session's input."""
+    first, second = "Please call me back tomorrow afternoon.", "Thanks."
+    pcm = np.concatenate([speaker.silence(0.6, RATE), speaker.say(first, RATE), speaker.silence(0.2, RATE),
+                          speaker.say(second, RATE), speaker.silence(1.2, RATE)]).tobytes()
+    monkeypatch.setattr(server.realtime.limits, "early_finals", early)
+    scheduler, submit = server.realtime.scheduler, server.realtime.scheduler.submit
+    log: list[tuple[str, bool]] = []  # ("asr..." lane, end) per recogniser submission; ("stopped", False)
+
+    def spy(lane, item, *args, **kwargs):
+        if lane.startswith("asr"):
+            log.append((lane, item.end))
+        return submit(lane, item, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "submit", spy)
+    async with Conversation(channel) as c:
+        await c.wait_for("session.created")
+        session = list(server.realtime.sessions.values())[-1]  # this one: the newest
+        on_stopped = session._on_speech_stopped
+        monkeypatch.setattr(session, "_on_speech_stopped", lambda end_ms: (log.append(("stopped", False)),
+                                                                           on_stopped(end_ms)))
+        await c.stream(pcm, RATE, speed=2.0)
+        await c.wait_for("response.done", timeout=20)
+    assert len(c.of_type("input_audio_buffer.speech_stopped")) == 1
+    ends = [lane for lane, end in log if end]
+    stopped = log.index(("stopped", False))
+    if early:
+        assert len(ends) == 2 and all(end for _, end in log[stopped - 1:stopped]), log
+        assert not log[stopped + 1:], "nothing is left for the recogniser once the turn ends"
+    else:
+        assert len(ends) == 1 and log[-1][1] and stopped < len(log) - 1, log
+    completed = c.of_type("conversation.item.input_audio_transcription.completed")[0]
+    assert wer(f"{first} {second}", completed["transcript"]) < 0.4, completed["transcript"]
+    partial = "".join(d["delta"] for d in c.of_type("conversation.item.input_audio_transcription.delta"))
+    assert partial and partial == " ".join(partial.split()), "deltas concatenate into words"
+    starts = [w["start_ms"] for w in completed["words"]]
+    assert starts == sorted(starts) and 300 <= starts[0] and completed["words"][-1]["end_ms"] <= len(pcm) / 2 / RATE * 1000
+    second_at = 600 + len(speaker.say(first, RATE)) * 1000 // RATE + 200
+    assert completed["words"][-1]["word"] != "thanks" or completed["words"][-1]["start_ms"] > second_at - 100
+
+
 async def test_reply_audio_speaks_the_users_words(channel, speaker):
     pcm, _, _ = utterance(speaker, SENTENCE)
     async with Conversation(channel) as c:

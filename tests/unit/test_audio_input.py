@@ -42,7 +42,8 @@ def test_turn_settings_change_in_place():
 
 def _tick_run(engine, pcm: bytes, chunk_bytes: int, transcription: bool = True) -> list:
     """All the actions the VAD tick delivers for `pcm` (16 kHz) sent in `chunk_bytes`
-    pieces, one tick per piece; turn audio joined into one ("audio", (offset, pcm)) per turn."""
+    pieces, one tick per piece; turn audio joined into one ("audio", (offset, pcm)) per turn,
+    and each pause as ("pause", where the turn audio sent before it ends, in ms)."""
     from rtmedia.server.audio_input import VadTick
 
     got: list = []
@@ -54,12 +55,17 @@ def _tick_run(engine, pcm: bytes, chunk_bytes: int, transcription: bool = True) 
         inp.append(pcm[at:at + chunk_bytes])
         tick.deliver(tick.process(tick.collect()))
     joined: list = []
+    turn_audio = None  # the index of the current turn's ("audio", ...) in joined
     for kind, value in got:
-        if kind == "audio" and joined and joined[-1][0] == "audio":
-            offset, audio = joined[-1][1]
+        if kind == "audio" and turn_audio is not None:
+            offset, audio = joined[turn_audio][1]
             assert offset + len(audio) // 32 == value[0]  # turn audio is contiguous
-            joined[-1] = ("audio", (offset, audio + value[1]))
+            joined[turn_audio] = ("audio", (offset, audio + value[1]))
+        elif kind == "pause":
+            offset, audio = joined[turn_audio][1]
+            joined.append(("pause", offset + len(audio) // 32))
         else:
+            turn_audio = len(joined) if kind == "audio" else None
             joined.append((kind, value))
     return joined
 
@@ -68,7 +74,8 @@ def test_tick_results_do_not_depend_on_chunking(speaker):
     """The same speech sent as one window per tick and as 100 ms chunks (three or four
     windows per tick, a turn's audio in one piece per tick) gives the same events and
     the same turn audio, prefix padding included and trailing silence cut to 160 ms, a
-    pause inside a turn kept; without transcription, the same events and no audio."""
+    pause inside a turn kept, and the same pauses (160 ms after each run of speech, the
+    turn audio sent up to there); without transcription, the same events and no audio."""
     from rtmedia.engines.vad import VadEngine
 
     engine = VadEngine()
@@ -78,14 +85,18 @@ def test_tick_results_do_not_depend_on_chunking(speaker):
               speaker.silence(1.2), speaker.say("What time is it?"), speaker.silence(0.9)]
     pcm = np.concatenate(pieces).astype("<i2").tobytes()
     per_window = _tick_run(engine, pcm, 1024)
-    assert [kind for kind, _ in per_window] == ["started", "audio", "stopped"] * 2
+    kinds = [kind for kind, _ in per_window]
+    assert kinds == ["started", "audio", "pause", "pause", "stopped", "started", "audio", "pause", "stopped"]
     started, (offset, audio) = per_window[0][1], per_window[1][1]
     assert offset == started - 300  # 300 ms of prefix padding before the speech
     # The first turn's audio is the input's, the ~350 ms quiet before "Thanks." included.
     assert pcm[offset * 32:offset * 32 + len(audio)] == audio
-    for n in (0, 3):  # each turn's audio ends 160 ms after its speech
-        (_, (offset, audio)), (_, stopped) = per_window[n + 1:n + 3]
-        assert offset + len(audio) // 32 == stopped + 160
+    # Its first pause came in that quiet, 160 ms after the first sentence's speech.
+    first_end = (len(pieces[0]) + len(pieces[1])) // 16  # the first sentence's end (Piper's own quiet included)
+    assert first_end - 300 < per_window[2][1] <= first_end + 160
+    for audio_at, pause_at, stopped_at in ((1, 3, 4), (6, 7, 8)):  # each turn's audio ends 160 ms after its speech
+        (_, (offset, audio)), (_, paused), (_, stopped) = (per_window[n] for n in (audio_at, pause_at, stopped_at))
+        assert offset + len(audio) // 32 == paused == stopped + 160
     assert _tick_run(engine, pcm, 3200) == per_window
-    events = [(kind, value) for kind, value in per_window if kind != "audio"]
+    events = [(kind, value) for kind, value in per_window if kind not in ("audio", "pause")]
     assert _tick_run(engine, pcm, 3200, transcription=False) == events
