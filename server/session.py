@@ -92,6 +92,11 @@ class Turn:
     segments: list[AsrEvent] = field(default_factory=list)
     segment_open: bool = False
 
+    @property
+    def said(self) -> str:
+        """The text of the segments' finals so far."""
+        return " ".join(event.text for event in self.segments if event.text)
+
 
 @dataclass
 class Response:
@@ -524,7 +529,7 @@ class Session:
         the words it adds to the deltas sent so far go out as one more delta."""
         if event.is_final:
             turn.segments.append(event)
-            said = self._said(turn)
+            said = turn.said
             if not said.startswith(turn.partial) or said[len(turn.partial):][:1] not in ("", " "):
                 return  # the final revised words already sent as deltas: the transcript decides
             added = said[len(turn.partial):].strip()
@@ -535,13 +540,9 @@ class Session:
             turn.partial += delta
             self.send("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, delta=delta)
 
-    @staticmethod
-    def _said(turn: Turn) -> str:
-        return " ".join(event.text for event in turn.segments if event.text)
-
     def _complete(self, turn: Turn) -> None:
         """The turn's transcript: its segments' finals joined."""
-        text = self._said(turn)
+        text = turn.said
         shift = (turn.input_offset_ms or 0) - turn.asr_offset_ms  # recogniser stream -> session input
         words = [{"word": w, "start_ms": s + shift, "end_ms": e + shift, "confidence": c}
                  for event in turn.segments for w, s, e, c in event.words]
