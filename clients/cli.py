@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 from rtmedia.clients.client import DEFAULT_TARGET, SpeechClient, read_wav
-from rtmedia.server.errors import error_reason
+from rtmedia.protocol.errors import error_reason
 from rtmedia.v1 import speech_pb2
 
 # Rates the server takes PCM16 at; other WAV rates are resampled to 16 kHz here.

@@ -39,8 +39,8 @@ from rtmedia.clients.loadtest_report import (
     write_plot,
 )
 from rtmedia.clients.loadtest_speech import Clip, load_clips, synthesized, wav_files
-from rtmedia.server.errors import error_reason
-from rtmedia.server.events import client_event
+from rtmedia.protocol.errors import error_reason
+from rtmedia.protocol.events import client_event
 from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc
 
 PROFILES = ("listen", "transcribe", "talk", "llm", "mixed", "barge-in")

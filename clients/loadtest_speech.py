@@ -14,7 +14,7 @@ import numpy as np
 from rtmedia.clients.cli import CliError
 from rtmedia.clients.client import read_wav, write_wav
 from rtmedia.engines.resample import float_to_pcm16
-from rtmedia.server.events import client_event
+from rtmedia.protocol.events import client_event
 from rtmedia.v1 import realtime_pb2
 
 SENTENCES = [

@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 from rtmedia.clients.cli import CliError
 from rtmedia.clients.client import DEFAULT_TARGET, RealtimeClient, read_wav, write_wav
-from rtmedia.server.events import client_event, event_type, to_json
+from rtmedia.protocol.events import client_event, event_type, to_json
 from rtmedia.v1 import realtime_pb2
 
 INPUT_RATES = (8000, 16000, 24000)  # PCM16 rates a session takes; others are resampled to 24 kHz
@@ -67,7 +67,7 @@ output_audio_buffer.cleared. Without --realtime the file is sent faster than it
 plays, so voice-to-voice leaves out most of the silence window: use --realtime
 for numbers comparable with a live user.
 
---json prints one canonical JSON event per line (rtmedia.server.events.to_json)
+--json prints one canonical JSON event per line (rtmedia.protocol.events.to_json)
 with "t_ms" added: the client clock in ms from sending the first audio chunk
 (negative before it). Audio deltas carry "audio_bytes" (the PCM16 byte count)
 instead of the base64 "audio". The last line is {"type": "summary", ...}.

@@ -119,7 +119,7 @@ def cmd_decode_video(args: argparse.Namespace) -> None:
                     np.save(written[-1], frames)
                     if out is not None:
                         if writer is None:
-                            from rtmedia.server.video_mp4 import Fmp4Writer
+                            from rtmedia.protocol.video_mp4 import Fmp4Writer
 
                             writer = Fmp4Writer(reply.width, reply.height, reply.fps)
                         out.write(writer.fragment(frames, reply.is_final))

@@ -8,6 +8,8 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -174,8 +176,10 @@ class RtmediaServer:
         log.info("stopped")
 
 
-async def serve(config: ServerConfig) -> None:
-    """Run until SIGTERM/SIGINT, then drain gracefully."""
+async def serve(config: ServerConfig, beside: Callable[[ServerConfig, int], Awaitable[Any]] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain gracefully. `beside(config, port)` starts what runs next
+    to the server once it serves (the web front; the entry module passes it) and returns an object
+    with `async stop()`."""
     server = RtmediaServer(config)
     if config.metrics_port:
         start_http_server(config.metrics_port, addr=config.host, registry=server.metrics.registry)
@@ -191,10 +195,8 @@ async def serve(config: ServerConfig) -> None:
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if starting.done():
             starting.result()  # a failed start raises here
-            if config.web:
-                from rtmedia.web.bridge import start_beside
-
-                bridge = await start_beside(config, server.port)
+            if beside is not None:
+                bridge = await beside(config, server.port)
             await stopping
         log.info("signal received: draining", extra={"grace_s": config.grace_s})
     finally:

@@ -10,6 +10,8 @@ import sys
 
 from rtmedia.clients import cli as client_cli
 from rtmedia.server.config import ServerConfig
+from rtmedia.server.doctor import add_doctor_parser, cmd_doctor
+from rtmedia.web.cli import add_web_parser
 
 SYNTHETIC_SIZES = ("tiny", "0.5b", "1b", "7b")  # engines/lm_synthetic.py SHAPES (not imported: no torch here)
 
@@ -100,11 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=["json", "text"], default=None, help="log line format (json)")
     p.set_defaults(func=cmd_serve)
     client_cli.add_commands(sub)
-    from rtmedia.web.cli import add_web_parser
-
     add_web_parser(sub)
-    from rtmedia.server.doctor import add_doctor_parser
-
     add_doctor_parser(sub)
     return parser
 
@@ -129,7 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Idle OpenMP threads sleep instead of spinning (set before torch loads): the cores
     # are shared with the ASR workers and TTS, and spinning threads starve them.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from rtmedia.server import logs
+    from rtmedia.protocol import logs
     from rtmedia.server.app import serve
 
     try:
@@ -138,8 +136,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"rtmedia serve: {exc}", file=sys.stderr)
         return 2
     logs.configure(config.log_level, config.log_format)
+    beside = None
+    if config.web:  # the web front beside the server, a gRPC client of it
+        from rtmedia.web.bridge import start_beside as beside
     try:
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, beside))
     except (OSError, ValueError) as exc:
         print(f"rtmedia serve: {exc}", file=sys.stderr)
         return 1
@@ -148,8 +149,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.func is cmd_serve:
-        return cmd_serve(args)
+    if args.func in (cmd_serve, cmd_doctor):
+        return args.func(args)
     return client_cli.run(args)
 
 

@@ -220,9 +220,7 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_doctor)
 
 
-def cmd_doctor(args: argparse.Namespace) -> None:
-    from rtmedia.clients.cli import CliError
-
+def cmd_doctor(args: argparse.Namespace) -> int:
     checks = run_checks(args.engines, args.synthetic_lm, args.video_vae)
     failed = [c.name for c in checks if c.status == "fail"]
     if args.json:
@@ -233,4 +231,6 @@ def cmd_doctor(args: argparse.Namespace) -> None:
             print(f"{c.status.upper():4}  {c.name:28} {c.detail}{err}  ({c.seconds:.2f} s)")
     sys.stdout.flush()
     if failed:
-        raise CliError(f"{len(failed)} check(s) failed: {', '.join(failed)}")
+        print(f"rtmedia doctor: {len(failed)} check(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0

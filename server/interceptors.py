@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 import grpc
-from rtmedia.server.errors import rich_status
+from rtmedia.protocol.errors import rich_status
 from rtmedia.server.metrics import Metrics
 
 log = logging.getLogger("rtmedia.rpc")

@@ -14,8 +14,8 @@ from rtmedia.engines.asr import AsrEngine
 from rtmedia.engines.responder import EchoResponder, Responder
 from rtmedia.engines.tts import TtsEngine
 from rtmedia.engines.vad import VadEngine
+from rtmedia.protocol.errors import abort
 from rtmedia.server.audio_input import WINDOW_MS, VadTick
-from rtmedia.server.errors import abort
 from rtmedia.server.scheduler import Scheduler, TickLane
 from rtmedia.server.session import Limits, Session
 from rtmedia.server.session_config import SessionSettings

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import grpc
-from rtmedia.server.errors import abort
+from rtmedia.protocol.errors import abort
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED

@@ -32,8 +32,8 @@ from typing import Any
 from rtmedia.engines.asr import AsrEvent, AsrItem, asr_lane
 from rtmedia.engines.responder import Message, ReplyRequest
 from rtmedia.engines.tts import TextChunker, TtsItem
+from rtmedia.protocol.events import server_event
 from rtmedia.server.audio_input import Action, AudioInput
-from rtmedia.server.events import server_event
 from rtmedia.server.scheduler import Priority
 from rtmedia.server.session_config import PCM16, ConfigError, SessionSettings
 from rtmedia.v1 import realtime_pb2

@@ -13,10 +13,10 @@ from rtmedia.engines.resample import (
     make_resampler,
 )
 from rtmedia.engines.tts import TtsEngine, TtsItem, is_speakable, split_text, unsupported_rate_message
+from rtmedia.protocol.errors import abort
+from rtmedia.protocol.wav import wav_stream_header
 from rtmedia.server.audio_input import DECODERS
-from rtmedia.server.errors import abort
 from rtmedia.server.scheduler import Scheduler
-from rtmedia.server.wav import wav_stream_header
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from rtmedia.engines.video import VideoEngine, VideoOneShot, VideoStep, VideoStream
 from rtmedia.engines.video_plan import Assembler, ChunkFrames, FramePlan, LatentTooShort, PlanError, make_plan
-from rtmedia.server.errors import abort
+from rtmedia.protocol.errors import abort
+from rtmedia.protocol.video_mp4 import Fmp4Writer
 from rtmedia.server.scheduler import Scheduler
-from rtmedia.server.video_mp4 import Fmp4Writer
 from rtmedia.v1 import video_pb2, video_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -57,7 +57,7 @@ def bridge_config(args: argparse.Namespace) -> object:
 
 
 def cmd_web(args: argparse.Namespace) -> None:
-    from rtmedia.server import logs
+    from rtmedia.protocol import logs
 
     logs.configure("INFO", "text")
     asyncio.run(run_bridge(bridge_config(args)))

@@ -36,8 +36,8 @@ from aiortc import RTCPeerConnection
 from aiortc.jitterbuffer import JitterBuffer
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from rtmedia.engines.resample import Resampler, float_to_pcm16, make_resampler, pcm16_to_float
-from rtmedia.server.errors import error_reason
-from rtmedia.server.events import EventError, client_event, event_type, from_json, to_json
+from rtmedia.protocol.errors import error_reason
+from rtmedia.protocol.events import EventError, client_event, event_type, from_json, to_json
 from rtmedia.v1 import realtime_pb2, video_pb2
 from rtmedia.v1.realtime_pb2_grpc import RealtimeServiceStub
 from rtmedia.v1.video_pb2_grpc import VideoServiceStub

@@ -10,7 +10,7 @@ import subprocess
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from rtmedia.server.errors import error_reason
+from rtmedia.protocol.errors import error_reason
 
 from tests.support.converse import Conversation
 from tests.support.serve import RTMEDIA, free_port, wait_serving

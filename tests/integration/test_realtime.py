@@ -10,7 +10,7 @@ import threading
 import grpc
 import numpy as np
 import pytest
-from rtmedia.server.errors import error_reason
+from rtmedia.protocol.errors import error_reason
 from rtmedia.v1 import realtime_pb2
 
 from tests.support.converse import Conversation

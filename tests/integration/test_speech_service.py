@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from rtmedia.server.errors import error_reason
+from rtmedia.protocol.errors import error_reason
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 
 from tests.support.speech import wer

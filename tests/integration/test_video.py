@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from rtmedia.engines.video_plan import check_chunks
-from rtmedia.server.errors import error_reason
+from rtmedia.protocol.errors import error_reason
 from rtmedia.v1 import video_pb2, video_pb2_grpc
 
 from tests.integration.test_realtime import utterance

@@ -92,7 +92,7 @@ def bare_server(port: int) -> None:
     session.created / session.closed events a client waits for, and health)."""
     import grpc
     from grpc_health.v1 import health, health_pb2_grpc
-    from rtmedia.server.events import server_event
+    from rtmedia.protocol.events import server_event
     from rtmedia.v1 import realtime_pb2_grpc
 
     class Bare(realtime_pb2_grpc.RealtimeServiceServicer):

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 import grpc
-from rtmedia.server.events import client_event, to_json
+from rtmedia.protocol.events import client_event, to_json
 from rtmedia.v1 import realtime_pb2_grpc
 
 _CLOSE = object()

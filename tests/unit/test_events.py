@@ -8,8 +8,8 @@ import pytest
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
-from rtmedia.server import events
-from rtmedia.server.events import (
+from rtmedia.protocol import events
+from rtmedia.protocol.events import (
     CLIENT_EVENTS,
     SERVER_EVENTS,
     EventError,

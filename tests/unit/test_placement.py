@@ -8,7 +8,8 @@ import pytest
 import torch
 from rtmedia.engines.lm import EmbeddedLmEngine, LmEngine
 from rtmedia.engines.lm_synthetic import SHAPES, SyntheticLmEngine
-from rtmedia.server import cli, logs
+from rtmedia.protocol import logs
+from rtmedia.server import cli
 from rtmedia.server.app import RtmediaServer
 from rtmedia.server.config import ServerConfig
 from rtmedia.server.metrics import Metrics

@@ -7,9 +7,9 @@ import wave
 
 import grpc
 import pytest
+from rtmedia.protocol.errors import DOMAIN, rich_status
+from rtmedia.protocol.wav import wav_header, wav_stream_header
 from rtmedia.server.config import ServerConfig
-from rtmedia.server.errors import DOMAIN, rich_status
-from rtmedia.server.wav import wav_header, wav_stream_header
 
 
 def test_wav_header_is_read_by_the_wave_module():
