@@ -27,7 +27,8 @@ Streams come in two modes (`open_stream(segment=...)`):
   included, so send only the audio of turns.
 
 Decoders are leased per utterance: a silent stream holds only its endpointer and
-cepstral mean, and a worker builds another decoder (~0.35 s, ~90 MB) only when
+cepstral mean, and a worker builds another decoder (a build takes a noticeable
+fraction of a second and a decoder's memory is large; BENCHMARKS.md) only when
 more of its streams speak at once. Before each utterance the lent decoder gets
 the stream's cepstral mean and fresh noise statistics: pocketsphinx keeps its
 noise-removal estimate across utterances (`start_utt` does not reset it), so
@@ -35,26 +36,25 @@ without the reset a hypothesis depended on whatever that decoder decoded last.
 
 `fast_final=True` streams decode on decoders built with `_FAST_SEARCH`:
 `fwdflat=False`, i.e. no second (flat-lexicon) pass over the whole utterance in
-`end_utt` (a cost that grows with its length; on ~3 s Piper utterances the
-`end=True` step returned in ~26 ms instead of ~115 ms, median, for 1-3 points
-more WER), and a narrower first pass (at most 2000 active HMMs per frame, 2 of
-4 Gaussians per codebook, a narrower word-exit beam) that about halves their CPU
-per second of audio for ~2.4 points more WER (numbers at `_FAST_SEARCH`). The
-lattice pass (`bestpath`) stays: it costs ~2 ms, and gives the words'
-confidences. Partials come from the first pass (the narrower one, in fast
-mode). The settings are fixed when a decoder is built,
-so a worker keeps a pool per configuration; its first fast decoder is built
-when a fast stream first speaks. Default-mode decoders (the SpeechService's
+`end_utt` (a cost that grows with its length, so dropping it shortens the
+`end=True` step several times over for slightly more word errors), and a
+narrower first pass (at most 2000 active HMMs per frame, 2 of 4 Gaussians per
+codebook, a narrower word-exit beam) that cuts their CPU per second of audio
+substantially for slightly more word errors (the measurements are in
+BENCHMARKS.md, "ASR fast-final decoder settings"). The lattice pass
+(`bestpath`) stays: it is cheap, and gives the words' confidences. Partials
+come from the first pass (the narrower one, in fast mode). The settings are
+fixed when a decoder is built, so a worker keeps a pool per configuration; its
+first fast decoder is built when a fast stream first speaks. Default-mode decoders (the SpeechService's
 Transcribe) keep PocketSphinx's defaults.
 
 Finals do not queue behind other streams' audio: each worker has a second,
-urgent pipe (`step(items, urgent=True)`, the `AsrFinals` engine of the server's
-`asr_final` lane) for items that only end an utterance (`end=True`, no audio).
+urgent pipe (`step(items, urgent=True)`) for items that only end an utterance
+(`AsrItem.only_ends`: `end=True`, no audio; the server gives them a lane of their own).
 The worker answers those between two items or two 300 ms pieces of the step it
 is decoding, so a turn's final costs its own work (`end_utt` and the lattice
-pass: 17-21 ms median, 37-49 ms p95 in the worker with 16 `talk` sessions on
-two cores) rather than the rest of a step that may carry seconds of other
-streams' audio. `asr_lane(item)` names the lane an item goes to. A stream's
+pass) rather than the rest of a step that may carry seconds of other
+streams' audio. A stream's
 items must still arrive in order: send its end only after its last audio item
 came back (an end that follows audio not yet sent travels with that audio, on
 the step pipe).
@@ -97,20 +97,13 @@ _MIN_FRAMES = 10
 #   keeps more, most of all in noise, so this bounds the per-frame cost where it is worst.
 # - topn=2: Gaussian selection, 2 of each codebook's densities per frame instead of 4.
 # - wbeam=lponlybeam=1e-24: a narrower beam on word exits (default 7e-29).
-# Measured on this project's 2-core dev box, worker-side (rtmedia.engines.asr._Worker stepped
-# in-process, no pipe overhead), one segment=False stream, 100 ms chunks, one end=True per turn;
-# 28 Piper sentences in 3 renderings (deterministic; faster and quieter; 25 dB SNR white noise
-# + hum), each turn padded with 0.3 s/0.4 s silence; configs interleaved per turn, least CPU of
-# 2-3 runs kept; 3 runs on a machine shared with other jobs (CPU s per audio s, WER %
-# clean/fast/noisy, end=True step median clean/noisy):
-#   fwdflat=False only (before):  0.155-0.181 s/s   12.1 / 13.1 / 34.9 (avg 20.0)   19-21 / 32-37 ms
-#   these settings:               0.080-0.090 s/s   13.1 / 14.1 / 39.9 (avg 22.4)    8-9  /  9-10 ms
-# i.e. 1.94-2.01x less CPU (2.3-2.4x in the noisy rendering, 0.196-0.239 -> 0.085-0.100) for +2.4 WER.
-# Not taken: ds=2 or topn=1 on top (~10% less CPU for ~3 more WER, nearly all in noise);
-# maxhmmpf=1500 (~+3 WER); beam=pbeam=1e-46 (~5% less CPU, but at 1e-44 WER jumps from 20 to
-# 36, clean speech included: too near a cliff); pl_window=0 (1-2 points less WER, ~20% more CPU);
-# maxwpf=10 (no clear gain). Explicit feature settings (remove_noise, cmn, ...) have no effect:
-# the model's feat.params overrides them.
+# Together these take markedly less CPU per second of audio than fwdflat=False alone, for a small
+# rise in word errors, most of it in noisy speech. Not taken: ds=2 or topn=1 on top, and
+# maxhmmpf=1500 (little CPU saved for more word errors, nearly all in noise); a narrower
+# beam=pbeam (word errors jump at a slightly narrower setting, clean speech included: too near a
+# cliff); pl_window=0 (a few word errors fewer for clearly more CPU); maxwpf=10 (no clear gain).
+# Measurements: BENCHMARKS.md, "ASR fast-final decoder settings". Explicit feature settings
+# (remove_noise, cmn, ...) have no effect: the model's feat.params overrides them.
 _FAST_SEARCH: dict[str, Any] = {
     "fwdflat": False,
     "maxhmmpf": 2000,
@@ -141,6 +134,11 @@ class AsrItem:
     stream: AsrStream
     audio: bytes
     end: bool = False
+
+    @property
+    def only_ends(self) -> bool:
+        """Only ends the utterance (no audio): what the urgent pipe answers."""
+        return self.end and not self.audio
 
 
 @dataclass(slots=True)
@@ -207,7 +205,7 @@ class _Worker:
 
     def _new_decoder(self, fast: bool) -> Any:
         # the search settings are read when the decoder is built (changing them needs a reinit,
-        # ~0.35 s): one pool each
+        # as slow as a build): one pool each
         extra = _FAST_SEARCH if fast else {}
         return self._ps.Decoder(samprate=SAMPLE_RATE, loglevel="ERROR", **extra)
 
@@ -227,8 +225,8 @@ class _Worker:
                 st.utt.decoder.end_utt()
                 self._free[st.fast].append(st.utt.decoder)
         elif op == "warmup":
-            # Build the pools up front (a decoder takes ~0.35 s and ~95 MB): a build inside
-            # a step would stall every stream of this worker.
+            # Build the pools up front: building a decoder on demand inside a step would stall
+            # every stream of this worker.
             for fast, count in zip((False, True), arg, strict=True):
                 while len(self._free[fast]) < count:
                     self._free[fast].append(self._new_decoder(fast))
@@ -411,7 +409,7 @@ class AsrEngine:
 
     def __init__(self, workers: int = 2, decoders: int = 10) -> None:
         """`decoders`: fast-final decoders each worker builds at warm-up, i.e. the turns
-        it can decode at once without building one on demand (~0.35 s stall each)."""
+        it can decode at once without building one on demand (each build stalls the worker)."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self._n = workers
@@ -480,7 +478,7 @@ class AsrEngine:
         answered by each worker between two pieces of the step it is decoding."""
         groups: dict[int, list[int]] = {}
         for i, item in enumerate(items):
-            if urgent and asr_lane(item) != AsrFinals.name:
+            if urgent and not item.only_ends:
                 raise ValueError("an urgent ASR item only ends an utterance: end=True and no audio")
             if len(item.audio) % 2:
                 raise ValueError(
@@ -550,31 +548,3 @@ class AsrEngine:
         for conn in urgent_conns:
             conn.close()
 
-
-class AsrFinals:
-    """The recogniser's urgent side as an engine of its own (the server's `asr_final` lane):
-    items that only end an utterance, answered by the worker between two pieces of whatever
-    step it is decoding (see the module docstring). Loading and closing belong to the engine."""
-
-    name = "asr_final"
-
-    def __init__(self, asr: AsrEngine) -> None:
-        self.asr = asr
-
-    def load(self) -> None:
-        self.asr.load()
-
-    def warmup(self) -> None:
-        pass
-
-    def step(self, items: Sequence[AsrItem]) -> list[list[AsrEvent]]:
-        return self.asr.step(items, urgent=True)
-
-    def close(self) -> None:
-        pass
-
-
-def asr_lane(item: AsrItem) -> str:
-    """The scheduler lane of an item: `asr_final` for one that only ends an utterance (the
-    worker answers it mid-step), `asr` for anything with audio."""
-    return AsrFinals.name if item.end and not item.audio else AsrEngine.name

@@ -1,7 +1,7 @@
 """Responders: the "brain" that turns a conversation into reply text.
 
 A responder streams text deltas for one reply; the session speaks them chunk
-by chunk (SPEC 2.2) as they arrive, so audio starts before the text is
+by chunk (docs/protocol.md#streaming-tts) as they arrive, so audio starts before the text is
 complete. Responders hold no per-session state: the session passes its
 conversation (already truncated to what the user heard) with each request.
 """
@@ -9,7 +9,7 @@ conversation (already truncated to what the user heard) with each request.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Hashable
+from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,16 +26,17 @@ class ReplyRequest:
     instructions: str = ""
     max_output_tokens: int = 0  # 0: the responder's own limit
     images: list[bytes] = field(default_factory=list)  # camera frames, oldest first
-    # Called with the queue position when the reply must wait for a shared resource
-    # (an LM slot); the session tells its client.
-    on_wait: Callable[[int], None] | None = None
     # The conversation (session id) the reply belongs to: an LM responder keeps its
     # KV cache between the conversation's turns.
     conversation: Hashable | None = None
-    # While it returns True a local LM holds back this reply's next tokens: the session
-    # says so while the reply's first clause is being synthesised, so the synthesis the
-    # user is waiting for has the CPU to itself.
-    pause: Callable[[], bool] | None = None
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Yielded by a reply stream before its text when the reply waits for a shared resource
+    (an LM slot): `position` replies are ahead of it. The session tells its client."""
+
+    position: int
 
 
 class Responder(Protocol):
@@ -44,8 +45,8 @@ class Responder(Protocol):
 
     name: str
 
-    def reply(self, request: ReplyRequest) -> AsyncIterator[str]:
-        """Stream the reply's text deltas."""
+    def reply(self, request: ReplyRequest) -> AsyncIterator[str | Waiting]:
+        """Stream the reply's text deltas (and `Waiting` while it waits its turn)."""
         ...
 
 

@@ -1,8 +1,7 @@
 """Streaming text-to-speech on Piper (VITS on onnxruntime).
 
-Text is split so that audio starts early (SPEC 2.2): the first chunk ends at
-the first clause boundary or after at most six words, later chunks at clause
-boundaries. Each chunk is one engine item; a stream's items must be stepped in
+Callers split text so that audio starts early (docs/protocol.md#streaming-tts, engines/text_chunks.py).
+Each chunk is one engine item; a stream's items must be stepped in
 order, because the stream carries the output resampler's state across chunks.
 
 A voice runs as two graphs (engines/piper_graph.py): phonemes -> latent frames,
@@ -40,7 +39,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,73 +53,13 @@ from rtmedia.engines.base import EngineError
 from rtmedia.engines.piper_bf16 import PRECISIONS, Bf16Decoder, bf16_unavailable
 from rtmedia.engines.piper_graph import CONTEXT_FRAMES, PiperParts, split
 from rtmedia.engines.resample import float_to_pcm16, make_resampler
+from rtmedia.engines.text_chunks import split_text  # noqa: F401  (tests/perf/bench_speech.py imports it from here)
 
 # Output rates every voice offers on top of its native rate.
 STANDARD_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
-FIRST_CHUNK_MAX_WORDS = 6
-# Later chunks end at clause boundaries; a clause longer than this is cut so
-# one engine step stays short.
-CHUNK_MAX_WORDS = 40
 # Piper normalises each sentence to full scale; chunked speech would then jump
 # in loudness between clauses, so a fixed gain is used instead.
 OUTPUT_GAIN = 1.5
-_CLAUSE_END = re.compile(r"[,;:.?!][\"')\]]*$")
-_SPEAKABLE = re.compile(r"\w")
-# A streamed word that already ends its clause: a comma-like mark, or a period after a
-# lowercase letter (not "3." of "3.14", nor "U." of "U.S.").
-_ENDS_CLAUSE_NOW = re.compile(r"(?:[,;:?!]|(?<=[a-z])\.)[\"')\]]*$")
-
-
-class TextChunker:
-    """Splits streamed text into speakable chunks as it arrives (SPEC 2.2): the
-    first chunk ends at the first clause boundary or after six words, later ones
-    at clause boundaries (or after CHUNK_MAX_WORDS words)."""
-
-    def __init__(self) -> None:
-        self._words: list[str] = []
-        self._tail = ""  # a word that may continue in the next delta
-        self._emitted = 0
-
-    def feed(self, delta: str) -> list[str]:
-        """Add text; return the chunks it completed."""
-        text = self._tail + delta
-        words = text.split()
-        self._tail = words.pop() if words and not text[-1].isspace() else ""
-        if _ENDS_CLAUSE_NOW.search(self._tail):  # "there," or "France.": complete without the next space
-            words.append(self._tail)
-            self._tail = ""
-        chunks = []
-        for word in words:
-            self._words.append(word)
-            limit = FIRST_CHUNK_MAX_WORDS if not self._emitted else CHUNK_MAX_WORDS
-            if _CLAUSE_END.search(word) or len(self._words) >= limit:
-                chunks.extend(self._take())
-        return chunks
-
-    def flush(self) -> list[str]:
-        """The text is complete: return what is left as a last chunk."""
-        if self._tail:
-            self._words.append(self._tail)
-            self._tail = ""
-        return self._take()
-
-    def _take(self) -> list[str]:
-        chunk = " ".join(self._words)
-        self._words = []
-        if not _SPEAKABLE.search(chunk):
-            return []
-        self._emitted += 1
-        return [chunk]
-
-
-def split_text(text: str) -> list[str]:
-    """Split a whole text into speakable chunks by the rule of SPEC 2.2."""
-    chunker = TextChunker()
-    return chunker.feed(text) + chunker.flush()
-
-
-def is_speakable(text: str) -> bool:
-    return bool(_SPEAKABLE.search(text))
 
 
 @dataclass(frozen=True)

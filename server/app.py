@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -16,13 +17,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_tts_pb2, riva_tts_pb2_grpc
-from rtmedia.engines.asr import AsrEngine, AsrFinals
+from rtmedia.engines.asr import AsrEngine
 from rtmedia.engines.openai_chat import OpenAIResponder
 from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
 from rtmedia.engines.vad import VadEngine
+from rtmedia.server.audio_input import WINDOW_MS, VadTick
 from rtmedia.server.config import ServerConfig
+from rtmedia.server.engine_access import ASR, ASR_FINAL, TTS, VAD, VIDEO, EngineAccess
 from rtmedia.server.interceptors import ServerInterceptor
-from rtmedia.server.lm_lane import LmLane
 from rtmedia.server.metrics import Metrics
 from rtmedia.server.placement import build_lm_engines, build_video_engine, placement
 from rtmedia.server.realtime_service import RealtimeService
@@ -50,7 +52,7 @@ RIVA_SERVICE_NAMES = [
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
-    """Message limits (SPEC 3.5) and keepalive chosen for long-lived media streams."""
+    """Message limits (docs/protocol.md#wire-format) and keepalive chosen for long-lived media streams."""
     return [
         ("grpc.max_receive_message_length", config.max_receive_bytes),
         ("grpc.max_send_message_length", config.max_send_bytes),
@@ -72,23 +74,27 @@ class RtmediaServer:
         self.config = config
         self.metrics = metrics or Metrics()
         self.placement = placement(config)  # device, precision, CUDA graphs (server/placement.py)
-        self.scheduler = Scheduler(self.metrics)
+        self.scheduler = scheduler = Scheduler(self.metrics)
         voices = default_voices() + [voice_from_path(p) for p in config.voices]
         # One clause per step (Piper synthesises one text at a time, and a batch would hold every
         # result until its last one is done), two steps at once on the two cores.
-        self.scheduler.add(TtsEngine(voices, intra_op_threads=config.tts_threads, precision=config.tts_precision),
-                           LanePolicy(max_batch=1, concurrency=config.tts_concurrency))
+        scheduler.add(TTS, TtsEngine(voices, intra_op_threads=config.tts_threads, precision=config.tts_precision),
+                      LanePolicy(max_batch=1, concurrency=config.tts_concurrency))
         # One runner per PocketSphinx worker, each stepping only its own streams' items; an item
-        # that only ends an utterance goes through the `asr_final` lane (`asr_lane`), which each
-        # worker answers mid-step.
+        # that only ends an utterance goes through the `asr_final` lane, which each worker
+        # answers mid-step (its urgent pipe).
         asr = AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders)
-        for engine in (asr, AsrFinals(asr)):
-            self.scheduler.add(engine, LanePolicy(Priority.REALTIME, max_batch=64, concurrency=config.asr_workers,
-                                                  shard=lambda item: item.stream.worker))
+        for name, step in ((ASR, None), (ASR_FINAL, functools.partial(asr.step, urgent=True))):
+            scheduler.add(name, asr, LanePolicy(Priority.REALTIME, max_batch=64, concurrency=config.asr_workers,
+                                                shard=lambda item: item.stream.worker), step)
         # Video decode: one latent step per work item, BULK, so speech runs between any two steps.
-        self.scheduler.add(build_video_engine(config, self.placement, self.metrics),
-                           LanePolicy(Priority.BULK, max_batch=1, concurrency=1))
-        lanes = {name: self.scheduler.add_lm(name, LmLane(engine, self.metrics))
+        scheduler.add(VIDEO, build_video_engine(config, self.placement, self.metrics),
+                      LanePolicy(Priority.BULK, max_batch=1, concurrency=1))
+        # The VAD tick: every window, one batched step over every session's new audio.
+        vad = VadEngine(parallel_runs=config.vad_threads)
+        vad_tick = VadTick(vad)
+        scheduler.add_tick(VAD, vad, WINDOW_MS, vad_tick.collect, vad_tick.process, vad_tick.deliver)
+        lanes = {name: scheduler.add_lm(name, engine)
                  for name, engine in build_lm_engines(config, self.placement, self.metrics).items()}
         extra = {}
         if config.openai_url:
@@ -97,9 +103,11 @@ class RtmediaServer:
         if config.default_responder not in responders:
             raise ValueError(f"default_responder {config.default_responder!r} is not available; "
                              f"available: {', '.join(sorted(responders))}")
-        vad = VadEngine(parallel_runs=config.vad_threads)
-        self.realtime = RealtimeService(self.scheduler, vad, max_sessions=config.max_sessions,
-                                        lm_slots=config.lm_slots, responders=responders,
+        for name in responders.keys() - lanes.keys():  # replies that are not an LM lane's: one stream lane each
+            scheduler.add_stream(f"reply-{name}", LanePolicy(Priority.INTERACTIVE, concurrency=config.max_sessions))
+        self.access = EngineAccess.of(scheduler, vad, vad_tick, responders)
+        self.realtime = RealtimeService(self.access, max_sessions=config.max_sessions,
+                                        lm_slots=config.lm_slots,
                                         defaults=SessionSettings(responder=config.default_responder),
                                         limits=Limits(early_finals=config.early_finals))
         self.services = SERVICE_NAMES + (RIVA_SERVICE_NAMES if config.riva else [])
@@ -125,17 +133,17 @@ class RtmediaServer:
             interceptors=[ServerInterceptor(self.metrics, self.refusal)],
         )
         speech_pb2_grpc.add_SpeechServiceServicer_to_server(
-            SpeechService(self.scheduler, self.config.max_text_chars), server
+            SpeechService(self.access, self.config.max_text_chars), server
         )
         realtime_pb2_grpc.add_RealtimeServiceServicer_to_server(self.realtime, server)
         video_pb2_grpc.add_VideoServiceServicer_to_server(
-            VideoService(self.scheduler, self.config.max_send_bytes, self.config.video_queue_chunks), server
+            VideoService(self.access, self.config.max_send_bytes, self.config.video_queue_chunks), server
         )
         if self.config.riva:  # NVIDIA Riva's speech API on the same engines
             riva_asr_pb2_grpc.add_RivaSpeechRecognitionServicer_to_server(
-                RivaAsrService(self.scheduler, self.realtime.vad, self.realtime.vad_tick), server)
+                RivaAsrService(self.access), server)
             riva_tts_pb2_grpc.add_RivaSpeechSynthesisServicer_to_server(
-                RivaTtsService(self.scheduler, self.config.max_text_chars), server)
+                RivaTtsService(self.access, self.config.max_text_chars), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [*self.services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],

@@ -243,8 +243,8 @@ def _turn_windows(fe: _Frontend, block: np.ndarray, probs: list[float], out: lis
 
     A turn's trailing silence beyond TRAILING_SILENCE_MS is held back: sent once speech
     resumes, dropped when the turn ends (the recogniser needs only a little silence after the
-    last word, and the rest of the `silence_duration_ms` before speech_stopped cost it ~8 % of
-    its CPU). When it starts to be held, a "pause" action says so: the session can have the
+    last word, and decoding the rest of the `silence_duration_ms` before speech_stopped is
+    CPU spent on nothing). When it starts to be held, a "pause" action says so: the session can have the
     recogniser finish the audio so far before the turn is known to have ended."""
     detector, s = fe.detector, fe.settings
     assert detector is not None

@@ -24,9 +24,9 @@ class ServerConfig:
     max_send_bytes: int = 4 * MiB
     max_text_chars: int = 5000
     asr_workers: int = 2
-    # Fast-final PocketSphinx decoders built per worker at start (~94 MB each): the
-    # user turns a worker decodes at once before building more on demand (~0.35 s, during
-    # which the worker decodes nothing). 10 per worker: 20 sessions speaking at once.
+    # Fast-final PocketSphinx decoders built per worker at start: the user turns a worker
+    # decodes at once before building more on demand (building one stalls the worker, and
+    # each costs memory; BENCHMARKS.md has both). 10 per worker: 20 sessions speaking at once.
     asr_decoders: int = 10
     # A server_vad turn's recogniser utterance ends at each pause (160 ms of silence) rather than
     # at speech_stopped, so its final is ready when the turn ends (server/session.py Limits).
@@ -45,7 +45,7 @@ class ServerConfig:
     # dtype) or "auto" (int8 on the CPU, none on CUDA).
     lm_quantize: str = "auto"
     # LM decode batch sizes (capped at lm_slots): a decode is padded to the next one, and on CUDA
-    # each is captured as a CUDA graph at warm-up (SPEC §4; not subject to max_graphs).
+    # each is captured as a CUDA graph at warm-up (docs/architecture.md#cuda-graph-runner; not subject to max_graphs).
     lm_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
     # Build the llm lane on a Llama of this shape (tiny, 0.5b, 1b, 7b) with random weights instead of
     # the embedded SmolLM2, for capacity runs: its replies are gibberish.
@@ -53,9 +53,9 @@ class ServerConfig:
     # Where the LM and video engines run: "auto" (CUDA when torch sees a GPU, else the CPU), "cpu",
     # "cuda" or "cuda:N" (start-up fails when torch sees no CUDA device). bfloat16 LMs on CUDA.
     device: str = "auto"
-    # CUDA graphs for fixed-shape engine steps (SPEC §4); false runs every step eagerly.
+    # CUDA graphs for fixed-shape engine steps (docs/architecture.md#cuda-graph-runner); false runs every step eagerly.
     cuda_graphs: bool = True
-    # Graph runner admission per engine (SPEC §4): graphs beyond the warm-up ones (0 disables
+    # Graph runner admission per engine (docs/architecture.md#cuda-graph-runner): graphs beyond the warm-up ones (0 disables
     # admission), and the free device memory a capture needs (0 disables the check).
     max_graphs: int = 4
     min_free_bytes: int = 1 << 30
@@ -73,10 +73,9 @@ class ServerConfig:
     openai_model: str = "gpt-4o-mini"
     # onnxruntime intra-op threads per TTS synthesis, and syntheses that run at once. 0: one per
     # core for a synthesis that starts alone, one for one that starts beside another
-    # (engines/tts.py). Alone, two threads make a synthesis 1.1-1.4x faster (the first audio of
-    # a Synthesize call waits for its whole first chunk); two syntheses at once on one thread
-    # each gave 21-22 s of audio per wall second and 11.3 per CPU second here, on two threads
-    # each 19-20 and 9.7-10.3.
+    # (engines/tts.py): two threads shorten a synthesis that runs alone (the first audio of a
+    # Synthesize call waits for its whole first chunk), while two syntheses at once do more
+    # audio per second on one thread each (BENCHMARKS.md, TTS threads).
     tts_threads: int = 0
     tts_concurrency: int = 2
     # Piper's decoder: "auto" (bfloat16 on OpenVINO where the CPU has it natively, else float32

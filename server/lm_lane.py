@@ -7,8 +7,9 @@ lane's loop runs ONE batched decode step for all generations in the decode
 phase, samples the next tokens (greedy), and hands them to their consumers.
 A generation ends on an end-of-sequence token, at its token limit, or when
 its consumer goes away (barge-in); its slot is freed within that iteration.
-A generation whose `pause()` returns True sits out the decode steps until it
-returns False (a session pauses its reply while the first clause is synthesised).
+A conversation the scheduler is asked to `pause` sits out the decode steps
+until it is resumed (a session asks while its reply's first clause is
+synthesised, so that synthesis has the CPU); other conversations go on.
 The engine runs in the lane's own thread, never on the event loop.
 
 Kept conversations. A generation may carry a conversation key (the session
@@ -30,16 +31,16 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from rtmedia.engines.responder import Waiting
 from rtmedia.server.metrics import Metrics
+from rtmedia.server.scheduler import Priority
 
 log = logging.getLogger(__name__)
-
-PAUSE_POLL_S = 0.005  # how often a lane whose generations are all paused looks again
 
 
 @dataclass(eq=False)
@@ -56,7 +57,7 @@ class Generation:
     key: Hashable | None = None  # the conversation whose slot it keeps
     prepare_only: bool = False  # prefill the prompt and keep it; never waits
     cached: list[int] = field(default_factory=list)  # the tokens the slot holds
-    pause: Callable[[], bool] | None = None  # while it returns True, the generation is not decoded
+    conversation: Hashable | None = None  # whom a pause applies to (kept when `key` is dropped)
 
 
 @dataclass
@@ -77,10 +78,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class LmLane:
     """Owns one LM engine (`acquire/release/prefill/decode`, see engines/lm.py)."""
 
-    def __init__(self, engine: Any, metrics: Metrics) -> None:
+    priority = Priority.INTERACTIVE
+
+    def __init__(self, name: str, engine: Any, metrics: Metrics) -> None:
         self.engine = engine
-        self.name = engine.name
+        self.name = name
         self._metrics = metrics
+        self._paused: set[Hashable] = set()
         self._waiting: deque[Generation] = deque()
         self._active: list[Generation] = []
         self._kept: OrderedDict[Hashable, Kept] = OrderedDict()  # least recently used first
@@ -108,6 +112,7 @@ class LmLane:
 
     def forget(self, key: Hashable) -> None:
         """The conversation is over: give up its kept slot and keep nothing more for it."""
+        self.resume(key)
         for generation in [*self._active, *self._waiting]:
             if generation.key == key:
                 generation.key = None
@@ -115,17 +120,24 @@ class LmLane:
             self.engine.release(kept.slot)
             self._update_gauges()
 
+    def pause(self, conversation: Hashable) -> None:
+        """The conversation's generations sit out the decode steps until `resume`."""
+        self._paused.add(conversation)
+
+    def resume(self, conversation: Hashable) -> None:
+        if conversation in self._paused:
+            self._paused.discard(conversation)
+            self._wake.set()
+
     async def generate(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
-                       on_wait: Callable[[int], None] | None = None, key: Hashable | None = None,
-                       pause: Callable[[], bool] | None = None) -> AsyncIterator[int]:
-        """Stream generated token ids. `on_wait(position)` is called if no slot is free.
-        With a `key`, the slot is kept for the key's next generation (see the module docstring).
-        While `pause()` returns True the generation sits out the decode steps (checked every
-        PAUSE_POLL_S when nothing else runs)."""
-        generation = Generation(list(prompt), max_new_tokens, frozenset(stop_ids), key=key, pause=pause)
+                       key: Hashable | None = None) -> AsyncIterator[int | Waiting]:
+        """Stream generated token ids, first a `Waiting(queue position)` when no slot is free.
+        With a `key`, the slot is kept for the key's next generation (see the module docstring),
+        and `pause(key)` holds the generation back."""
+        generation = Generation(list(prompt), max_new_tokens, frozenset(stop_ids), key=key, conversation=key)
         self.prompts.append(generation.prompt)
-        if on_wait is not None and (self._waiting or not (self.engine.slots_free or self._kept)):
-            on_wait(len(self._waiting))
+        if len(self._waiting) >= self.engine.slots_free + len(self._kept):  # no slot it could take
+            yield Waiting(len(self._waiting))
         self._waiting.append(generation)
         self._update_gauges()
         self._wake.set()
@@ -207,7 +219,7 @@ class LmLane:
                 self._active.append(generation)
                 self._emit(generation, logits)
             decoding = [g for g in self._active if g.slot is not None and g.last is not None and not g.cancelled]
-            decoding = [g for g in decoding if g not in admitted and not (g.pause is not None and g.pause())]
+            decoding = [g for g in decoding if g not in admitted and g.conversation not in self._paused]
             if decoding:
                 tokens = {g.slot: g.last for g in decoding}
                 try:
@@ -223,10 +235,9 @@ class LmLane:
                         if generation.slot is not None and not generation.cancelled:
                             self._emit(generation, results[generation.slot])
                 self._metrics.lane_batch_size.labels(self.name).observe(len(tokens))
-            if not admitted and not decoding:  # every active generation is paused
+            if not admitted and not decoding:  # every active generation is paused: wait for a resume
                 self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), PAUSE_POLL_S)
+                await self._wake.wait()
                 continue
             self._metrics.lane_step_seconds.labels(self.name).observe(time.perf_counter() - started)
             await asyncio.sleep(0)  # let consumers run between steps

@@ -1,4 +1,4 @@
-"""Prometheus metrics (SPEC §6): names, base units, one registry per server."""
+"""Prometheus metrics (docs/operations.md#metrics): names, base units, one registry per server."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ built from the result:
 `cuda_graphs: false` (`--no-cuda-graphs`) runs everything eagerly. Each
 engine's graph runner counts its replays and its misses by reason into
 `rtmedia_graph_replays_total{engine}` / `rtmedia_graph_misses_total{engine,reason}`
-(SPEC §4, §6); on a CPU every call is an `ineligible` miss.
+(docs/architecture.md#cuda-graph-runner, docs/operations.md#metrics); on a CPU every call is an `ineligible` miss.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def placement(config: ServerConfig) -> Placement:
 
 
 def graph_runner(engine: str, where: Placement, metrics: Metrics) -> GraphRunner:
-    """A graph runner whose replays and misses count into the SPEC §6 metrics under `engine`."""
+    """A graph runner whose replays and misses count into the metrics (docs/operations.md#metrics) under `engine`."""
     replays = metrics.graph_replays.labels(engine)
     misses = {reason: metrics.graph_misses.labels(engine, reason) for reason in MISS_REASONS}
     return GraphRunner(engine, where.graphs, on_replay=replays.inc, on_miss=lambda reason: misses[reason].inc())

@@ -1,4 +1,4 @@
-"""RealtimeService.Converse: one duplex speech session per stream (SPEC §1)."""
+"""RealtimeService.Converse: one duplex speech session per stream (docs/protocol.md#sessions)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,9 @@ import uuid
 from typing import Any
 
 import grpc
-from rtmedia.engines.asr import AsrEngine
-from rtmedia.engines.responder import EchoResponder, Responder
-from rtmedia.engines.tts import TtsEngine
-from rtmedia.engines.vad import VadEngine
 from rtmedia.protocol.errors import abort
-from rtmedia.server.audio_input import WINDOW_MS, VadTick
-from rtmedia.server.scheduler import Scheduler, TickLane
-from rtmedia.server.session import Limits, Session
+from rtmedia.server.engine_access import EngineAccess
+from rtmedia.server.session import Limits, Session, SessionContext
 from rtmedia.server.session_config import SessionSettings
 from rtmedia.v1 import realtime_pb2_grpc
 
@@ -29,33 +24,16 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
     """Admits sessions, runs each stream's reader and writer, and closes sessions on
     idle timeout, max duration, disconnect and drain."""
 
-    def __init__(self, scheduler: Scheduler, vad: VadEngine, max_sessions: int = 256, lm_slots: int = 16,
-                 limits: Limits | None = None, defaults: SessionSettings | None = None,
-                 responders: dict[str, Responder] | None = None) -> None:
-        self.scheduler = scheduler
-        self.metrics = scheduler.metrics
-        self.bytes_in = self.metrics.bytes_total.labels("in")  # counted per audio chunk
-        self.tts: TtsEngine = scheduler.engine("tts")
-        self.asr: AsrEngine = scheduler.engine("asr")
-        self.vad = vad
-        self.vad_tick = VadTick(vad)
-        scheduler.add_tick(TickLane(vad, WINDOW_MS, self.vad_tick.collect, self.vad_tick.process,
-                                    self.vad_tick.deliver, scheduler))
+    def __init__(self, access: EngineAccess, max_sessions: int = 256, lm_slots: int = 16,
+                 limits: Limits | None = None, defaults: SessionSettings | None = None) -> None:
+        self.metrics = access.metrics
         self.max_sessions = max_sessions
-        self.lm_slots = lm_slots
-        self.limits = limits or Limits()
+        self.context = SessionContext(access, limits or Limits(), max_sessions, lm_slots)
         self.defaults = defaults or SessionSettings()
-        self.responders = responders or {"echo": EchoResponder()}
         self.sessions: dict[str, Session] = {}
         self.draining = False
         self._all_closed = asyncio.Event()
         self._housekeeper: asyncio.Task[None] | None = None
-
-    @property
-    def voices(self) -> dict[str, list[int]]:
-        """Voice name -> supported output rates, the default voice first."""
-        names = [self.tts.default_voice, *(n for n in self.tts.voices if n != self.tts.default_voice)]
-        return {n: self.tts.voices[n].supported_rates for n in names}
 
     def start(self) -> None:
         self._housekeeper = asyncio.create_task(self._housekeeping(), name="realtime-housekeeping")
@@ -65,7 +43,7 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
             self.metrics.sessions_total.labels("rejected").inc()
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "MAX_SESSIONS",
                         f"the server is at its limit of {self.max_sessions} concurrent sessions; retry later")
-        session = Session(f"sess_{uuid.uuid4().hex[:12]}", self, self.defaults)
+        session = Session(f"sess_{uuid.uuid4().hex[:12]}", self.context, self.defaults)
         self.sessions[session.id] = session
         self.metrics.sessions_active.set(len(self.sessions))
         self.metrics.sessions_total.labels("admitted").inc()

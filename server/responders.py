@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
 from rtmedia.engines.lm_models import Detokenizer, truncate_history_to_fit
-from rtmedia.engines.responder import EchoResponder, Message, ReplyRequest, Responder
+from rtmedia.engines.responder import EchoResponder, Message, ReplyRequest, Responder, Waiting
 from rtmedia.server.lm_lane import LmLane, common_prefix
 
 # Voice replies are short: the cap when a request leaves max_output_tokens at its default.
@@ -52,15 +52,17 @@ class LmResponder:
     def forget(self, conversation: Hashable) -> None:
         self.lane.forget(conversation)
 
-    async def reply(self, request: ReplyRequest) -> AsyncIterator[str]:
+    async def reply(self, request: ReplyRequest) -> AsyncIterator[str | Waiting]:
         max_new = _max_new(request)
         tokenizer = self.tokenizer
         prompt = await asyncio.to_thread(self.prompt, request, max_new)
         stop = {t for t in (tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None)) if t is not None}
         text = Detokenizer(tokenizer)
         started = False  # the reply's leading whitespace is dropped
-        async for token in self.lane.generate(prompt, max_new, sorted(stop), request.on_wait,
-                                              key=request.conversation, pause=request.pause):
+        async for token in self.lane.generate(prompt, max_new, sorted(stop), key=request.conversation):
+            if isinstance(token, Waiting):
+                yield token
+                continue
             delta = text.push(token)
             if not started:
                 delta = delta.lstrip()

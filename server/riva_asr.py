@@ -5,9 +5,10 @@ audio goes through an `AudioInput` on the shared VAD tick lane (decode,
 resample to 16 kHz, batched Silero VAD), whose turn detector is a
 `HistoryEndpointer` following the request's `EndpointingConfig`
 (server/endpointing.py gives the mapping). Each utterance it finds is decoded
-on the ASR lane (PocketSphinx worker processes, one utterance per turn): its
-partials become interim results, its final a final result with word offsets in
-the stream's time.
+on the ASR lane (PocketSphinx worker processes, one utterance per turn) by the
+`Recognizer` the duplex sessions use too (server/recognition.py): its partials
+become interim results, its final a final result with word offsets in the
+stream's time.
 
 Options rtmedia does not serve are rejected with a status naming them
 (`RecognitionOptions.from_config`); one alternative is returned whatever
@@ -24,16 +25,16 @@ import contextlib
 import io
 import logging
 import wave
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_audio_pb2
-from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem, asr_lane
-from rtmedia.engines.vad import VadEngine
-from rtmedia.server.audio_input import WINDOW_MS, Action, AudioInput, VadTick
+from rtmedia.engines.asr import AsrEvent
+from rtmedia.server.audio_input import WINDOW_MS, Action, AudioInput
 from rtmedia.server.endpointing import DEFAULTS, HistoryEndpointer, check_endpointing
+from rtmedia.server.engine_access import EngineAccess
+from rtmedia.server.recognition import Recognizer, Turn
 from rtmedia.server.riva_common import (
     INVALID,
     UNIMPLEMENTED,
@@ -42,7 +43,7 @@ from rtmedia.server.riva_common import (
     check_custom_configuration,
     check_language,
 )
-from rtmedia.server.scheduler import Priority, Scheduler
+from rtmedia.server.scheduler import Priority
 from rtmedia.server.session_config import ALAW, PCM16, ULAW, SessionSettings
 
 log = logging.getLogger(__name__)
@@ -150,18 +151,11 @@ def punctuate(text: str) -> str:
     return f"{text[0].upper()}{text[1:]}." if text else text
 
 
-@dataclass(slots=True)
-class _Utterance:
-    shift_ms: int = 0  # recogniser stream time -> input stream time
-
-
 @dataclass
 class Recognition:
     """One recognition: audio in (`feed`, `finish`), results out (`results`, None at the end)."""
 
-    scheduler: Scheduler
-    vad: VadEngine
-    vad_tick: VadTick
+    access: EngineAccess
     options: RecognitionOptions
     interim: bool
     priority: Priority = Priority.REALTIME
@@ -175,17 +169,15 @@ class Recognition:
             threshold=endpointer.threshold, prefix_padding_ms=endpointer.prefix_padding_ms,
             silence_duration_ms=endpointer.silence_duration_ms,
         )
-        self.asr: AsrEngine = self.scheduler.engine("asr")
         self.piece = self.options.sample_rate * self.options.bytes_per_sample * PIECE_MS // 1000
-        self.input = AudioInput(settings, 4 * PIECE_MS, self._on_actions, self.vad.open_stream(),
+        self.input = AudioInput(settings, 4 * PIECE_MS, self._on_actions, self.access.vad.open(),
                                 make_detector=lambda _settings: endpointer)
-        self._queue: deque[tuple[str, _Utterance, bytes]] = deque()
-        self._ready = asyncio.Event()
-        self._utterance: _Utterance | None = None
+        self._turn: Turn | None = None  # the utterance being spoken
         self._asr_ms = 0  # audio sent to the recogniser
-        self._stream = self.asr.open_stream(segment=False)
-        self.vad_tick.inputs.add(self.input)
-        self._task = asyncio.create_task(self._recognise(), name="riva-recognition")
+        self.recognizer = Recognizer(self.access.asr, priority=self.priority, on_event=self._on_event)
+        self.access.vad.attach(self.input)
+        self._task = self.recognizer.start("riva-recognition")
+        self._task.add_done_callback(self._recognised)
 
     async def feed(self, audio: bytes) -> None:
         """Queue audio for the VAD tick, piece by piece, waiting while a piece is still queued."""
@@ -202,73 +194,56 @@ class Recognition:
         taken = asyncio.get_running_loop().create_future()
         self.input.after_input(lambda: taken.set_result(None))
         await taken
-        if self._utterance is not None:
-            self._send("end")
-        self._send("stop")
+        self._end()
+        self.recognizer.stop()
 
     def fail(self, exc: Rejected) -> None:
         self.results.put_nowait(exc)
 
     async def close(self) -> None:
-        self.vad_tick.inputs.discard(self.input)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        await asyncio.to_thread(self.asr.close_stream, self._stream)
+        self.access.vad.detach(self.input)
+        await self.recognizer.close()
 
     # ---- VAD tick results (on the loop) ----------------------------------------
     def _on_actions(self, actions: list[Action]) -> None:
         for kind, value in actions:
             if kind == "audio":
                 offset_ms, pcm = value
-                if self._utterance is None:  # the first audio of a turn: its start, prefix included
-                    self._utterance = _Utterance(shift_ms=offset_ms - self._asr_ms)
+                if self._turn is None:  # the first audio of a turn: its start, prefix included
+                    self._turn = Turn(input_offset_ms=offset_ms, asr_offset_ms=self._asr_ms)
                 self._asr_ms += len(pcm) // 32
-                self._send("audio", pcm)
+                self.recognizer.send("audio", self._turn, pcm)
             elif kind == "stopped":
-                self._send("end")
+                self._end()
             elif kind == "marker":
                 value()
 
-    def _send(self, kind: str, pcm: bytes = b"") -> None:
-        utterance = self._utterance or _Utterance()
-        if kind == "end":
-            self._utterance = None
-        self._queue.append((kind, utterance, pcm))
-        self._ready.set()
+    def _end(self) -> None:
+        """The utterance ended: the recogniser finishes it (nothing to do if it had no audio)."""
+        turn, self._turn = self._turn, None
+        if turn is not None:
+            self.recognizer.send("end", turn)
 
     # ---- recognition ----------------------------------------------------------
-    async def _recognise(self) -> None:
-        """Sends the turns to the ASR lane in order; its events become results."""
-        try:
-            await self._recognise_turns()
-        except Exception as exc:  # an engine failure ends the call with a status
-            log.exception("riva recognition failed")
+    def _recognised(self, task: asyncio.Task[None]) -> None:
+        """The recogniser's task ended: after the last result (None), or failed."""
+        if task.cancelled():
+            return
+        if (exc := task.exception()) is not None:  # an engine failure ends the call with a status
+            log.error("riva recognition failed", exc_info=exc)
             self.fail(Rejected(grpc.StatusCode.INTERNAL, "ENGINE_FAILED", f"recognition failed: {exc}"))
+        else:
+            self.results.put_nowait(None)
 
-    async def _recognise_turns(self) -> None:
-        queue = self._queue
-        while True:
-            while not queue:
-                self._ready.clear()
-                await self._ready.wait()
-            kind, utterance, pcm = queue.popleft()
-            if kind == "stop":
-                self.results.put_nowait(None)
-                return
-            while kind == "audio" and queue and queue[0][1] is utterance and queue[0][0] != "stop":
-                kind, _, more = queue.popleft()  # coalesce what queued up while the lane was busy
-                pcm += more
-            item = AsrItem(self._stream, pcm, end=kind == "end")
-            for event in await self.scheduler.submit(asr_lane(item), item, self.priority):
-                result = self._result(event, utterance)
-                if result is not None:
-                    self.results.put_nowait(result)
+    def _on_event(self, turn: Turn, event: AsrEvent) -> None:
+        result = self._result(event, turn)
+        if result is not None:
+            self.results.put_nowait(result)
 
-    def _result(self, event: AsrEvent, utterance: _Utterance) -> riva_asr_pb2.StreamingRecognitionResult | None:
+    def _result(self, event: AsrEvent, turn: Turn) -> riva_asr_pb2.StreamingRecognitionResult | None:
         if not event.text or not (event.is_final or self.interim):
             return None
-        shift = utterance.shift_ms
+        shift = turn.shift_ms
         alternative = riva_asr_pb2.SpeechRecognitionAlternative(transcript=event.text)
         if event.is_final:
             if self.options.punctuation:
@@ -288,14 +263,12 @@ class Recognition:
 
 
 class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
-    def __init__(self, scheduler: Scheduler, vad: VadEngine, vad_tick: VadTick) -> None:
-        self.scheduler = scheduler
-        self.vad = vad
-        self.vad_tick = vad_tick
-        self.bytes_in = scheduler.metrics.bytes_total.labels("in")
+    def __init__(self, access: EngineAccess) -> None:
+        self.access = access
+        self.bytes_in = access.metrics.bytes_total.labels("in")
 
     def _recognition(self, options: RecognitionOptions, interim: bool, priority: Priority) -> Recognition:
-        return Recognition(self.scheduler, self.vad, self.vad_tick, options, interim, priority)
+        return Recognition(self.access, options, interim, priority)
 
     async def GetRivaSpeechRecognitionConfig(self, request, context):
         configs = []

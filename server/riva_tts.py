@@ -1,6 +1,6 @@
 """NVIDIA Riva's `nvidia.riva.tts.RivaSpeechSynthesis` on rtmedia's TTS lane (Piper voices).
 
-`Synthesize` splits the text by the streaming rule (SPEC 2.2), submits the
+`Synthesize` splits the text by the streaming rule (docs/protocol.md#streaming-tts), submits the
 chunks to the TTS lane one after another (a stream's items must be stepped in
 order: its resampler state runs from chunk to chunk) and returns the joined
 audio.
@@ -23,14 +23,9 @@ import time
 from collections.abc import AsyncIterator
 
 from riva.client.proto import riva_audio_pb2, riva_tts_pb2, riva_tts_pb2_grpc
-from rtmedia.engines.tts import (
-    TextChunker,
-    TtsEngine,
-    TtsItem,
-    TtsStream,
-    split_text,
-    unsupported_rate_message,
-)
+from rtmedia.engines.text_chunks import TextChunker, split_text
+from rtmedia.engines.tts import TtsItem, TtsStream, unsupported_rate_message
+from rtmedia.server.engine_access import EngineAccess
 from rtmedia.server.riva_common import (
     INVALID,
     UNIMPLEMENTED,
@@ -39,18 +34,16 @@ from rtmedia.server.riva_common import (
     check_custom_configuration,
     check_language,
 )
-from rtmedia.server.scheduler import Scheduler
 from rtmedia.server.speech_service import text_problem
 
 ENCODINGS = (riva_audio_pb2.ENCODING_UNSPECIFIED, riva_audio_pb2.LINEAR_PCM)
 
 
 class RivaTtsService(riva_tts_pb2_grpc.RivaSpeechSynthesisServicer):
-    def __init__(self, scheduler: Scheduler, max_text_chars: int = 5000) -> None:
-        self.scheduler = scheduler
-        self.tts: TtsEngine = scheduler.engine("tts")
+    def __init__(self, access: EngineAccess, max_text_chars: int = 5000) -> None:
+        self.tts = access.tts
         self.max_text_chars = max_text_chars
-        self.metrics = scheduler.metrics
+        self.metrics = access.metrics
 
     async def GetRivaSynthesisConfig(self, request, context):
         configs = [
@@ -159,7 +152,7 @@ class RivaTtsService(riva_tts_pb2_grpc.RivaSpeechSynthesisServicer):
         async def run() -> bytes:
             if after is not None:
                 await asyncio.wait([after])
-            return await self.scheduler.submit("tts", TtsItem(stream, text, final))
+            return await self.tts.synthesize(TtsItem(stream, text, final))
         return asyncio.ensure_future(run())
 
     def _open(self, request: riva_tts_pb2.SynthesizeSpeechRequest) -> TtsStream:
@@ -187,7 +180,7 @@ class RivaTtsService(riva_tts_pb2_grpc.RivaSpeechSynthesisServicer):
             if value:
                 raise Rejected(UNIMPLEMENTED, "UNSUPPORTED_OPTION", f"{option} is not supported by rtmedia")
         check_custom_configuration(request.custom_configuration)
-        return self.tts.open_stream(voice.name, rate)
+        return self.tts.open(voice.name, rate)
 
     def _check_text(self, text: str, complete: bool) -> None:
         if (problem := text_problem(text, self.max_text_chars, complete)) is not None:

@@ -25,6 +25,15 @@ A tick lane (`TickLane`) has no queue: every period it collects the work of
 all live sessions on the loop, processes it in one batched step in its
 thread, and hands the results back on the loop (the VAD lane).
 
+The LM lane (`LmLane`, server/lm_lane.py) batches the decode steps of every
+generating session on one model; a stream lane (`StreamLane`) runs streaming
+calls that are not batched (a reply from an OpenAI-compatible server, the echo
+responder) as tasks it owns, at most `concurrency` at once, in priority order.
+All four kinds are lanes of this one scheduler: named by the server when it
+registers them (engines do not know lane names), loaded, started and closed
+together. Sessions and servicers reach them only through the typed handles of
+server/engine_access.py.
+
 An engine reports a per-item failure by returning an exception instance as
 that item's result. When `step` raises for a batch, its items are stepped one
 by one, so one bad item (say, of a stream its session just closed) fails alone.
@@ -37,16 +46,20 @@ import contextlib
 import heapq
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rtmedia.engines.base import Engine, EngineError
 from rtmedia.server.metrics import Metrics
 
+if TYPE_CHECKING:
+    from rtmedia.server.lm_lane import LmLane
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Priority(IntEnum):
@@ -69,12 +82,16 @@ class LanePolicy:
 
 
 class Lane:
-    """One engine's queue, batch policy and worker threads."""
+    """One engine's queue, batch policy and worker threads. `step` is what a batch runs
+    (default: `engine.step`; the `asr_final` lane runs the recogniser's urgent step)."""
 
-    def __init__(self, engine: Engine, policy: LanePolicy, scheduler: Scheduler) -> None:
+    def __init__(self, name: str, engine: Engine, policy: LanePolicy, scheduler: Scheduler,
+                 step: Callable[[list[Any]], list[Any]] | None = None) -> None:
         self.engine = engine
-        self.name = engine.name
+        self.name = name
         self.policy = policy
+        self.priority = policy.priority
+        self._step = step or engine.step
         self._scheduler = scheduler
         self._metrics = scheduler.metrics
         # Heaps of [priority, due, seq, item, future], one per shard; withdrawn entries have future done.
@@ -142,7 +159,7 @@ class Lane:
             items = [entry[3] for entry in batch]
             started = time.perf_counter()
             try:
-                results = await loop.run_in_executor(executor, self.engine.step, items)
+                results = await loop.run_in_executor(executor, self._step, items)
                 if len(results) != len(items):
                     raise EngineError(f"{self.name}.step returned {len(results)} results for {len(items)} items")
             except Exception as exc:  # the batch failed: find out which items did, one by one
@@ -165,7 +182,7 @@ class Lane:
 
     def _step_one(self, item: Any) -> Any:
         try:
-            return self.engine.step([item])[0]
+            return self._step([item])[0]
         except Exception as exc:
             return exc
 
@@ -185,10 +202,10 @@ class TickLane:
     lane's thread, `deliver(results)` hands the results back on the loop. A tick
     whose step outlasts the period counts a deadline miss."""
 
-    def __init__(self, engine: Engine, period_ms: float, collect: Callable[[], Any], process: Callable[[Any], Any],
-                 deliver: Callable[[Any], None], scheduler: Scheduler) -> None:
+    def __init__(self, name: str, engine: Engine, period_ms: float, collect: Callable[[], Any],
+                 process: Callable[[Any], Any], deliver: Callable[[Any], None], scheduler: Scheduler) -> None:
         self.engine = engine
-        self.name = engine.name
+        self.name = name
         self.period = period_ms / 1000
         self.priority = Priority.REALTIME
         self._collect, self._process, self._deliver = collect, process, deliver
@@ -236,6 +253,103 @@ class TickLane:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
+class StreamLane:
+    """Streaming calls that are not batched (a reply from an HTTP server): each runs as a
+    task the lane owns and names, at most `policy.concurrency` at once, admitted in priority
+    order then first come, first served. The task hands what the call yields to its caller
+    through a bounded queue (the call waits when the caller is behind); a caller that goes
+    away cancels its call, and closing the lane cancels them all."""
+
+    QUEUE = 64  # items a call may run ahead of its caller
+
+    def __init__(self, name: str, policy: LanePolicy, scheduler: Scheduler) -> None:
+        self.name = name
+        self.engine = None
+        self.policy = policy
+        self.priority = policy.priority
+        self._metrics = scheduler.metrics
+        self._free = policy.concurrency
+        self._queue: list[tuple[int, int, asyncio.Future[None]]] = []  # heap of (priority, seq, admission)
+        self._seq = 0
+        self._calls: set[asyncio.Task[None]] = set()
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for *_, admission in self._queue if not admission.done())
+
+    def start(self) -> None:
+        pass
+
+    async def _admit(self, priority: Priority) -> None:
+        if self._free > 0 and not self.waiting:
+            self._free -= 1
+            return
+        admission: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._seq += 1
+        heapq.heappush(self._queue, (priority, self._seq, admission))
+        self._metrics.lane_queue_depth.labels(self.name).set(self.waiting)
+        try:
+            await admission
+        except asyncio.CancelledError:
+            if admission.done() and not admission.cancelled():
+                self._release()  # admitted as it was cancelled: pass the place on
+            raise
+
+    def _release(self) -> None:
+        while self._queue:
+            *_, admission = heapq.heappop(self._queue)
+            if not admission.done():
+                admission.set_result(None)
+                break
+        else:
+            self._free += 1
+        self._metrics.lane_queue_depth.labels(self.name).set(self.waiting)
+
+    async def stream(self, call: Callable[[], AsyncIterator[T]], priority: Priority | None = None
+                     ) -> AsyncIterator[T]:
+        """Run `call()` in the lane and yield what it yields; its exception is raised here."""
+        await self._admit(self.policy.priority if priority is None else priority)
+        out: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue(self.QUEUE)
+
+        async def run() -> None:
+            started = time.perf_counter()
+            try:
+                async for value in call():
+                    await out.put((True, value))
+                await out.put((False, None))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._metrics.lane_step_failures.labels(self.name).inc()
+                await out.put((False, exc))
+            finally:
+                self._metrics.lane_step_seconds.labels(self.name).observe(time.perf_counter() - started)
+
+        task = asyncio.create_task(run(), name=f"lane-{self.name}-{self._seq}")
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+        try:
+            while True:
+                more, value = await out.get()
+                if not more:
+                    if value is not None:
+                        raise value
+                    return
+                yield value
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            self._release()
+
+    async def close(self) -> None:
+        await _cancel_all(list(self._calls))
+        for *_, admission in self._queue:
+            admission.cancel()
+        self._queue.clear()
+
+
 async def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
     for task in tasks:
         task.cancel()
@@ -245,61 +359,87 @@ async def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
 
 
 class Scheduler:
-    """Owns the engines and their lanes."""
+    """Owns the engines and their lanes: every lane is registered here by name, loaded,
+    started and closed here, and nothing else calls an engine."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        self.lanes: dict[str, Lane] = {}
-        self.tick_lanes: dict[str, TickLane] = {}
-        self.lm_lanes: dict[str, Any] = {}  # name -> LmLane (server/lm_lane.py)
+        self.lanes: dict[str, Lane | TickLane | LmLane | StreamLane] = {}
         self._progress = asyncio.Event()
 
-    def add(self, engine: Engine, policy: LanePolicy) -> Lane:
-        lane = Lane(engine, policy, self)
+    def _register(self, lane: Any) -> Any:
+        if lane.name in self.lanes:
+            raise ValueError(f"a lane named {lane.name!r} is registered already")
         self.lanes[lane.name] = lane
         return lane
 
-    def add_tick(self, lane: TickLane) -> TickLane:
-        self.tick_lanes[lane.name] = lane
+    def add(self, name: str, engine: Engine, policy: LanePolicy,
+            step: Callable[[list[Any]], list[Any]] | None = None) -> Lane:
+        """A batching lane of `engine` (its `step`, or the given one)."""
+        lane: Lane = self._register(Lane(name, engine, policy, self, step))
         return lane
 
-    def add_lm(self, name: str, lane: Any) -> Any:
-        self.lm_lanes[name] = lane
+    def add_tick(self, name: str, engine: Engine, period_ms: float, collect: Callable[[], Any],
+                 process: Callable[[Any], Any], deliver: Callable[[Any], None]) -> TickLane:
+        """A lane that runs every `period_ms` over the work `collect()` gathers (see TickLane)."""
+        lane: TickLane = self._register(TickLane(name, engine, period_ms, collect, process, deliver, self))
         return lane
 
-    @property
-    def all_lanes(self) -> list[Any]:
-        return [*self.lanes.values(), *self.tick_lanes.values(), *self.lm_lanes.values()]
+    def add_lm(self, name: str, engine: Any) -> LmLane:
+        """The continuous-batching lane of one LM engine (server/lm_lane.py)."""
+        from rtmedia.server.lm_lane import LmLane
 
-    def engine(self, name: str) -> Any:
-        return self.lanes[name].engine
+        lane: LmLane = self._register(LmLane(name, engine, self.metrics))
+        return lane
+
+    def add_stream(self, name: str, policy: LanePolicy) -> StreamLane:
+        """A lane of unbatched streaming calls (see StreamLane)."""
+        lane: StreamLane = self._register(StreamLane(name, policy, self))
+        return lane
+
+    def lane(self, name: str) -> Lane:
+        """The batching lane `name` (for what runs `submit` on it)."""
+        lane = self.lanes[name]
+        if not isinstance(lane, Lane):
+            raise TypeError(f"lane {name!r} is a {type(lane).__name__}, not a batching lane")
+        return lane
+
+    def _engines(self) -> list[Any]:
+        """Each lane's engine once (two lanes may share one: asr and asr_final)."""
+        engines: list[Any] = []
+        for lane in self.lanes.values():
+            if lane.engine is not None and all(lane.engine is not e for e in engines):
+                engines.append(lane.engine)
+        return engines
 
     def lane_progressed(self) -> None:
         self._progress.set()
 
     async def wait_realtime_idle(self) -> None:
         """Return once no REALTIME or INTERACTIVE lane has queued work."""
-        while any(lane.waiting for lane in self.lanes.values() if lane.policy.priority < Priority.BULK):
+        while any(lane.waiting for lane in self.lanes.values()
+                  if isinstance(lane, Lane) and lane.priority < Priority.BULK):
             self._progress.clear()
             await self._progress.wait()
 
     async def load(self) -> None:
         """Load and warm up every engine, off the event loop."""
-        for lane in self.all_lanes:
+        for engine in self._engines():
             started = time.perf_counter()
-            await asyncio.to_thread(lane.engine.load)
-            await asyncio.to_thread(lane.engine.warmup)
-            log.info("engine %s ready in %.2f s", lane.name, time.perf_counter() - started)
+            await asyncio.to_thread(engine.load)
+            await asyncio.to_thread(engine.warmup)
+            log.info("engine %s ready in %.2f s", engine.name, time.perf_counter() - started)
 
     def start(self) -> None:
-        for lane in self.all_lanes:
+        for lane in self.lanes.values():
             lane.start()
 
     async def submit(self, lane: str, item: Any, priority: Priority | None = None,
                      due: float | None = None) -> Any:
-        return await self.lanes[lane].submit(item, priority, due)
+        return await self.lane(lane).submit(item, priority, due)
 
     async def close(self) -> None:
-        for lane in self.all_lanes:
+        for lane in self.lanes.values():
             await lane.close()
-            await asyncio.to_thread(lane.engine.close)
+        for engine in self._engines():
+            await asyncio.to_thread(engine.close)

@@ -1,20 +1,18 @@
-"""A duplex speech session: one Converse stream (SPEC §1).
+"""A duplex speech session: one Converse stream (docs/protocol.md#sessions).
 
-The session owns its config, turn state, audio input, outbound events, the
-conversation history and the ids of its in-flight work. It never calls an
-engine: audio goes through the VAD tick lane (server/audio_input.py), ASR and
-TTS work through the scheduler's lanes.
+`Session` holds the session's lifecycle (open, finish, drain, close) and the dispatch
+of client events to their handlers; its config, turn state, audio input, camera frames
+and conversation history live here. The rest is in the parts it owns, one each:
+- the outbox (server/outbox.py): control events overtake queued media, media of a
+  cancelled response's epoch are dropped;
+- the recogniser feed (server/recognition.py): turn audio to the ASR lanes in order, its
+  results into transcription events (a server_vad turn's segment ends at each pause, so
+  its final is ready when speech_stopped comes: Limits.early_finals);
+- the reply pipeline (server/reply.py): transcript -> responder -> TTS -> audio deltas.
 
-Tasks, each owned here and cancelled by `close()`:
-- the ASR feeder: sends turn audio to the recogniser in order and turns its
-  results into transcription events (a server_vad turn's utterance ends at each
-  pause, so its final is ready when speech_stopped comes: Limits.early_finals);
-- the response task: transcript -> responder -> TTS -> audio deltas.
-
-Every response has an epoch. Cancelling a response (barge-in,
-response.cancel) bumps the epoch, and the outbox drops media events of an
-older epoch, so a late result of a cancelled response is never sent. Control
-events (barge-in, errors, lifecycle) overtake queued media.
+The session never calls an engine itself: audio goes through the VAD tick lane
+(server/audio_input.py), ASR and TTS work through the scheduler's lanes in those parts.
+Every task of the session is owned here and cancelled by `close()`.
 """
 
 from __future__ import annotations
@@ -25,183 +23,58 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
-from rtmedia.engines.asr import AsrEvent, AsrItem, asr_lane
 from rtmedia.engines.responder import Message, ReplyRequest
-from rtmedia.engines.tts import TextChunker, TtsItem
 from rtmedia.protocol.events import server_event
 from rtmedia.server.audio_input import Action, AudioInput
+from rtmedia.server.engine_access import EngineAccess
+from rtmedia.server.outbox import Outbox
+from rtmedia.server.recognition import Recognizer, Turn
+from rtmedia.server.reply import TTS_WINDOW_FRAMES, ReplyPipeline, Response
 from rtmedia.server.scheduler import Priority
 from rtmedia.server.session_config import PCM16, ConfigError, SessionSettings
+from rtmedia.server.session_limits import Limits
 from rtmedia.v1 import realtime_pb2
 
+# Re-exported: other modules import these from here (Limits: server/app.py and
+# server/realtime_service.py; TTS_WINDOW_FRAMES: tests/perf/bench_speech.py).
+__all__ = ["TTS_WINDOW_FRAMES", "Limits", "Session"]
+
 log = logging.getLogger(__name__)
-ACK_FRESH_S = 1.0  # an ack older than this no longer tells where playback is
-# A long sentence is decoded in windows from this many latent frames (~0.56 s of audio at
-# 22.05 kHz), doubling: its first audio comes after a quarter of its decode or less.
-TTS_WINDOW_FRAMES = 48
-TTS_DUE_MARGIN_S = 0.3  # a later TTS item is due this long before the audio before it runs out
-PLAYED_TOLERANCE_MS = 40
 
 
-@dataclass
-class Limits:
-    inbox_ms: int = 2000
-    max_camera_frames: int = 8
-    max_camera_frame_bytes: int = 2 * 1024 * 1024
-    max_camera_total_bytes: int = 4 * 1024 * 1024
-    max_text_chars: int = 5000
-    max_outbox_events: int = 4096
-    transcript_wait_s: float = 20.0  # a late reply beats a failed one under overload
-    # At a pause in a server_vad turn (160 ms of silence, SPEC 1.3's silence_duration_ms not
-    # yet reached) the recogniser finishes the turn's audio so far, so the final is ready by
-    # speech_stopped; speech that resumes starts a new segment, and the turn's transcript joins
-    # the segments' finals.
-    early_finals: bool = True
-    # Reply audio goes out in deltas of this length, at most output_lead_ms ahead of
-    # the client's playback (acked position, or wall clock since the first delta).
-    output_delta_ms: int = 200
-    output_lead_ms: int = 1000
+@dataclass(frozen=True)
+class SessionContext:
+    """What the sessions of one server share: the engines (through the scheduler's handles),
+    the limits, and the admission figures that session.created states."""
 
-    def to_proto(self, max_sessions: int, lm_slots: int) -> realtime_pb2.SessionLimits:
-        return realtime_pb2.SessionLimits(
-            inbox_ms=self.inbox_ms, max_camera_frames=self.max_camera_frames,
-            max_camera_frame_bytes=self.max_camera_frame_bytes, max_camera_total_bytes=self.max_camera_total_bytes,
-            max_text_chars=self.max_text_chars, max_sessions=max_sessions, lm_slots=lm_slots,
-        )
-
-
-@dataclass
-class Turn:
-    """A user turn: audio committed to the recogniser, and its transcript."""
-
-    item_id: str
-    transcript: asyncio.Future[str]
-    stopped_at: float = 0.0  # perf_counter of speech_stopped / commit
-    audio_ms: int = 0
-    partial: str = ""  # the transcription deltas sent so far, concatenated
-    # Where the turn's audio starts in the session input and in the recogniser's
-    # stream (which joins every turn's audio): word timings are shifted by the difference.
-    input_offset_ms: int | None = None
-    asr_offset_ms: int = 0
-    # The recogniser's finals of the turn's segments: one, unless the turn was cut at pauses
-    # (Limits.early_finals); and whether a segment has audio sent and no end yet.
-    segments: list[AsrEvent] = field(default_factory=list)
-    segment_open: bool = False
-
-    @property
-    def said(self) -> str:
-        """The text of the segments' finals so far."""
-        return " ".join(event.text for event in self.segments if event.text)
-
-
-@dataclass
-class Response:
-    response_id: str
-    item_id: str
-    epoch: int
-    task: asyncio.Task[None] | None = None
-    clauses: list[tuple[str, int, int]] = field(default_factory=list)  # (text, start_ms, end_ms) sent
-    sent_samples: int = 0
-    sent_ms: int = 0
-    first_audio_at: float = 0.0
-    heard_ms: int | None = None  # from playback.ack / conversation.item.truncate
-    heard_at: float = 0.0  # when the last ack arrived
-    truncated: bool = False  # the client said playback stopped
-    done: bool = False
-    history_index: int = -1  # its assistant message in the history
-
-    def played_ms(self, now: float) -> int:
-        """Where the client's playback is: its ack while fresh (under ACK_FRESH_S old),
-        else the wall time since the first audio was sent; at most what was sent."""
-        if self.heard_ms is not None and (self.truncated or now - self.heard_at < ACK_FRESH_S):
-            return min(self.heard_ms, self.sent_ms)
-        if not self.first_audio_at:
-            return 0
-        return int(min(self.sent_ms, (now - self.first_audio_at) * 1000))
-
-    def audible(self, now: float) -> bool:
-        """Generating, or still playing at the client (within a rounding tolerance)."""
-        return not self.done or (not self.truncated and self.played_ms(now) < self.sent_ms - PLAYED_TOLERANCE_MS)
-
-    def heard_text(self) -> str:
-        """The reply as far as it was heard: whole clauses, then the played fraction
-        of the current clause cut at a word boundary. Without acks, what was sent."""
-        heard = self.sent_ms if self.heard_ms is None else min(self.heard_ms, self.sent_ms)
-        words: list[str] = []
-        for text, start, end in self.clauses:
-            if end <= heard:
-                words += text.split()
-            elif start < heard:
-                clause = text.split()
-                words += clause[: int(len(clause) * (heard - start) / (end - start))]
-        return " ".join(words)
-
-
-class Outbox:
-    """Outbound events: control first, then media of the current epoch, in order."""
-
-    def __init__(self, limit: int) -> None:
-        self._control: deque[realtime_pb2.ConverseResponse] = deque()
-        self._media: deque[tuple[int, realtime_pb2.ConverseResponse]] = deque()
-        self._ready = asyncio.Event()
-        self._limit = limit
-        self.closed = False
-        self._last: realtime_pb2.ConverseResponse | None = None
-
-    def control(self, event: realtime_pb2.ConverseResponse) -> None:
-        self._control.append(event)
-        self._ready.set()
-
-    def media(self, epoch: int, event: realtime_pb2.ConverseResponse) -> None:
-        if len(self._media) >= self._limit:
-            raise OverflowError(f"the client is not reading: {len(self._media)} events are waiting")
-        self._media.append((epoch, event))
-        self._ready.set()
-
-    def close(self, last: realtime_pb2.ConverseResponse | None = None) -> None:
-        """No more events but `last`, which goes out after everything queued."""
-        if not self.closed:
-            self.closed, self._last = True, last
-        self._ready.set()
-
-    async def get(self, epoch: int) -> realtime_pb2.ConverseResponse | None:
-        """The next event to write, or None once closed and empty."""
-        while True:
-            if self._control:
-                return self._control.popleft()
-            while self._media:
-                event_epoch, event = self._media.popleft()
-                if event_epoch == epoch:
-                    return event
-            if self.closed:
-                last, self._last = self._last, None
-                return last
-            self._ready.clear()
-            await self._ready.wait()
+    access: EngineAccess
+    limits: Limits
+    max_sessions: int
+    lm_slots: int
 
 
 class Session:
     """One Converse stream. `handle()` takes client events; the service's writer
     loop writes what `outbox.get()` returns."""
 
-    def __init__(self, session_id: str, services: Any, settings: SessionSettings) -> None:
+    def __init__(self, session_id: str, context: SessionContext, settings: SessionSettings) -> None:
         self.id = session_id
-        self.services = services  # RealtimeService: scheduler, engines, metrics, limits
+        self.context = context
+        access = self.access = context.access
+        self.metrics = access.metrics
+        self._bytes_in = access.metrics.bytes_total.labels("in")
         self.settings = settings
-        self.limits: Limits = services.limits
+        self.limits: Limits = context.limits
         self.outbox = Outbox(self.limits.max_outbox_events)
-        self.epoch = 0
         self.started = time.monotonic()
         self.last_input = self.started
         self.closing_reason: str | None = None
         self._ids = itertools.count(1)
         self.history: list[Message] = []
-        self.responses: dict[str, Response] = {}
-        self.response: Response | None = None  # the latest response
         self.turn: Turn | None = None  # the turn being spoken or committed
         self.pending_turns: deque[Turn] = deque()  # turns sent to the recogniser, oldest first
         self.buffer_ms = 0.0  # uncommitted input audio (manual / none)
@@ -209,21 +82,29 @@ class Session:
         self.response_requested = False  # a response.create waits behind queued input
         self._asr_samples = 0  # 16 kHz samples sent to the recogniser
         self.camera: deque[bytes] = deque()
-        self._asr_queue: deque[tuple[str, Turn, bytes]] = deque()
-        self._asr_ready = asyncio.Event()
-        self._asr_stream: Any = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        vad = services.vad.open_stream()
-        self.input = AudioInput(settings, self.limits.inbox_ms, self.on_audio, vad)
-        services.vad_tick.inputs.add(self.input)
-        self._spawn(self._asr_feeder(), "asr")
+        self.replies = ReplyPipeline(
+            self.id, self.outbox, self.history, self.limits,
+            tts=access.tts, replies=access.replies,
+            metrics=access.metrics, settings=lambda: self.settings, request=self._reply_request,
+            spawn=self._spawn, new_id=self.new_id, on_done=self._response_done,
+        )
+        self.recognizer = Recognizer(
+            access.asr, fast_final=True, priority=Priority.REALTIME,
+            on_delta=self._on_transcript_delta, on_complete=self._complete,
+        )
+        self.input = AudioInput(settings, self.limits.inbox_ms, self.on_audio, access.vad.open())
+        access.vad.attach(self.input)
+        self._track(self.recognizer.start(f"session-{self.id}-asr"))
 
     # ---- helpers ---------------------------------------------------------
     def new_id(self, prefix: str) -> str:
         return f"{prefix}_{self.id[-6:]}_{next(self._ids)}"
 
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
-        task = asyncio.create_task(coro, name=f"session-{self.id}-{name}")
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        return self._track(asyncio.create_task(coro, name=f"session-{self.id}-{name}"))
+
+    def _track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task
@@ -237,19 +118,30 @@ class Session:
     def send(self, name: str, **fields: Any) -> None:
         self.outbox.control(server_event(name, **fields))
 
-    def send_media(self, response: Response, name: str, **fields: Any) -> None:
-        self.outbox.media(response.epoch, server_event(name, **fields))
-
     def error(self, code: str, message: str, event_id: str = "", param: str = "") -> None:
         self.outbox.control(server_event("error", code=code, message=message, event_id=event_id, param=param))
 
     def created_event(self) -> realtime_pb2.ConverseResponse:
-        limits = self.limits.to_proto(self.services.max_sessions, self.services.lm_slots)
+        limits = self.limits.to_proto(self.context.max_sessions, self.context.lm_slots)
         return server_event("session.created", session_id=self.id, session=self.settings.to_proto(), limits=limits)
 
     @property
+    def epoch(self) -> int:
+        """The current response epoch: the outbox sends media of this epoch only."""
+        return self.replies.epoch
+
+    @property
+    def response(self) -> Response | None:
+        """The latest response."""
+        return self.replies.response
+
+    @property
+    def responses(self) -> dict[str, Response]:
+        return self.replies.responses
+
+    @property
     def responding(self) -> bool:
-        return self.response_requested or (self.response is not None and not self.response.done)
+        return self.response_requested or self.replies.generating
 
     # ---- client events ---------------------------------------------------
     def handle(self, request: realtime_pb2.ConverseRequest) -> None:
@@ -269,19 +161,19 @@ class Session:
             self.error("invalid_audio", f"input_audio_buffer.append: {len(data)} bytes is not a whole number of "
                        "PCM16 samples; the chunk was dropped", event_id, "audio")
             return
-        self.services.bytes_in.inc(len(data))
+        self._bytes_in.inc(len(data))
         discarded = self.input.append(data)
         if self.settings.turn_type != "server_vad":
             self.buffer_ms += len(data) / self.input.bytes_per_ms
         if discarded:
-            self.services.metrics.input_backpressure.inc()
+            self.metrics.input_backpressure.inc()
             self.error("input_backpressure", f"the input inbox was full ({self.limits.inbox_ms} ms); "
                        f"{discarded} ms of queued audio were discarded", event_id)
             self.send("input_audio_buffer.cleared", discarded_ms=discarded, reason="input_backpressure")
 
     def on_session_update(self, event: Any, event_id: str) -> None:
         try:
-            new = self.settings.updated(event.session, self.services.voices, self.services.responders)
+            new = self.settings.updated(event.session, self.access.tts.rates, self.access.replies.names)
         except ConfigError as exc:
             self.error("invalid_value", str(exc), event_id, exc.param)
             return
@@ -320,7 +212,7 @@ class Session:
         dropped = self.input.clear() + round(self.buffer_ms)
         self.buffer_ms = 0
         if self.turn is not None:  # the recogniser forgets the uncommitted turn
-            self._to_asr("abort", self.turn)
+            self.recognizer.send("abort", self.turn)
             self.turn = None
         self.send("input_audio_buffer.cleared", discarded_ms=dropped, reason="client")
 
@@ -348,7 +240,7 @@ class Session:
                        f"0..{response.sent_ms} (the audio sent for {event.item_id})", event_id, "audio_end_ms")
             return
         response.heard_ms, response.truncated = event.audio_end_ms, True
-        self._truncate_history(response)
+        self.replies.truncate_history(response)
 
     def on_response_create(self, event: Any, event_id: str) -> None:
         if self.responding:
@@ -377,7 +269,7 @@ class Session:
             self.error("invalid_state", "response.create: there is nothing to respond to (no audio, turn or text)",
                        event_id)
             return
-        self._start_response(turn, instructions, max_tokens)
+        self.replies.start(turn, instructions, max_tokens)
 
     def on_response_cancel(self, event: Any, event_id: str) -> None:
         response = self.response
@@ -385,7 +277,7 @@ class Session:
             self.error("response_not_found", f"response.cancel: no response {event.response_id or ''} in progress"
                        .replace("  ", " "), event_id, "response_id")
             return
-        self.cancel_response("client_cancelled")
+        self.replies.cancel("client_cancelled")
 
     def on_playback_ack(self, event: Any, event_id: str) -> None:
         response = self.responses.get(event.response_id)
@@ -429,18 +321,14 @@ class Session:
                     if turn.input_offset_ms is None:
                         turn.input_offset_ms, turn.asr_offset_ms = offset_ms, self._asr_samples // 16
                     self._asr_samples += len(pcm) // 2
-                    self._to_asr("audio", turn, pcm)
+                    self.recognizer.send("audio", turn, pcm)
             elif kind == "pause":
                 if self.turn is not None and self.limits.early_finals:
-                    self._to_asr("cut", self.turn)
+                    self.recognizer.send("cut", self.turn)
             elif kind == "stopped":
                 self._on_speech_stopped(value)
             elif kind == "marker":
                 value()
-
-    def _to_asr(self, kind: str, turn: Turn, audio: bytes = b"") -> None:
-        self._asr_queue.append((kind, turn, audio))
-        self._asr_ready.set()
 
     def _start_turn(self) -> Turn:
         self.turn = Turn(self.new_id("item"), asyncio.get_running_loop().create_future())
@@ -454,7 +342,7 @@ class Session:
         self.pending_turns.append(turn)
         self.send("input_audio_buffer.committed", item_id=turn.item_id, audio_ms=turn.audio_ms)
         if self.settings.transcription:
-            self._to_asr("end", turn)
+            self.recognizer.send("end", turn)
         else:
             turn.transcript.set_result("")
 
@@ -465,24 +353,18 @@ class Session:
         if self.settings.interrupt_response and self.response is not None \
                 and self.response.audible(time.perf_counter()):
             started = self.input.collected_at
-            self.cancel_response("turn_detected")
-            self.services.metrics.barge_in.observe(time.perf_counter() - started)
-        prepare = getattr(self.services.responders.get(self.settings.responder), "prepare", None)
-        if prepare is not None and self.settings.create_response:  # the reply's prompt, up to the user's words
-            self._spawn(prepare(self._reply_request()), "prepare")
+            self.replies.cancel("turn_detected")
+            self.metrics.barge_in.observe(time.perf_counter() - started)
+        self.replies.prepare()  # the reply's prompt, up to the user's words
 
-    def _reply_request(self, instructions: str | None = None, max_tokens: int | None = None,
-                       on_wait: Callable[[int], None] | None = None,
-                       pause: Callable[[], bool] | None = None) -> ReplyRequest:
+    def _reply_request(self, instructions: str | None = None, max_tokens: int | None = None) -> ReplyRequest:
         settings = self.settings
         return ReplyRequest(
             history=list(self.history),
             instructions=settings.instructions if instructions is None else instructions,
             max_output_tokens=settings.max_output_tokens if max_tokens is None else max_tokens,
             images=list(self.camera),
-            on_wait=on_wait,
             conversation=self.id,
-            pause=pause,
         )
 
     def _on_speech_stopped(self, end_ms: int) -> None:
@@ -495,234 +377,22 @@ class Session:
                 self.error("response_in_progress", "a turn ended while a response is in progress; "
                            "it is in the history but gets no response of its own")
                 return
-            self._start_response(turn)
+            self.replies.start(turn)
 
-    # ---- recognition -------------------------------------------------------
-    async def _asr_feeder(self) -> None:
-        """Sends turn audio to the recogniser in order, one utterance per segment of a turn.
-        Queue entries are ("audio", turn, pcm), ("cut", turn) (a pause: end the segment),
-        ("end", turn) or ("abort", turn)."""
-        queue = self._asr_queue
-        while True:
-            while not queue:
-                self._asr_ready.clear()
-                await self._asr_ready.wait()
-            kind, turn, audio = queue.popleft()
-            while kind == "audio" and queue and queue[0][1] is turn:  # coalesce the turn's audio
-                kind, _, more = queue.popleft()
-                audio += more
-            if audio or turn.segment_open:  # else nothing to send: a pause cut the segment already
-                if self._asr_stream is None:
-                    self._asr_stream = self.services.asr.open_stream(segment=False, fast_final=True)
-                item = AsrItem(self._asr_stream, audio, end=kind != "audio")
-                turn.segment_open = kind == "audio"
-                events = await self.services.scheduler.submit(asr_lane(item), item, Priority.REALTIME)
-                if kind == "abort":  # an aborted (cleared) turn's transcript is dropped
-                    continue
-                for event in events:
-                    self._on_transcript(event, turn)
-            if kind == "end":
-                self._complete(turn)
-
-    def _on_transcript(self, event: AsrEvent, turn: Turn) -> None:
-        """A partial becomes a delta; a segment's final is kept for the turn's transcript, and
-        the words it adds to the deltas sent so far go out as one more delta."""
-        if event.is_final:
-            turn.segments.append(event)
-            said = turn.said
-            if not said.startswith(turn.partial) or said[len(turn.partial):][:1] not in ("", " "):
-                return  # the final revised words already sent as deltas: the transcript decides
-            added = said[len(turn.partial):].strip()
-        else:
-            added = event.delta
-        if added:  # deltas concatenate into the text: words after the first get their space
-            delta = f" {added}" if turn.partial else added
-            turn.partial += delta
-            self.send("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, delta=delta)
+    # ---- recognition results (server/recognition.py) ---------------------------
+    def _on_transcript_delta(self, turn: Turn, delta: str) -> None:
+        self.send("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, delta=delta)
 
     def _complete(self, turn: Turn) -> None:
-        """The turn's transcript: its segments' finals joined."""
+        """The turn's transcript, its segments' finals joined, with word timings in the input."""
         text = turn.said
-        shift = (turn.input_offset_ms or 0) - turn.asr_offset_ms  # recogniser stream -> session input
-        words = [{"word": w, "start_ms": s + shift, "end_ms": e + shift, "confidence": c}
-                 for event in turn.segments for w, s, e, c in event.words]
+        words = [{"word": w, "start_ms": s, "end_ms": e, "confidence": c} for w, s, e, c in turn.words]
         self.send("conversation.item.input_audio_transcription.completed", item_id=turn.item_id,
                   transcript=text, words=words)
         if turn in self.pending_turns:
             self.pending_turns.remove(turn)
         if text:
             self.history.append(Message("user", text))
-        if not turn.transcript.done():
-            turn.transcript.set_result(text)
-
-    # ---- responses -----------------------------------------------------------
-    def _start_response(self, turn: Turn | None, instructions: str | None = None,
-                        max_tokens: int | None = None) -> None:
-        response = Response(self.new_id("resp"), self.new_id("item"), self.epoch)
-        self.responses[response.response_id] = response
-        self.response = response
-        self.send("response.created", response_id=response.response_id, item_id=response.item_id)
-        response.task = self._spawn(self._respond(response, turn, instructions, max_tokens), "response")
-
-    async def _respond(self, response: Response, turn: Turn | None, instructions: str | None,
-                       max_tokens: int | None) -> None:
-        """Transcript -> responder text -> TTS clause by clause -> audio deltas. A clause's audio
-        is sent as soon as it is synthesised (a long sentence's window by window), while the
-        responder produces the next text; the stream's items are synthesised in order, one at a
-        time, and other sessions' items run between the windows of a long sentence."""
-        services, settings = self.services, self.settings
-        status, reason, text = "completed", "", ""
-        spoken: list[asyncio.Future[bytes]] = []
-        texts: asyncio.Queue[tuple[str, bool] | None] = asyncio.Queue()  # chunks to speak, and whether final
-        sending: asyncio.Queue[tuple[str, asyncio.Future[bytes]] | None] = asyncio.Queue()
-        sender: asyncio.Future[None] | None = None
-        synthesizer: asyncio.Future[None] | None = None
-        try:
-            if turn is not None:
-                await asyncio.wait_for(asyncio.shield(turn.transcript), self.limits.transcript_wait_s)
-            request = self._reply_request(
-                instructions, max_tokens,
-                on_wait=lambda position: self.send_media(response, "response.waiting",
-                                                         response_id=response.response_id, reason="lm_slot",
-                                                         queue_position=position),
-                # The LM waits while the first clause, which the user is waiting for, is synthesised.
-                pause=lambda: bool(spoken) and not spoken[0].done(),
-            )
-            tts = services.tts.open_stream(settings.voice, settings.output_rate, window_frames=TTS_WINDOW_FRAMES)
-
-            async def send_all() -> None:
-                while (item := await sending.get()) is not None:
-                    said, audio = item
-                    await self._send_audio(response, said, await audio, tts.output_rate, turn)
-
-            async def synthesize_all() -> None:
-                """The stream's items one at a time, in order (the stream is stateful): each chunk,
-                then, while the stream has more, the later windows of its long sentences. The first
-                item is due at once (the user is waiting); each later one when the audio before it
-                would run out at the client, less TTS_DUE_MARGIN_S (the lane runs the item due
-                soonest, so a session about to run dry goes before one with audio to spare)."""
-                loop = asyncio.get_running_loop()
-                playing_from, audio_s = None, 0.0  # when the first audio was ready; audio so far
-                while (chunk := await texts.get()) is not None:
-                    text, final = chunk
-                    while True:
-                        due = None if playing_from is None else playing_from + audio_s - TTS_DUE_MARGIN_S
-                        spoken.append(asyncio.ensure_future(services.scheduler.submit(
-                            "tts", TtsItem(tts, text, final=final), Priority.REALTIME, due)))
-                        sending.put_nowait((text, spoken[-1]))
-                        await asyncio.wait([spoken[-1]])
-                        if spoken[-1].cancelled() or spoken[-1].exception() is not None:
-                            sending.put_nowait(None)  # the sender stops at the failed item
-                            return
-                        audio_s += len(spoken[-1].result()) / 2 / tts.output_rate
-                        if playing_from is None and audio_s:
-                            playing_from = loop.time()
-                        if not tts.pending:
-                            break
-                        text = ""
-                sending.put_nowait(None)
-
-            sender = asyncio.ensure_future(send_all())
-            synthesizer = asyncio.ensure_future(synthesize_all())
-
-            async def speak(chunks: list[str], final: bool = False) -> None:
-                for chunk in chunks:
-                    if spoken:  # the responder waits for the TTS item submitted last (the LM's pacing)
-                        await asyncio.wait([spoken[-1]])
-                    if sender.done():
-                        sender.result()  # sending failed: raise it here
-                    texts.put_nowait((chunk, False))
-                if final:
-                    texts.put_nowait(("", True))  # flushes the resampler's tail
-                    texts.put_nowait(None)
-
-            chunker = TextChunker()
-            async for delta in services.responders[settings.responder].reply(request):
-                text += delta
-                self.send_media(response, "response.output_text.delta", response_id=response.response_id,
-                                item_id=response.item_id, delta=delta)
-                await speak(chunker.feed(delta))
-            await speak(chunker.flush(), final=True)
-            await synthesizer
-            await sender
-        except TimeoutError:
-            status, reason = "failed", "the transcript of the turn did not arrive in time"
-        except Exception as exc:
-            log.exception("response failed", extra={"session_id": self.id})
-            status, reason = "failed", f"{type(exc).__name__}: {exc}"
-        finally:
-            for task in [*spoken, *(t for t in (sender, synthesizer) if t is not None)]:
-                task.cancel()
-        self._finish_response(response, text, status, reason)
-
-    async def _send_audio(self, response: Response, clause: str, audio: bytes, rate: int,
-                          turn: Turn | None) -> None:
-        """Send one clause's audio as paced deltas and record where the clause lies."""
-        start_ms = response.sent_ms
-        step = rate * self.limits.output_delta_ms // 1000 * 2
-        for offset in range(0, len(audio), step):
-            piece = audio[offset:offset + step]
-            lead = response.sent_ms - response.played_ms(time.perf_counter())
-            if lead > self.limits.output_lead_ms:
-                await asyncio.sleep((lead - self.limits.output_lead_ms) / 1000)
-            if not response.first_audio_at:
-                response.first_audio_at = time.perf_counter()
-                if turn is not None and turn.stopped_at:
-                    self._observe_latency(response.first_audio_at - turn.stopped_at)
-            response.sent_samples += len(piece) // 2
-            response.sent_ms = response.sent_samples * 1000 // rate
-            self.services.metrics.bytes_total.labels("out").inc(len(piece))
-            self.send_media(response, "response.output_audio.delta", response_id=response.response_id,
-                            item_id=response.item_id, audio=piece, sample_rate=rate, channels=1)
-        if clause and audio:
-            response.clauses.append((clause, start_ms, response.sent_ms))
-        elif audio and response.clauses and response.clauses[-1][2] == start_ms:  # its sentence's later window
-            response.clauses[-1] = (*response.clauses[-1][:2], response.sent_ms)
-
-    def _observe_latency(self, latency: float) -> None:
-        self.services.metrics.response_latency.observe(latency)
-        if self.settings.turn_type == "server_vad":
-            self.services.metrics.voice_to_voice.observe(latency + self.settings.silence_duration_ms / 1000)
-
-    def _finish_response(self, response: Response, text: str, status: str, reason: str) -> None:
-        response.done = True
-        rid, item = response.response_id, response.item_id
-        if text:
-            self.history.append(Message("assistant", text))
-            response.history_index = len(self.history) - 1
-        if status == "completed":
-            self.send_media(response, "response.output_text.done", response_id=rid, item_id=item, text=text)
-            self.send_media(response, "response.output_audio.done", response_id=rid, item_id=item)
-        usage = {"output_tokens": len(text.split()), "output_audio_ms": response.sent_ms}
-        self.send_media(response, "response.done", response_id=rid, status=status, status_reason=reason,
-                        usage=usage)
-        if self.closing_reason is not None:  # draining: the response was allowed to finish
-            self.outbox.close(server_event("session.closed", reason=self.closing_reason))
-
-    def cancel_response(self, reason: str) -> None:
-        """Barge-in or response.cancel: stop generation, fence off its epoch, tell the client."""
-        response = self.response
-        if response is None:
-            return
-        was_generating = not response.done
-        self.epoch += 1
-        if response.task is not None:
-            response.task.cancel()
-        self.send("output_audio_buffer.cleared", response_id=response.response_id, audio_end_ms=response.sent_ms)
-        if was_generating:
-            response.done = True
-            self.send("response.done", response_id=response.response_id, status="cancelled", status_reason=reason,
-                      usage={"output_audio_ms": response.sent_ms})
-            text = response.heard_text()
-            if text:
-                self.history.append(Message("assistant", text))
-                response.history_index = len(self.history) - 1
-        else:
-            self._truncate_history(response)
-
-    def _truncate_history(self, response: Response) -> None:
-        if 0 <= response.history_index < len(self.history):
-            self.history[response.history_index] = Message("assistant", response.heard_text())
 
     # ---- lifecycle ---------------------------------------------------------------
     def finish(self, reason: str) -> None:
@@ -732,33 +402,34 @@ class Session:
             return
         self.closing_reason = reason
         if self.responding and reason == "server_shutdown":
-            return  # _finish_response closes the outbox after the response
+            return  # _response_done closes the outbox after the response
         if self.responding:
-            self.cancel_response(reason)
+            self.replies.cancel(reason)
         self.outbox.close(server_event("session.closed", reason=reason))
+
+    def _response_done(self) -> None:
+        """A response's response.done is queued: when draining, the session closes after it."""
+        if self.closing_reason is not None:  # draining: the response was allowed to finish
+            self.outbox.close(server_event("session.closed", reason=self.closing_reason))
 
     def shutdown_now(self) -> None:
         """The drain grace period ended: close even if a response is still running."""
         if self.responding:
-            self.cancel_response("server_shutdown")
+            self.replies.cancel("server_shutdown")
         self.outbox.close(server_event("session.closed", reason="server_shutdown"))
 
     async def close(self) -> None:
         """Free every resource of the session: tasks, VAD row, recogniser state."""
-        self.services.vad_tick.inputs.discard(self.input)
+        self.access.vad.detach(self.input)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, 5)
-        if self._asr_stream is not None:
-            await asyncio.to_thread(self.services.asr.close_stream, self._asr_stream)
-            self._asr_stream: Any = None
+        await self.recognizer.close()
         for turn in [self.turn, *self.pending_turns]:
             if turn is not None and not turn.transcript.done():
                 turn.transcript.cancel()
-        for responder in self.services.responders.values():
-            if (forget := getattr(responder, "forget", None)) is not None:
-                forget(self.id)
+        self.replies.forget()
 

@@ -1,4 +1,4 @@
-"""A session's effective configuration (SPEC 1.1): defaults, validated updates,
+"""A session's effective configuration (docs/protocol.md#session-config): defaults, validated updates,
 and the proto form that session.created / session.updated carry."""
 
 from __future__ import annotations

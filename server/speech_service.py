@@ -7,16 +7,17 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem, asr_lane
+from rtmedia.engines.asr import AsrEvent, AsrItem
 from rtmedia.engines.resample import (
     float_to_pcm16,
     make_resampler,
 )
-from rtmedia.engines.tts import TtsEngine, TtsItem, is_speakable, split_text, unsupported_rate_message
+from rtmedia.engines.text_chunks import is_speakable, split_text
+from rtmedia.engines.tts import TtsItem, unsupported_rate_message
 from rtmedia.protocol.errors import abort
 from rtmedia.protocol.wav import wav_stream_header
 from rtmedia.server.audio_input import DECODERS
-from rtmedia.server.scheduler import Scheduler
+from rtmedia.server.engine_access import EngineAccess
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -41,12 +42,11 @@ def text_problem(text: str, max_chars: int, complete: bool = True) -> tuple[str,
 
 
 class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
-    def __init__(self, scheduler: Scheduler, max_text_chars: int = 5000) -> None:
-        self.scheduler = scheduler
-        self.tts: TtsEngine = scheduler.engine("tts")
-        self.asr: AsrEngine = scheduler.engine("asr")
+    def __init__(self, access: EngineAccess, max_text_chars: int = 5000) -> None:
+        self.tts = access.tts
+        self.asr = access.asr
         self.max_text_chars = max_text_chars
-        self.metrics = scheduler.metrics
+        self.metrics = access.metrics
 
     async def ListVoices(self, request, context):
         voices = [
@@ -75,14 +75,14 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         if request.sample_rate < 0 or (request.sample_rate and request.sample_rate not in voice.supported_rates):
             await abort(context, INVALID, "UNSUPPORTED_SAMPLE_RATE",
                         unsupported_rate_message(request.sample_rate, voice))
-        stream = self.tts.open_stream(voice.name, request.sample_rate)
+        stream = self.tts.open(voice.name, request.sample_rate)
         wav = request.framing == speech_pb2.AUDIO_FRAMING_WAV
         chunks = split_text(text)
         last = len(chunks) - 1
 
         def synthesize(n: int) -> asyncio.Task[bytes]:
             item = TtsItem(stream, chunks[n], final=n == last)
-            return asyncio.ensure_future(self.scheduler.submit("tts", item))
+            return asyncio.ensure_future(self.tts.synthesize(item))
 
         # The next chunk is synthesised while this one is sent (in order: the
         # stream's resampler state runs from chunk to chunk).
@@ -117,7 +117,7 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         if first.WhichOneof("request") != "config":
             await abort(context, INVALID, "CONFIG_FIRST", "the first TranscribeRequest must carry config")
         decode, resampler, partials = await self._transcribe_setup(first.config, context)
-        stream = self.asr.open_stream()
+        stream = self.asr.open()
         try:
             chunk_no = 0
             async for request in request_iterator:
@@ -139,11 +139,10 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
                 if event.is_final or partials:
                     yield _transcript(event)
         finally:
-            self.asr.close_stream(stream)
+            await self.asr.close(stream)
 
     async def _asr(self, stream, pcm: bytes, end: bool) -> list[AsrEvent]:
-        item = AsrItem(stream, pcm, end)
-        return await self.scheduler.submit(asr_lane(item), item)
+        return await self.asr.recognize(AsrItem(stream, pcm, end))
 
     async def _transcribe_setup(self, config, context):
         fmt = config.audio_format

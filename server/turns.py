@@ -1,4 +1,4 @@
-"""Server-VAD turn detection (SPEC 1.3): pure logic over one VAD probability per 32 ms window.
+"""Server-VAD turn detection (docs/protocol.md#turns): pure logic over one VAD probability per 32 ms window.
 
 Speech starts at the first window whose probability reaches `threshold`;
 `audio_ms` of `speech_started` is the start of that window. In speech, a

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import torch
-from rtmedia.engines.video import VideoEngine, VideoOneShot, VideoStep, VideoStream
+from rtmedia.engines.video import VaeInfo, VideoStream
 from rtmedia.engines.video_plan import Assembler, ChunkFrames, FramePlan, LatentTooShort, PlanError, make_plan
 from rtmedia.protocol.errors import abort
 from rtmedia.protocol.video_mp4 import Fmp4Writer
-from rtmedia.server.scheduler import Scheduler
+from rtmedia.server.engine_access import EngineAccess
 from rtmedia.v1 import video_pb2, video_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -67,9 +67,9 @@ class VideoJob:
     one_shot: bool
 
 
-def parse_request(request: video_pb2.DecodeVideoRequest, engine: VideoEngine, max_send: int) -> VideoJob:
-    """Check everything about a request; raises BadRequest naming the first problem."""
-    info = engine.info
+def parse_request(request: video_pb2.DecodeVideoRequest, info: VaeInfo | None, max_send: int) -> VideoJob:
+    """Check everything about a request against the loaded VAE; raises BadRequest naming the
+    first problem."""
     assert info is not None
     tensor = request.latent
     shape = list(tensor.shape)
@@ -130,22 +130,20 @@ class EncodedChunk:
 
 
 class VideoService(video_pb2_grpc.VideoServiceServicer):
-    def __init__(self, scheduler: Scheduler, max_send_bytes: int, queue_chunks: int = 4) -> None:
-        self.scheduler = scheduler
-        self.engine: VideoEngine = scheduler.engine("video")
-        self.metrics = scheduler.metrics
+    def __init__(self, access: EngineAccess, max_send_bytes: int, queue_chunks: int = 4) -> None:
+        self.video = access.video
+        self.metrics = access.metrics
         self.max_send = max_send_bytes
         self.queue_chunks = queue_chunks
 
     async def DecodeVideo(self, request, context) -> AsyncIterator[video_pb2.DecodeVideoResponse]:
         started = time.perf_counter()
         try:
-            job = parse_request(request, self.engine, self.max_send)
+            job = parse_request(request, self.video.info, self.max_send)
         except BadRequest as exc:
             await abort(context, INVALID, exc.reason, str(exc))
         self.metrics.bytes_total.labels("in").inc(len(request.latent.data))
-        stream = await asyncio.to_thread(self.engine.open_stream, job.latent, job.plan, job.height, job.width,
-                                         job.normalized)
+        stream = await self.video.open(job.latent, job.plan, job.height, job.width, job.normalized)
         queue: asyncio.Queue[object] = asyncio.Queue(maxsize=self.queue_chunks)
         producer = asyncio.create_task(self._produce(job, stream, queue), name=f"video-{stream.id}")
         outcome = "cancelled"
@@ -166,7 +164,7 @@ class VideoService(video_pb2_grpc.VideoServiceServicer):
             producer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await producer
-            self.engine.close_stream(stream)
+            self.video.close(stream)
             self.metrics.video_decodes_total.labels(outcome).inc()
 
     async def _fail(self, context, exc: BaseException, stream: VideoStream) -> None:
@@ -186,13 +184,13 @@ class VideoService(video_pb2_grpc.VideoServiceServicer):
             if job.format == video_pb2.VIDEO_FORMAT_FMP4_H264:  # opening x264 is codec work: off the loop
                 writer = await asyncio.to_thread(Fmp4Writer, job.width, job.height, job.fps)
             if job.one_shot:
-                outputs = await self.scheduler.submit("video", VideoOneShot(stream))
+                outputs = await self.video.one_shot(stream)
                 for chunk in await asyncio.to_thread(self._assemble, assembler, writer, outputs, True):
                     await queue.put(chunk)
             else:
                 last = len(job.plan.steps) - 1
                 for n in range(last + 1):
-                    frames = await self.scheduler.submit("video", VideoStep(stream))
+                    frames = await self.video.step(stream)
                     for chunk in await asyncio.to_thread(self._assemble, assembler, writer, [frames], n == last):
                         await queue.put(chunk)  # waits while the reader is behind
             await queue.put(_DONE)
@@ -209,7 +207,7 @@ class VideoService(video_pb2_grpc.VideoServiceServicer):
                 for c in ready]
 
     def _messages(self, item: EncodedChunk, job: VideoJob) -> list[video_pb2.DecodeVideoResponse]:
-        """One chunk as messages under the send limit (SPEC 3.5): raw RGB parts hold whole
+        """One chunk as messages under the send limit (docs/protocol.md#wire-format): raw RGB parts hold whole
         frames; fMP4 parts are consecutive byte ranges of the fragment, each stating the
         chunk's frame range."""
         c = item.frames

@@ -67,7 +67,7 @@ async def test_server_on_cuda_answers_from_graphs() -> None:
                                         grace_s=1, max_sessions=8))
     await server.start()
     try:
-        engine = server.scheduler.lm_lanes["llm"].engine
+        engine = server.scheduler.lanes["llm"].engine
         assert engine.static_decode and engine.graphs.stats.pinned == len(engine.batch_sizes)
         before = replays(server.metrics, "llm")
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel, Conversation(channel) as c:

@@ -20,7 +20,7 @@ RATE = 24000
 
 
 def prompt_text(server, n: int = -1) -> str:
-    lane = server.scheduler.lm_lanes["llm"]
+    lane = server.scheduler.lanes["llm"]
     return lane.engine.tokenizer.decode(lane.prompts[n])
 
 
@@ -165,7 +165,7 @@ async def test_transformers_directory_and_openai_server(tmp_path):
                 c.send("response.create")
                 done = await c.wait_for("response.done", timeout=30)
                 assert done["status"] == "completed", done
-            lane = server.scheduler.lm_lanes["transformers"]
+            lane = server.scheduler.lanes["transformers"]
             assert "Hello tiny model" in lane.engine.tokenizer.decode(lane.prompts[-1])
     finally:
         await server.stop(0)

@@ -81,8 +81,8 @@ async def test_a_turns_final_is_ready_when_it_ends_and_pauses_join_segments(serv
     first, second = "Please call me back tomorrow afternoon.", "Thanks."
     pcm = np.concatenate([speaker.silence(0.6, RATE), speaker.say(first, RATE), speaker.silence(0.2, RATE),
                           speaker.say(second, RATE), speaker.silence(1.2, RATE)]).tobytes()
-    monkeypatch.setattr(server.realtime.limits, "early_finals", early)
-    scheduler, submit = server.realtime.scheduler, server.realtime.scheduler.submit
+    monkeypatch.setattr(server.realtime.context.limits, "early_finals", early)
+    scheduler, submit = server.scheduler, server.scheduler.submit
     log: list[tuple[str, bool]] = []  # ("asr..." lane, end) per recogniser submission; ("stopped", False)
 
     def spy(lane, item, *args, **kwargs):
@@ -390,8 +390,8 @@ async def test_abrupt_disconnects_leave_nothing_behind(server, channel, speaker)
     children_before = len(multiprocessing.active_children())
     await disconnects(100)
     assert not server.realtime.sessions
-    assert not server.realtime.vad_tick.inputs
-    assert server.scheduler.engine("asr").open_streams == 0
+    assert server.access.vad.attached == 0
+    assert server.access.asr.open_streams == 0
     await asyncio.sleep(0.3)
     assert len(asyncio.all_tasks()) <= tasks_before
     assert len(threads()) <= threads_before, threads()

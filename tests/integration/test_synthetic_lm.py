@@ -13,7 +13,7 @@ SERVER_OPTIONS = {"llm": True, "synthetic_lm": "tiny", "default_responder": "llm
 
 
 async def test_synthetic_llm_answers_with_text(server, channel):
-    engine = server.scheduler.lm_lanes["llm"].engine
+    engine = server.scheduler.lanes["llm"].engine
     assert isinstance(engine, SyntheticLmEngine) and server.placement.device.type in ("cpu", "cuda")
     async with Conversation(channel) as c:
         c.send("session.update", session={"max_output_tokens": 12})

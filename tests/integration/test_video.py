@@ -98,7 +98,7 @@ async def test_float16_and_normalized_latents(server, channel):
     _, a = await decode(channel, request(z.astype(np.float16)))
     _, b = await decode(channel, request(z.astype(np.float16).astype(np.float32)))
     assert np.array_equal(frames_of(a), frames_of(b))
-    info = server.scheduler.engine("video").info
+    info = server.scheduler.lanes["video"].engine.info
     mean = np.array(info.latents_mean, np.float32).reshape(-1, 1, 1, 1)
     std = np.array(info.latents_std, np.float32).reshape(-1, 1, 1, 1)
     _, c = await decode(channel, request(((z - mean) / std).astype(np.float32), normalized=True))
@@ -164,13 +164,13 @@ async def test_bad_input_is_invalid_argument(server, channel, change, reason, me
         req.latent.dtype = tensor[2]
     for k, v in change.items():
         setattr(req, k, v)
-    steps = server.scheduler.engine("video").steps_run
+    steps = server.scheduler.lanes["video"].engine.steps_run
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await decode(channel, req)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error_reason(err.value) == reason
     assert message in err.value.details()
-    assert server.scheduler.engine("video").steps_run == steps, "nothing was decoded"
+    assert server.scheduler.lanes["video"].engine.steps_run == steps, "nothing was decoded"
 
 
 async def test_frame_over_the_message_limit_is_refused(channel):
@@ -188,7 +188,7 @@ async def wait_until(predicate, timeout=5.0):
 
 
 async def test_cancel_stops_at_the_next_step_and_frees_the_cache(server, channel):
-    engine = server.scheduler.engine("video")
+    engine = server.scheduler.lanes["video"].engine
     stub = video_pb2_grpc.VideoServiceStub(channel)
     call = stub.DecodeVideo(request(latent(40, 8, 8)))
     await call.read()
@@ -207,7 +207,7 @@ async def test_cancel_stops_at_the_next_step_and_frees_the_cache(server, channel
 
 
 async def test_slow_reader_pauses_its_decode(server):
-    engine = server.scheduler.engine("video")
+    engine = server.scheduler.lanes["video"].engine
     # Without BDP probing the HTTP/2 stream window stays at 64 KiB, so what the transport
     # can absorb is small and the server's own bounded queue shows.
     options = [("grpc.http2.bdp_probe", 0)]
@@ -226,7 +226,7 @@ async def test_slow_reader_pauses_its_decode(server):
 
 
 async def test_failed_step_ends_only_its_stream(server, channel, monkeypatch):
-    engine = server.scheduler.engine("video")
+    engine = server.scheduler.lanes["video"].engine
     real = engine.decode_step
     doomed: set[int] = set()
 
@@ -260,7 +260,7 @@ async def test_failed_step_ends_only_its_stream(server, channel, monkeypatch):
 
 
 async def test_out_of_memory_is_resource_exhausted(server, channel, monkeypatch):
-    engine = server.scheduler.engine("video")
+    engine = server.scheduler.lanes["video"].engine
 
     def oom(stream):
         raise torch.OutOfMemoryError("injected: tried to allocate 13 GiB")
@@ -287,7 +287,7 @@ async def test_fmp4_writer_failure_ends_the_stream(channel, monkeypatch):
 
 
 async def response_latency(channel, pcm, rate) -> float:
-    """speech_stopped -> first reply audio (SPEC 1.5), seconds, for one turn."""
+    """speech_stopped -> first reply audio (docs/protocol.md#latency-definitions), seconds, for one turn."""
     async with Conversation(channel) as c:
         await c.wait_for("session.created")
         await c.stream(pcm, rate)
@@ -300,7 +300,7 @@ async def response_latency(channel, pcm, rate) -> float:
 async def test_speech_keeps_its_latency_during_a_long_decode(server, channel, speaker):
     rate = 24000
     pcm, _, _ = utterance(speaker, "Please remember to buy milk and bread.", rate, tail=0.8)
-    engine = server.scheduler.engine("video")
+    engine = server.scheduler.lanes["video"].engine
     baseline = [await response_latency(channel, pcm, rate) for _ in range(2)]
     stop = asyncio.Event()
 

@@ -5,7 +5,7 @@ the pause (the server's behaviour) and without it (the lane ignores the session'
 
     .venv/bin/python tests/perf/bench_llm_pause.py [--turns 18]
 
-Response latency per SPEC 1.5: speech_stopped received -> first reply audio delta received.
+Response latency per docs/protocol.md#latency-definitions: speech_stopped received -> first reply audio delta received.
 Prints one JSON object.
 """
 
@@ -32,15 +32,16 @@ from tests.perf.bench_speech import machine
 from tests.support.speech import Speaker
 
 PAUSING = [True]
-_generate = lm_lane.LmLane.generate
+_pause = lm_lane.LmLane.pause
 
 
-def generate(self, *args, pause=None, **kwargs):
-    return _generate(self, *args, pause=pause if PAUSING[0] else None, **kwargs)
+def pause(self, conversation):
+    if PAUSING[0]:
+        _pause(self, conversation)
 
 
 async def run(turns: int) -> dict:
-    lm_lane.LmLane.generate = generate
+    lm_lane.LmLane.pause = pause
     server = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1))
     await server.start()
     latency: dict[bool, list[float]] = {True: [], False: []}
@@ -54,7 +55,7 @@ async def run(turns: int) -> dict:
                 latency[PAUSING[0]] += [round(ms, 1) for ms in out["response"]]
     finally:
         await server.stop(0)
-        lm_lane.LmLane.generate = _generate
+        lm_lane.LmLane.pause = _pause
 
     def summary(values: list[float]) -> dict:
         return {"p50_ms": statistics.median(values), "all_ms": values}

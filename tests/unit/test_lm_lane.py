@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from rtmedia.engines.lm import LmEngine
 from rtmedia.engines.lm_models import tiny_llama_dir
+from rtmedia.engines.responder import Waiting
 from rtmedia.server.lm_lane import LmLane, common_prefix
 from rtmedia.server.metrics import Metrics
 
@@ -26,7 +27,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def lane(model_dir: Path):
     engine = LmEngine(model_dir, slots=2, context=256)
     engine.load()
-    lane = LmLane(engine, Metrics())
+    lane = LmLane("llm", engine, Metrics())
     prefills: list[int] = []
     prefill = engine.prefill
 
@@ -69,9 +70,9 @@ async def test_kept_slots_are_evicted_least_recent_first_and_forgotten(lane: LmL
     await generate(lane, PROMPT, key="a")
     await generate(lane, PROMPT[:4], key="b")
     assert lane.kept == 2 and lane.engine.slots_free == 0
-    waits: list[int] = []
-    out = [t async for t in lane.generate(PROMPT[2:], 4, key="c", on_wait=waits.append)]
-    assert len(out) == 4 and waits == [], "a kept slot is given up rather than making anyone wait"
+    out = [t async for t in lane.generate(PROMPT[2:], 4, key="c")]
+    assert len(out) == 4 and not any(isinstance(t, Waiting) for t in out), \
+        "a kept slot is given up rather than making anyone wait"
     lane.prefills.clear()
     await generate(lane, PROMPT[:4], key="b")  # b survived (a was the least recently used)
     assert lane.prefills == [1]
@@ -114,19 +115,20 @@ async def test_a_prepare_beside_a_running_generation_of_the_same_key_leaks_nothi
 
 async def test_a_paused_generation_sits_out_decode_steps_and_resumes(lane: LmLane) -> None:
     expected = await generate(lane, PROMPT, n=8)
-    paused = True
     held, other = [], []
 
-    async def consume(out: list[int], pause=None) -> None:
-        async for token in lane.generate(PROMPT, 8, pause=pause):
+    async def consume(out: list[int], key: str) -> None:
+        async for token in lane.generate(PROMPT, 8, key=key):
             out.append(token)
 
-    first = asyncio.create_task(consume(held, lambda: paused))
-    second = asyncio.create_task(consume(other))
+    lane.pause("held")
+    first = asyncio.create_task(consume(held, "held"))
+    second = asyncio.create_task(consume(other, "other"))
     await second  # the other generation runs to its end meanwhile
     assert other == expected
+    await asyncio.sleep(0.05)
     assert held == expected[:1], "only the token from the prefill, no decode step while paused"
-    paused = False
+    lane.resume("held")
     await asyncio.wait_for(first, 10)
     assert held == expected, "it resumes where it stopped and generates the same tokens"
 

@@ -102,11 +102,11 @@ def test_cuda_placement_builds_bf16_graph_engines(fake_cuda, tmp_path) -> None:
 def test_server_wires_synthetic_llm_and_video_on_the_cpu() -> None:
     server = RtmediaServer(ServerConfig(device="cpu", synthetic_lm="tiny", lm_slots=2, cuda_graphs=False,
                                         port=0, metrics_port=0))
-    llm = server.scheduler.lm_lanes["llm"].engine
+    llm = server.scheduler.lanes["llm"].engine
     assert isinstance(llm, SyntheticLmEngine) and llm.size == "tiny"
     assert llm.device == torch.device("cpu") and llm.dtype == torch.float32 and llm.quantize == "int8"
     assert llm.graphs.config.enforce_eager
-    video = server.scheduler.engine("video")
+    video = server.scheduler.lanes["video"].engine
     assert video.device == torch.device("cpu") and video.graphs.config.enforce_eager
 
 

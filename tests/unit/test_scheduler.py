@@ -8,7 +8,7 @@ import time
 
 import pytest
 from rtmedia.server.metrics import Metrics
-from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler, TickLane
+from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler
 
 
 class FakeEngine:
@@ -45,7 +45,7 @@ async def scheduler():
 
 async def test_batches_run_off_the_loop_and_resolve_in_order(scheduler):
     engine = FakeEngine("e")
-    scheduler.add(engine, LanePolicy(max_batch=8, max_wait_ms=20))
+    scheduler.add(engine.name, engine, LanePolicy(max_batch=8, max_wait_ms=20))
     scheduler.start()
     results = await asyncio.gather(*(scheduler.submit("e", i) for i in range(5)))
     assert results == [0, 2, 4, 6, 8]
@@ -56,14 +56,14 @@ async def test_batches_run_off_the_loop_and_resolve_in_order(scheduler):
 
 async def test_max_batch_splits(scheduler):
     engine = FakeEngine("e")
-    scheduler.add(engine, LanePolicy(max_batch=2, max_wait_ms=20))
+    scheduler.add(engine.name, engine, LanePolicy(max_batch=2, max_wait_ms=20))
     scheduler.start()
     await asyncio.gather(*(scheduler.submit("e", i) for i in range(5)))
     assert [len(b) for b in engine.batches] == [2, 2, 1]
 
 
 async def test_item_and_batch_failures(scheduler):
-    scheduler.add(FakeEngine("e"), LanePolicy(max_batch=8, max_wait_ms=20))
+    scheduler.add("e", FakeEngine("e"), LanePolicy(max_batch=8, max_wait_ms=20))
     scheduler.start()
     ok, bad = await asyncio.gather(scheduler.submit("e", 1), scheduler.submit("e", "boom"), return_exceptions=True)
     assert ok == 2 and isinstance(bad, ValueError) and "bad item boom" in str(bad)
@@ -81,7 +81,7 @@ async def _order_taken(scheduler, submissions) -> list:
     in which the items ran."""
     engine = FakeEngine("e")
     engine.gate.clear()
-    scheduler.add(engine, LanePolicy(max_batch=1))
+    scheduler.add(engine.name, engine, LanePolicy(max_batch=1))
     scheduler.start()
     first = asyncio.ensure_future(scheduler.submit("e", 0))
     await asyncio.sleep(0.05)
@@ -130,7 +130,7 @@ async def test_a_sharded_lane_runs_each_shard_on_its_own(scheduler):
 
     engine = HeldEvens("e")
     engine.gate.clear()
-    scheduler.add(engine, LanePolicy(max_batch=8, concurrency=2, shard=lambda item: item % 2))
+    scheduler.add(engine.name, engine, LanePolicy(max_batch=8, concurrency=2, shard=lambda item: item % 2))
     scheduler.start()
     held = [asyncio.ensure_future(scheduler.submit("e", 0))]
     await asyncio.sleep(0.05)
@@ -146,7 +146,7 @@ async def test_a_sharded_lane_runs_each_shard_on_its_own(scheduler):
 async def test_cancelled_caller_withdraws_its_item(scheduler):
     engine = FakeEngine("e")
     engine.gate.clear()
-    scheduler.add(engine, LanePolicy(max_batch=4))
+    scheduler.add(engine.name, engine, LanePolicy(max_batch=4))
     scheduler.start()
     first = asyncio.ensure_future(scheduler.submit("e", 0))
     await asyncio.sleep(0.05)
@@ -166,8 +166,8 @@ async def test_bulk_lane_waits_for_realtime_work(scheduler):
     for engine in (speech, video):
         step = engine.step
         engine.step = lambda items, step=step, name=engine.name: starts.append(name) or step(items)
-    scheduler.add(speech, LanePolicy(Priority.REALTIME, max_batch=1))
-    scheduler.add(video, LanePolicy(Priority.BULK, max_batch=1))
+    scheduler.add(speech.name, speech, LanePolicy(Priority.REALTIME, max_batch=1))
+    scheduler.add(video.name, video, LanePolicy(Priority.BULK, max_batch=1))
     scheduler.start()
     await asyncio.gather(*(scheduler.submit("speech", i) for i in range(3)), scheduler.submit("video", 9))
     # the last speech item leaves the queue before the video step may start; its step can start after it
@@ -186,8 +186,7 @@ async def test_tick_lane_collects_processes_delivers_and_counts_misses(scheduler
         time.sleep(0.03 if work == [2] else 0)
         return [w * 10 for w in work]
 
-    tick = TickLane(FakeEngine("vad"), 20, collect, process, delivered.append, scheduler)
-    scheduler.add_tick(tick)
+    tick = scheduler.add_tick("vad", FakeEngine("vad"), 20, collect, process, delivered.append)
     scheduler.start()
     await asyncio.sleep(0.2)
     assert delivered == [[10], [20], [30]]
@@ -210,8 +209,7 @@ async def test_tick_lane_survives_a_failed_delivery(scheduler):
             raise RuntimeError("session gone")
         delivered.append(results)
 
-    tick = TickLane(FakeEngine("vad"), 10, collect, lambda work: work, deliver, scheduler)
-    scheduler.add_tick(tick)
+    scheduler.add_tick("vad", FakeEngine("vad"), 10, collect, lambda work: work, deliver)
     scheduler.start()
     await asyncio.sleep(0.15)
     assert delivered == [[1], [3]]
@@ -255,3 +253,70 @@ def test_vad_tick_only_counts_audio_that_nothing_uses():
     tick.deliver(tick.process(tick.collect()))
     assert [kind for kind, _ in got] == ["audio"]
     assert got[0][1][0] == 40  # ms: after the 40 ms counted while nothing used the audio
+
+
+async def test_a_lane_name_is_the_servers_and_one_engine_may_serve_two_lanes(scheduler):
+    """Lanes are named when registered (asr and asr_final share the recogniser, each with its own
+    step); the shared engine is loaded and closed once."""
+    engine = FakeEngine("recogniser")
+    loads = []
+    engine.load = lambda: loads.append("load")  # type: ignore[method-assign]
+    scheduler.add("plain", engine, LanePolicy(max_batch=1))
+    scheduler.add("urgent", engine, LanePolicy(max_batch=1), step=lambda items: [f"urgent {i}" for i in items])
+    with pytest.raises(ValueError, match="registered already"):
+        scheduler.add("plain", engine, LanePolicy())
+    await scheduler.load()
+    scheduler.start()
+    assert await scheduler.submit("plain", 3) == 6
+    assert await scheduler.submit("urgent", 3) == "urgent 3"
+    assert loads == ["load"]
+
+
+async def _call(values, gate=None, fail=None):
+    for value in values:
+        if gate is not None:
+            await gate.wait()
+        yield value
+    if fail is not None:
+        raise fail
+
+
+async def test_stream_lane_admits_in_priority_order_and_owns_its_calls(scheduler):
+    lane = scheduler.add_stream("reply", LanePolicy(Priority.INTERACTIVE, concurrency=1))
+    scheduler.start()
+    gate = asyncio.Event()
+    order: list[str] = []
+
+    async def consume(name, priority, gated=False):
+        async for value in lane.stream(lambda: _call([name], gate if gated else None), priority):
+            order.append(value)
+
+    first = asyncio.create_task(consume("first", Priority.BULK, gated=True))
+    await asyncio.sleep(0.01)
+    bulk = asyncio.create_task(consume("bulk", Priority.BULK))
+    realtime = asyncio.create_task(consume("realtime", Priority.REALTIME))
+    await asyncio.sleep(0.01)
+    assert lane.waiting == 2 and order == [], "one call at a time: the others wait for the first"
+    gate.set()
+    await asyncio.gather(first, bulk, realtime)
+    assert order == ["first", "realtime", "bulk"]
+    assert [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("lane-reply")] == []
+
+
+async def test_stream_lane_cancels_a_call_whose_caller_leaves_and_raises_its_error(scheduler):
+    lane = scheduler.add_stream("reply", LanePolicy(concurrency=1))
+    scheduler.start()
+    never = asyncio.Event()
+    stream = lane.stream(lambda: _call(["a", "b"], never))
+    consumer = asyncio.create_task(anext(stream))
+    await asyncio.sleep(0.01)
+    calls = [t for t in asyncio.all_tasks() if t.get_name().startswith("lane-reply")]
+    assert len(calls) == 1, "the call runs as a task the lane names"
+    consumer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    assert calls[0].cancelled(), "a caller that goes away cancels its call"
+    with pytest.raises(RuntimeError, match="upstream broke"):
+        [v async for v in lane.stream(lambda: _call(["x"], fail=RuntimeError("upstream broke")))]
+    assert lane.waiting == 0 and [v async for v in lane.stream(lambda: _call(["y"]))] == ["y"], \
+        "the lane's place was given back each time"

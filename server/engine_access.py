@@ -1,0 +1,216 @@
+"""What sessions and servicers may ask of the engines: one typed handle per engine.
+
+Every handle goes through the scheduler (server/scheduler.py): work is
+submitted to the engine's lane with a priority, per-stream engine state is
+opened and closed off the event loop where that costs more than building an
+object, and replies run on a lane (an LM lane, or a stream lane for
+responders that call out over HTTP). No session or servicer holds an engine;
+which lane an item takes (`asr` or `asr_final`) is decided here, in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Hashable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem, AsrStream
+from rtmedia.engines.responder import ReplyRequest, Responder, Waiting
+from rtmedia.engines.tts import TtsEngine, TtsItem, TtsStream, VoiceSpec
+from rtmedia.engines.vad import VadEngine, VadStream
+from rtmedia.engines.video import VaeInfo, VideoEngine, VideoOneShot, VideoStep, VideoStream
+from rtmedia.engines.video_plan import FramePlan
+from rtmedia.server.audio_input import AudioInput, VadTick
+from rtmedia.server.lm_lane import LmLane
+from rtmedia.server.metrics import Metrics
+from rtmedia.server.responders import LmResponder
+from rtmedia.server.scheduler import Priority, Scheduler, StreamLane
+
+# Lane names, chosen by the server when it registers the lanes (server/app.py).
+TTS, ASR, ASR_FINAL, VAD, VIDEO = "tts", "asr", "asr_final", "vad", "video"
+
+
+class Tts:
+    """Speech synthesis on the `tts` lane. A stream is a voice at an output rate with its
+    resampler: opening one only builds that object, so it happens on the loop."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._engine: TtsEngine = scheduler.lane(TTS).engine  # type: ignore[assignment]
+
+    @property
+    def voices(self) -> dict[str, VoiceSpec]:
+        return self._engine.voices
+
+    @property
+    def default_voice(self) -> str:
+        return self._engine.default_voice
+
+    @property
+    def rates(self) -> dict[str, list[int]]:
+        """Voice name -> supported output rates, the default voice first."""
+        names = [self.default_voice, *(n for n in self.voices if n != self.default_voice)]
+        return {n: self.voices[n].supported_rates for n in names}
+
+    def voice(self, name: str) -> VoiceSpec:
+        """The voice called `name` (the default for ""); KeyError names the known ones."""
+        return self._engine.voice(name)
+
+    def open(self, voice: str = "", output_rate: int = 0, window_frames: int = 0) -> TtsStream:
+        return self._engine.open_stream(voice, output_rate, window_frames)
+
+    async def synthesize(self, item: TtsItem, priority: Priority | None = None, due: float | None = None) -> bytes:
+        audio: bytes = await self._scheduler.submit(TTS, item, priority, due)
+        return audio
+
+
+class Asr:
+    """Speech recognition. Items that only end an utterance go to the `asr_final` lane, which
+    each recogniser worker answers between two pieces of the step it is decoding; anything
+    with audio to the `asr` lane. Opening a stream only picks a worker and counts it (on the
+    loop, so a caller cancelled meanwhile cannot leave one open); closing one tells its
+    worker process, a pipe round trip, so it runs off the loop."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._engine: AsrEngine = scheduler.lane(ASR).engine  # type: ignore[assignment]
+
+    @property
+    def open_streams(self) -> int:
+        return self._engine.open_streams
+
+    def open(self, segment: bool = True, fast_final: bool = False) -> AsrStream:
+        return self._engine.open_stream(segment, fast_final)
+
+    async def close(self, stream: AsrStream) -> None:
+        await asyncio.to_thread(self._engine.close_stream, stream)
+
+    async def recognize(self, item: AsrItem, priority: Priority | None = None) -> list[AsrEvent]:
+        events: list[AsrEvent] = await self._scheduler.submit(ASR_FINAL if item.only_ends else ASR, item, priority)
+        return events
+
+
+class Vad:
+    """The VAD tick: every 32 ms one batched step over the audio of every attached input.
+    A VAD stream is a row of recurrent state in its handle (nothing to open in the engine)."""
+
+    def __init__(self, engine: VadEngine, tick: VadTick) -> None:
+        self._engine = engine
+        self._tick = tick
+
+    def open(self) -> VadStream:
+        return self._engine.open_stream()
+
+    @property
+    def attached(self) -> int:
+        return len(self._tick.inputs)
+
+    def attach(self, audio_input: AudioInput) -> None:
+        self._tick.inputs.add(audio_input)
+
+    def detach(self, audio_input: AudioInput) -> None:
+        """After this, no result of a tick still running reaches the input."""
+        self._tick.inputs.discard(audio_input)
+
+
+class Video:
+    """Chunked video decode on the BULK `video` lane, one latent step per item. Opening a
+    stream checks and copies the latent and allocates the feature cache: off the loop;
+    closing one only marks it (a step running then frees the cache), so it never waits."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._engine: VideoEngine = scheduler.lane(VIDEO).engine  # type: ignore[assignment]
+
+    @property
+    def info(self) -> VaeInfo | None:
+        """The loaded VAE's shapes and scaling (None before it is loaded)."""
+        return self._engine.info
+
+    async def open(self, latent: torch.Tensor, plan: FramePlan, height: int, width: int,
+                   normalized: bool = False) -> VideoStream:
+        return await asyncio.to_thread(self._engine.open_stream, latent, plan, height, width, normalized)
+
+    def close(self, stream: VideoStream) -> None:
+        self._engine.close_stream(stream)
+
+    async def step(self, stream: VideoStream) -> np.ndarray:
+        """The frames this step commits (T x H x W x 3 uint8)."""
+        frames: np.ndarray = await self._scheduler.submit(VIDEO, VideoStep(stream))
+        return frames
+
+    async def one_shot(self, stream: VideoStream) -> list[np.ndarray]:
+        outputs: list[np.ndarray] = await self._scheduler.submit(VIDEO, VideoOneShot(stream))
+        return outputs
+
+
+class Replies:
+    """The responders, each on a lane: LM responders on their model's LM lane (continuous
+    batching, kept slots), the others (echo, an OpenAI-compatible server) on a stream lane
+    of their own that owns each call as a task. `pause(name, conversation)` asks the LM lane
+    to hold the conversation's decoding back (its first clause is being synthesised)."""
+
+    def __init__(self, scheduler: Scheduler, responders: dict[str, Responder]) -> None:
+        self._scheduler = scheduler
+        self._responders = responders
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._responders)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._responders
+
+    def _lm_lane(self, name: str) -> LmLane | None:
+        responder = self._responders.get(name)
+        return responder.lane if isinstance(responder, LmResponder) else None
+
+    def reply(self, name: str, request: ReplyRequest, priority: Priority | None = None
+              ) -> AsyncIterator[str | Waiting]:
+        responder = self._responders[name]
+        if isinstance(responder, LmResponder):
+            return responder.reply(request)  # its compute is the LM lane's already
+        lane = self._scheduler.lanes[f"reply-{name}"]
+        assert isinstance(lane, StreamLane)
+        return lane.stream(lambda: responder.reply(request), priority)
+
+    async def prepare(self, name: str, request: ReplyRequest) -> None:
+        """Get ready for a reply to `request` plus a user turn not yet transcribed (an LM
+        prefills the prompt's known prefix into the conversation's kept slot)."""
+        responder = self._responders.get(name)
+        if isinstance(responder, LmResponder):
+            await responder.prepare(request)
+
+    def pause(self, name: str, conversation: Hashable) -> None:
+        if (lane := self._lm_lane(name)) is not None:
+            lane.pause(conversation)
+
+    def resume(self, name: str, conversation: Hashable) -> None:
+        if (lane := self._lm_lane(name)) is not None:
+            lane.resume(conversation)
+
+    def forget(self, conversation: Hashable) -> None:
+        """The conversation ended: every LM lane gives up what it kept for it."""
+        for responder in self._responders.values():
+            if isinstance(responder, LmResponder):
+                responder.lane.forget(conversation)
+
+
+@dataclass(frozen=True)
+class EngineAccess:
+    """Everything a session or servicer may use: the handles and the metrics."""
+
+    tts: Tts
+    asr: Asr
+    vad: Vad
+    video: Video
+    replies: Replies
+    metrics: Metrics
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, vad: VadEngine, tick: VadTick, responders: dict[str, Responder]
+           ) -> EngineAccess:
+        return cls(Tts(scheduler), Asr(scheduler), Vad(vad, tick), Video(scheduler),
+                   Replies(scheduler, responders), scheduler.metrics)

@@ -1,0 +1,179 @@
+"""Turn recognition: the feed of turn audio to the recogniser and its results, per turn.
+
+Both speech inputs that find turns with the VAD, the duplex sessions (server/session.py)
+and Riva's recognitions (server/riva_asr.py), send each turn to one `segment=False`
+recogniser stream and get its partials and finals back. `Recognizer` is that path, once:
+it owns the ASR stream, the ordered queue of ("audio" | "cut" | "end" | "abort", turn, pcm)
+entries, and the task that hands them to the ASR handle (server/engine_access.py: an item
+that only ends an utterance takes the lane that overtakes other streams' audio). The items of one
+stream must arrive in order, so the task submits one at a time, coalescing the audio that
+queued up while the lane was busy.
+
+A turn may be cut into segments at its pauses ("cut": the recogniser finishes the audio so
+far, so a server_vad turn's final is ready by speech_stopped); each segment's final is kept
+and the turn's transcript joins them. Partials and the words a final adds become deltas
+that concatenate into the text. Each user keeps only how it reports what comes back
+(`on_delta`, `on_event`, `on_complete`): Converse events, or Riva results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from rtmedia.engines.asr import AsrEvent, AsrItem
+from rtmedia.server.scheduler import Priority
+
+if TYPE_CHECKING:
+    from rtmedia.server.engine_access import Asr
+
+Kind = Literal["audio", "cut", "end", "abort"]
+
+
+def _new_future() -> asyncio.Future[str]:
+    return asyncio.get_running_loop().create_future()
+
+
+@dataclass
+class Turn:
+    """A user turn: audio committed to the recogniser, and its transcript."""
+
+    item_id: str = ""
+    transcript: asyncio.Future[str] = field(default_factory=_new_future)
+    stopped_at: float = 0.0  # perf_counter of speech_stopped / commit
+    audio_ms: int = 0
+    partial: str = ""  # the transcription deltas sent so far, concatenated
+    # Where the turn's audio starts in the user's input and in the recogniser's
+    # stream (which joins every turn's audio): word timings are shifted by the difference.
+    input_offset_ms: int | None = None
+    asr_offset_ms: int = 0
+    # The recogniser's finals of the turn's segments: one, unless the turn was cut at pauses;
+    # and whether a segment has audio sent and no end yet.
+    segments: list[AsrEvent] = field(default_factory=list)
+    segment_open: bool = False
+
+    @property
+    def said(self) -> str:
+        """The text of the segments' finals so far."""
+        return " ".join(event.text for event in self.segments if event.text)
+
+    @property
+    def shift_ms(self) -> int:
+        """Recogniser stream time -> input time."""
+        return (self.input_offset_ms or 0) - self.asr_offset_ms
+
+    @property
+    def words(self) -> list[tuple[str, int, int, float]]:
+        """The segments' words as (word, start_ms, end_ms, confidence), in input time."""
+        shift = self.shift_ms
+        return [(w, s + shift, e + shift, c) for event in self.segments for w, s, e, c in event.words]
+
+
+class Recognizer:
+    """One recogniser stream fed turn by turn. `send()` queues an entry; the task from
+    `start()` submits them in order and reports: `on_event(turn, event)` for each event of
+    a turn not aborted, `on_delta(turn, delta)` for each delta of its transcription text,
+    `on_complete(turn)` when an "end" was recognised (then `turn.transcript` is set to
+    `turn.said`). `stop()` ends the task after what is queued.
+
+    `fast_final`: the stream's finals come faster for a little accuracy (the sessions);
+    `priority`: of the submissions on the ASR lanes."""
+
+    def __init__(self, asr: Asr, *, fast_final: bool = False,
+                 priority: Priority = Priority.REALTIME,
+                 on_event: Callable[[Turn, AsrEvent], None] | None = None,
+                 on_delta: Callable[[Turn, str], None] | None = None,
+                 on_complete: Callable[[Turn], None] | None = None) -> None:
+        self._asr = asr
+        self.fast_final = fast_final
+        self.priority = priority
+        self._on_event = on_event
+        self._on_delta = on_delta
+        self._on_complete = on_complete
+        self._queue: deque[tuple[str, Turn, bytes]] = deque()
+        self._ready = asyncio.Event()
+        self._stream: Any = None  # opened with the first submission
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, name: str) -> asyncio.Task[None]:
+        """The task that feeds the recogniser; it ends on `stop()`, fails with the recogniser."""
+        self._task = asyncio.create_task(self._feed(), name=name)
+        return self._task
+
+    def send(self, kind: Kind, turn: Turn, pcm: bytes = b"") -> None:
+        """Queue ("audio", turn, pcm) (16 kHz PCM16), ("cut", turn) (a pause: end the segment),
+        ("end", turn) (the turn's transcript follows) or ("abort", turn) (its transcript is dropped)."""
+        self._queue.append((kind, turn, pcm))
+        self._ready.set()
+
+    def stop(self) -> None:
+        """No more entries: the task ends once what is queued is done."""
+        self._queue.append(("stop", Turn(), b""))
+        self._ready.set()
+
+    async def close(self) -> None:
+        """Stop the task and free the recogniser's stream."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await self._asr.close(stream)
+
+    async def _feed(self) -> None:
+        """Sends turn audio to the recogniser in order, one utterance per segment of a turn."""
+        queue = self._queue
+        while True:
+            while not queue:
+                self._ready.clear()
+                await self._ready.wait()
+            kind, turn, pcm = queue.popleft()
+            if kind == "stop":
+                return
+            while kind == "audio" and queue and queue[0][1] is turn:  # coalesce the turn's audio
+                kind, _, more = queue.popleft()
+                pcm += more
+            if pcm or turn.segment_open:  # else nothing to send: a pause cut the segment already
+                if self._stream is None:
+                    self._stream = self._asr.open(segment=False, fast_final=self.fast_final)
+                item = AsrItem(self._stream, pcm, end=kind != "audio")
+                turn.segment_open = kind == "audio"
+                events = await self._asr.recognize(item, self.priority)
+                if kind == "abort":  # an aborted (cleared) turn's transcript is dropped
+                    continue
+                for event in events:
+                    self._transcribed(turn, event)
+            if kind == "end":
+                self._complete(turn)
+
+    def _transcribed(self, turn: Turn, event: AsrEvent) -> None:
+        """A partial becomes a delta; a segment's final is kept for the turn's transcript, and
+        the words it adds to the deltas sent so far go out as one more delta."""
+        if event.is_final:
+            turn.segments.append(event)
+        if self._on_event is not None:
+            self._on_event(turn, event)
+        if event.is_final:
+            said = turn.said
+            if not said.startswith(turn.partial) or said[len(turn.partial):][:1] not in ("", " "):
+                return  # the final revised words already sent as deltas: the transcript decides
+            added = said[len(turn.partial):].strip()
+        else:
+            added = event.delta
+        if added:  # deltas concatenate into the text: words after the first get their space
+            delta = f" {added}" if turn.partial else added
+            turn.partial += delta
+            if self._on_delta is not None:
+                self._on_delta(turn, delta)
+
+    def _complete(self, turn: Turn) -> None:
+        """The turn's transcript: its segments' finals joined."""
+        if self._on_complete is not None:
+            self._on_complete(turn)
+        if not turn.transcript.done():
+            turn.transcript.set_result(turn.said)

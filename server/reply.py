@@ -1,0 +1,318 @@
+"""A duplex session's replies: responder text -> text chunks -> TTS -> paced audio deltas.
+
+`ReplyPipeline` (one per session) runs each response as a task of the session: it waits
+for the turn's transcript, streams the responder's text (as text deltas, and through a
+`TextChunker` into clauses), has each clause synthesised on the TTS lane while the
+responder goes on, and sends the audio as deltas at most `Limits.output_lead_ms` ahead of
+the client's playback. `Response` records what was sent and what the client said it
+played (playback.ack, conversation.item.truncate), which is what a cancelled or truncated
+reply leaves in the conversation history (`heard_text`).
+
+Every response has an epoch. Cancelling one (barge-in, response.cancel) bumps the epoch,
+and the outbox drops media events of an older epoch, so a late result of a cancelled
+response is never sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from rtmedia.engines.responder import Message, ReplyRequest, Waiting
+from rtmedia.engines.text_chunks import TextChunker
+from rtmedia.engines.tts import TtsItem
+from rtmedia.protocol.events import server_event
+from rtmedia.server.engine_access import Replies, Tts
+from rtmedia.server.metrics import Metrics
+from rtmedia.server.outbox import Outbox
+from rtmedia.server.recognition import Turn
+from rtmedia.server.scheduler import Priority
+from rtmedia.server.session_config import SessionSettings
+from rtmedia.server.session_limits import Limits
+
+log = logging.getLogger(__name__)
+ACK_FRESH_S = 1.0  # an ack older than this no longer tells where playback is
+# A long sentence is decoded in windows from this many latent frames (about half a second of audio at
+# 22.05 kHz), doubling: its first audio comes after a quarter of its decode or less.
+TTS_WINDOW_FRAMES = 48
+TTS_DUE_MARGIN_S = 0.3  # a later TTS item is due this long before the audio before it runs out
+PLAYED_TOLERANCE_MS = 40
+
+
+@dataclass
+class Response:
+    response_id: str
+    item_id: str
+    epoch: int
+    task: asyncio.Task[None] | None = None
+    clauses: list[tuple[str, int, int]] = field(default_factory=list)  # (text, start_ms, end_ms) sent
+    sent_samples: int = 0
+    sent_ms: int = 0
+    first_audio_at: float = 0.0
+    heard_ms: int | None = None  # from playback.ack / conversation.item.truncate
+    heard_at: float = 0.0  # when the last ack arrived
+    truncated: bool = False  # the client said playback stopped
+    done: bool = False
+    history_index: int = -1  # its assistant message in the history
+
+    def played_ms(self, now: float) -> int:
+        """Where the client's playback is: its ack while fresh (under ACK_FRESH_S old),
+        else the wall time since the first audio was sent; at most what was sent."""
+        if self.heard_ms is not None and (self.truncated or now - self.heard_at < ACK_FRESH_S):
+            return min(self.heard_ms, self.sent_ms)
+        if not self.first_audio_at:
+            return 0
+        return int(min(self.sent_ms, (now - self.first_audio_at) * 1000))
+
+    def audible(self, now: float) -> bool:
+        """Generating, or still playing at the client (within a rounding tolerance)."""
+        return not self.done or (not self.truncated and self.played_ms(now) < self.sent_ms - PLAYED_TOLERANCE_MS)
+
+    def heard_text(self) -> str:
+        """The reply as far as it was heard: whole clauses, then the played fraction
+        of the current clause cut at a word boundary. Without acks, what was sent."""
+        heard = self.sent_ms if self.heard_ms is None else min(self.heard_ms, self.sent_ms)
+        words: list[str] = []
+        for text, start, end in self.clauses:
+            if end <= heard:
+                words += text.split()
+            elif start < heard:
+                clause = text.split()
+                words += clause[: int(len(clause) * (heard - start) / (end - start))]
+        return " ".join(words)
+
+
+# Builds the responder's request from the session's history: (instructions, max_tokens)
+# -> ReplyRequest, each None for the session's setting.
+RequestFactory = Callable[..., ReplyRequest]
+
+
+class ReplyPipeline:
+    """The responses of one session. `start()` begins one (the latest is `response`),
+    `cancel()` stops it; `prepare()` / `forget()` tell the responders about the conversation.
+    While a reply's first clause is synthesised, its responder's decoding is paused (a request
+    to the scheduler: `replies.pause`), so that synthesis, which the user waits for, has the CPU.
+
+    `conversation`: the session id (the responders' key); `settings`: the session's current
+    settings; `request`: builds a ReplyRequest from the history; `spawn(coro, name)`: runs a
+    task the session owns; `new_id(prefix)`: a fresh id; `on_done()`: after a response's
+    response.done was queued."""
+
+    def __init__(self, conversation: str, outbox: Outbox, history: list[Message], limits: Limits, *,
+                 tts: Tts, replies: Replies, metrics: Metrics,
+                 settings: Callable[[], SessionSettings], request: RequestFactory,
+                 spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task[Any]],
+                 new_id: Callable[[str], str], on_done: Callable[[], None]) -> None:
+        self.conversation = conversation
+        self.outbox = outbox
+        self.history = history  # the session's, shared
+        self.limits = limits
+        self.tts = tts
+        self.replies = replies
+        self.metrics = metrics
+        self._settings = settings
+        self._request = request
+        self._spawn = spawn
+        self._new_id = new_id
+        self._on_done = on_done
+        self.epoch = 0
+        self.responses: dict[str, Response] = {}
+        self.response: Response | None = None  # the latest response
+
+    @property
+    def generating(self) -> bool:
+        return self.response is not None and not self.response.done
+
+    def _send(self, name: str, **fields: Any) -> None:
+        self.outbox.control(server_event(name, **fields))
+
+    def _send_media(self, response: Response, name: str, **fields: Any) -> None:
+        self.outbox.media(response.epoch, server_event(name, **fields))
+
+    # ---- responders -------------------------------------------------------------
+    def prepare(self) -> None:
+        """Speech started: a responder that can gets the reply's prompt ready, up to the user's words."""
+        settings = self._settings()
+        if settings.create_response:
+            self._spawn(self.replies.prepare(settings.responder, self._request()), "prepare")
+
+    def forget(self) -> None:
+        """The session ended: every responder drops what it kept for the conversation."""
+        self.replies.forget(self.conversation)
+
+    # ---- a response ----------------------------------------------------------------
+    def start(self, turn: Turn | None, instructions: str | None = None, max_tokens: int | None = None) -> Response:
+        """A new response to the turn (None: to the history as it is)."""
+        response = Response(self._new_id("resp"), self._new_id("item"), self.epoch)
+        self.responses[response.response_id] = response
+        self.response = response
+        self._send("response.created", response_id=response.response_id, item_id=response.item_id)
+        response.task = self._spawn(self._respond(response, turn, instructions, max_tokens), "response")
+        return response
+
+    async def _respond(self, response: Response, turn: Turn | None, instructions: str | None,
+                       max_tokens: int | None) -> None:
+        """Transcript -> responder text -> TTS clause by clause -> audio deltas. A clause's audio
+        is sent as soon as it is synthesised (a long sentence's window by window), while the
+        responder produces the next text; the stream's items are synthesised in order, one at a
+        time, and other sessions' items run between the windows of a long sentence."""
+        settings = self._settings()
+        status, reason, text = "completed", "", ""
+        spoken: list[asyncio.Future[bytes]] = []
+        texts: asyncio.Queue[tuple[str, bool] | None] = asyncio.Queue()  # chunks to speak, and whether final
+        sending: asyncio.Queue[tuple[str, asyncio.Future[bytes]] | None] = asyncio.Queue()
+        sender: asyncio.Future[None] | None = None
+        synthesizer: asyncio.Future[None] | None = None
+        try:
+            if turn is not None:
+                await asyncio.wait_for(asyncio.shield(turn.transcript), self.limits.transcript_wait_s)
+            request = self._request(instructions, max_tokens)
+            tts = self.tts.open(settings.voice, settings.output_rate, window_frames=TTS_WINDOW_FRAMES)
+
+            async def send_all() -> None:
+                while (item := await sending.get()) is not None:
+                    said, audio = item
+                    await self._send_audio(response, said, await audio, tts.output_rate, turn)
+
+            async def synthesize_all() -> None:
+                """The stream's items one at a time, in order (the stream is stateful): each chunk,
+                then, while the stream has more, the later windows of its long sentences. The first
+                item is due at once (the user is waiting); each later one when the audio before it
+                would run out at the client, less TTS_DUE_MARGIN_S (the lane runs the item due
+                soonest, so a session about to run dry goes before one with audio to spare)."""
+                loop = asyncio.get_running_loop()
+                playing_from, audio_s = None, 0.0  # when the first audio was ready; audio so far
+                while (chunk := await texts.get()) is not None:
+                    text, final = chunk
+                    while True:
+                        due = None if playing_from is None else playing_from + audio_s - TTS_DUE_MARGIN_S
+                        spoken.append(asyncio.ensure_future(self.tts.synthesize(
+                            TtsItem(tts, text, final=final), Priority.REALTIME, due)))
+                        if len(spoken) == 1:  # the first clause: the responder waits until it is spoken
+                            self.replies.pause(settings.responder, self.conversation)
+                            spoken[0].add_done_callback(lambda _: self.replies.resume(settings.responder,
+                                                                                      self.conversation))
+                        sending.put_nowait((text, spoken[-1]))
+                        await asyncio.wait([spoken[-1]])
+                        if spoken[-1].cancelled() or spoken[-1].exception() is not None:
+                            sending.put_nowait(None)  # the sender stops at the failed item
+                            return
+                        audio_s += len(spoken[-1].result()) / 2 / tts.output_rate
+                        if playing_from is None and audio_s:
+                            playing_from = loop.time()
+                        if not tts.pending:
+                            break
+                        text = ""
+                sending.put_nowait(None)
+
+            sender = asyncio.ensure_future(send_all())
+            synthesizer = asyncio.ensure_future(synthesize_all())
+
+            async def speak(chunks: list[str], final: bool = False) -> None:
+                for chunk in chunks:
+                    if spoken:  # the responder waits for the TTS item submitted last (the LM's pacing)
+                        await asyncio.wait([spoken[-1]])
+                    if sender.done():
+                        sender.result()  # sending failed: raise it here
+                    texts.put_nowait((chunk, False))
+                if final:
+                    texts.put_nowait(("", True))  # flushes the resampler's tail
+                    texts.put_nowait(None)
+
+            chunker = TextChunker()
+            async for delta in self.replies.reply(settings.responder, request):
+                if isinstance(delta, Waiting):  # every LM slot is taken: the client is told
+                    self._send_media(response, "response.waiting", response_id=response.response_id,
+                                     reason="lm_slot", queue_position=delta.position)
+                    continue
+                text += delta
+                self._send_media(response, "response.output_text.delta", response_id=response.response_id,
+                                 item_id=response.item_id, delta=delta)
+                await speak(chunker.feed(delta))
+            await speak(chunker.flush(), final=True)
+            await synthesizer
+            await sender
+        except TimeoutError:
+            status, reason = "failed", "the transcript of the turn did not arrive in time"
+        except Exception as exc:
+            log.exception("response failed", extra={"session_id": self.conversation})
+            status, reason = "failed", f"{type(exc).__name__}: {exc}"
+        finally:
+            for task in [*spoken, *(t for t in (sender, synthesizer) if t is not None)]:
+                task.cancel()
+            self.replies.resume(settings.responder, self.conversation)
+        self._finish(response, text, status, reason)
+
+    async def _send_audio(self, response: Response, clause: str, audio: bytes, rate: int,
+                          turn: Turn | None) -> None:
+        """Send one clause's audio as paced deltas and record where the clause lies."""
+        start_ms = response.sent_ms
+        step = rate * self.limits.output_delta_ms // 1000 * 2
+        for offset in range(0, len(audio), step):
+            piece = audio[offset:offset + step]
+            lead = response.sent_ms - response.played_ms(time.perf_counter())
+            if lead > self.limits.output_lead_ms:
+                await asyncio.sleep((lead - self.limits.output_lead_ms) / 1000)
+            if not response.first_audio_at:
+                response.first_audio_at = time.perf_counter()
+                if turn is not None and turn.stopped_at:
+                    self._observe_latency(response.first_audio_at - turn.stopped_at)
+            response.sent_samples += len(piece) // 2
+            response.sent_ms = response.sent_samples * 1000 // rate
+            self.metrics.bytes_total.labels("out").inc(len(piece))
+            self._send_media(response, "response.output_audio.delta", response_id=response.response_id,
+                             item_id=response.item_id, audio=piece, sample_rate=rate, channels=1)
+        if clause and audio:
+            response.clauses.append((clause, start_ms, response.sent_ms))
+        elif audio and response.clauses and response.clauses[-1][2] == start_ms:  # its sentence's later window
+            response.clauses[-1] = (*response.clauses[-1][:2], response.sent_ms)
+
+    def _observe_latency(self, latency: float) -> None:
+        settings = self._settings()
+        self.metrics.response_latency.observe(latency)
+        if settings.turn_type == "server_vad":
+            self.metrics.voice_to_voice.observe(latency + settings.silence_duration_ms / 1000)
+
+    def _finish(self, response: Response, text: str, status: str, reason: str) -> None:
+        response.done = True
+        rid, item = response.response_id, response.item_id
+        if text:
+            self.history.append(Message("assistant", text))
+            response.history_index = len(self.history) - 1
+        if status == "completed":
+            self._send_media(response, "response.output_text.done", response_id=rid, item_id=item, text=text)
+            self._send_media(response, "response.output_audio.done", response_id=rid, item_id=item)
+        usage = {"output_tokens": len(text.split()), "output_audio_ms": response.sent_ms}
+        self._send_media(response, "response.done", response_id=rid, status=status, status_reason=reason,
+                         usage=usage)
+        self._on_done()
+
+    def cancel(self, reason: str) -> None:
+        """Barge-in or response.cancel: stop generation, fence off its epoch, tell the client."""
+        response = self.response
+        if response is None:
+            return
+        was_generating = not response.done
+        self.epoch += 1
+        if response.task is not None:
+            response.task.cancel()
+        self._send("output_audio_buffer.cleared", response_id=response.response_id, audio_end_ms=response.sent_ms)
+        if was_generating:
+            response.done = True
+            self._send("response.done", response_id=response.response_id, status="cancelled", status_reason=reason,
+                       usage={"output_audio_ms": response.sent_ms})
+            text = response.heard_text()
+            if text:
+                self.history.append(Message("assistant", text))
+                response.history_index = len(self.history) - 1
+        else:
+            self.truncate_history(response)
+
+    def truncate_history(self, response: Response) -> None:
+        """The response's assistant message becomes what the client heard of it."""
+        if 0 <= response.history_index < len(self.history):
+            self.history[response.history_index] = Message("assistant", response.heard_text())

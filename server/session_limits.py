@@ -1,0 +1,39 @@
+"""The server-wide limits every duplex session runs under (sent in session.created).
+
+One `Limits` is shared by the realtime service and all its sessions; its own module so
+that the session's parts (outbox, reply pipeline, recognition) can take it without
+importing the session. `rtmedia.server.session` re-exports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rtmedia.v1 import realtime_pb2
+
+
+@dataclass
+class Limits:
+    inbox_ms: int = 2000
+    max_camera_frames: int = 8
+    max_camera_frame_bytes: int = 2 * 1024 * 1024
+    max_camera_total_bytes: int = 4 * 1024 * 1024
+    max_text_chars: int = 5000
+    max_outbox_events: int = 4096
+    transcript_wait_s: float = 20.0  # a late reply beats a failed one under overload
+    # At a pause in a server_vad turn (160 ms of silence, silence_duration_ms not
+    # yet reached) the recogniser finishes the turn's audio so far, so the final is ready by
+    # speech_stopped; speech that resumes starts a new segment, and the turn's transcript joins
+    # the segments' finals.
+    early_finals: bool = True
+    # Reply audio goes out in deltas of this length, at most output_lead_ms ahead of
+    # the client's playback (acked position, or wall clock since the first delta).
+    output_delta_ms: int = 200
+    output_lead_ms: int = 1000
+
+    def to_proto(self, max_sessions: int, lm_slots: int) -> realtime_pb2.SessionLimits:
+        return realtime_pb2.SessionLimits(
+            inbox_ms=self.inbox_ms, max_camera_frames=self.max_camera_frames,
+            max_camera_frame_bytes=self.max_camera_frame_bytes, max_camera_total_bytes=self.max_camera_total_bytes,
+            max_text_chars=self.max_text_chars, max_sessions=max_sessions, lm_slots=lm_slots,
+        )

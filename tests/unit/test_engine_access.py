@@ -1,0 +1,85 @@
+"""The typed handles sessions and servicers use (server/engine_access.py), on a real
+scheduler with fake engines: which lane an ASR item takes, and that a reply of a responder
+that is not an LM's runs as a call its stream lane owns."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from rtmedia.engines.asr import AsrItem, AsrStream
+from rtmedia.engines.responder import EchoResponder, Message, ReplyRequest
+from rtmedia.server.engine_access import ASR, ASR_FINAL, Asr, Replies
+from rtmedia.server.metrics import Metrics
+from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler
+
+
+class Recorder:
+    name = "asr"
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, list[AsrItem]]] = []
+
+    def load(self) -> None: ...
+    def warmup(self) -> None: ...
+    def close(self) -> None: ...
+
+    def step(self, items, urgent: bool = False):
+        self.steps.append(("urgent" if urgent else "step", list(items)))
+        return [[] for _ in items]
+
+
+@pytest.fixture
+async def scheduler():
+    s = Scheduler(Metrics())
+    yield s
+    await s.close()
+
+
+async def test_an_item_that_only_ends_an_utterance_takes_the_final_lane(scheduler):
+    engine = Recorder()
+    scheduler.add(ASR, engine, LanePolicy(Priority.REALTIME))
+    scheduler.add(ASR_FINAL, engine, LanePolicy(Priority.REALTIME), lambda items: engine.step(items, urgent=True))
+    scheduler.start()
+    asr = Asr(scheduler)
+    stream = AsrStream(1, 0, False, True)
+    await asr.recognize(AsrItem(stream, b"\0\0" * 8))
+    await asr.recognize(AsrItem(stream, b"", end=True))
+    await asr.recognize(AsrItem(stream, b"\0\0", end=True))  # an end behind audio travels with it
+    assert [kind for kind, _ in engine.steps] == ["step", "urgent", "step"]
+
+
+class Slow:
+    """A responder whose reply streams slowly, as one from an HTTP server would."""
+
+    name = "slow"
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+
+    async def reply(self, request: ReplyRequest):
+        try:
+            for word in ("one ", "two ", "three"):
+                yield word
+                await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+async def test_a_reply_runs_on_its_stream_lane_and_stops_with_its_caller(scheduler):
+    slow = Slow()
+    for name in ("echo", "slow"):
+        scheduler.add_stream(f"reply-{name}", LanePolicy(concurrency=4))
+    scheduler.start()
+    replies = Replies(scheduler, {"echo": EchoResponder(), "slow": slow})
+    request = ReplyRequest([Message("user", "hello there")], conversation="sess_1")
+    assert "".join([d async for d in replies.reply("echo", request)]) == "You said: hello there"
+    stream = replies.reply("slow", request)
+    assert await anext(stream) == "one "
+    assert [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("lane-reply-slow")]
+    await stream.aclose()  # the session's response was cancelled
+    await asyncio.wait_for(slow.cancelled.wait(), 1)
+    assert replies.names == ["echo", "slow"] and "slow" in replies and "llm" not in replies
+    replies.pause("echo", "sess_1")  # not an LM: nothing to hold back, and no error
+    replies.resume("echo", "sess_1")

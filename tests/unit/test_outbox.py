@@ -1,0 +1,91 @@
+"""The session outbox: control overtakes media, stale epochs are dropped, close and overflow."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from rtmedia.protocol.events import server_event, to_json
+from rtmedia.server.outbox import Outbox
+
+
+def delta(text: str):
+    return server_event("response.output_text.delta", response_id="r", item_id="i", delta=text)
+
+
+def control(reason: str):
+    return server_event("input_audio_buffer.cleared", discarded_ms=0, reason=reason)
+
+
+async def get(outbox: Outbox, epoch: int):
+    return await asyncio.wait_for(outbox.get(epoch), 1)
+
+
+async def drain(outbox: Outbox, epoch: int) -> list:
+    """Everything `get` returns until None (the outbox must be closed)."""
+    out = []
+    while (event := await asyncio.wait_for(outbox.get(epoch), 1)) is not None:
+        out.append(event)
+    return out
+
+
+async def test_control_overtakes_queued_media():
+    outbox = Outbox(16)
+    first, second, urgent = delta("a"), delta("b"), control("client")
+    outbox.media(0, first)
+    outbox.media(0, second)
+    outbox.control(urgent)
+    assert await get(outbox, 0) is urgent
+    assert await get(outbox, 0) is first
+    outbox.control(later := control("later"))
+    assert await get(outbox, 0) is later  # still ahead of the media queued before it
+    assert await get(outbox, 0) is second
+
+
+async def test_media_of_an_older_epoch_is_never_returned():
+    outbox = Outbox(16)
+    stale, current = delta("stale"), delta("current")
+    outbox.media(0, stale)
+    outbox.media(1, current)
+    assert await get(outbox, 1) is current
+    outbox.media(0, late := delta("late of a cancelled response"))
+    outbox.media(1, fresh := delta("fresh"))
+    outbox.close()
+    assert await drain(outbox, 1) == [fresh]
+    assert late is not fresh
+
+
+async def test_close_sends_last_after_what_is_queued():
+    outbox = Outbox(16)
+    media, ctl = delta("a"), control("client")
+    last = server_event("session.closed", reason="client")
+    outbox.media(0, media)
+    outbox.control(ctl)
+    outbox.close(last)
+    outbox.close(server_event("session.closed", reason="second close"))  # the first close's last stays
+    assert outbox.closed
+    assert await drain(outbox, 0) == [ctl, media, last]
+    assert to_json(last)["reason"] == "client"
+    assert await get(outbox, 0) is None  # and stays closed
+
+
+async def test_get_waits_for_an_event():
+    outbox = Outbox(16)
+    waiting = asyncio.ensure_future(outbox.get(0))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    outbox.media(1, delta("other epoch"))  # wakes it, but is dropped
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    outbox.media(0, event := delta("x"))
+    assert await asyncio.wait_for(waiting, 1) is event
+
+
+async def test_overflow_raises():
+    outbox = Outbox(2)
+    outbox.media(0, delta("a"))
+    outbox.media(0, delta("b"))
+    with pytest.raises(OverflowError, match="2 events are waiting"):
+        outbox.media(0, delta("c"))
+    outbox.control(control("client"))  # control events are not bounded
+    assert await get(outbox, 0) is not None
