@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 
 import grpc
 import pytest
@@ -13,25 +12,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rtmedia.protocol.errors import error_reason
 
 from tests.support.converse import Conversation
-from tests.support.serve import RTMEDIA, free_port, wait_serving
+from tests.support.serve import running_server
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
 def server(tmp_path):
-    port = free_port()
-    with open(tmp_path / "serve.log", "wb") as log:
-        process = subprocess.Popen([RTMEDIA, "serve", "--port", str(port), "--metrics-port", "0", "--grace", "20",
-                                    "--responder", "echo"],
-                                   stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_serving(f"127.0.0.1:{port}", process)
-        yield process, f"127.0.0.1:{port}"
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    with running_server("--metrics-port", "0", "--grace", "20", "--responder", "echo",
+                        log=tmp_path / "serve.log") as (target, process):
+        yield process, target
 
 
 async def test_sigterm_drains_sessions(server):

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from tests.support.serve import RTMEDIA, free_port, wait_serving
+from tests.support.serve import RTMEDIA, free_port, running_server
 from tests.support.speech import wer
 
 pytestmark = pytest.mark.e2e
@@ -24,22 +24,11 @@ TEXT = "The weather today is sunny with a light breeze from the west. Please rem
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    port, metrics_port = free_port(), free_port()
+    metrics_port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "wb") as log_file:
-        process = subprocess.Popen(
-            [RTMEDIA, "serve", "--port", str(port), "--metrics-port", str(metrics_port), "--grace", "5",
-             "--no-llm", "--responder", "echo"],
-            stdout=log_file, stderr=subprocess.STDOUT,
-        )
-    target = f"127.0.0.1:{port}"
-    try:
-        wait_serving(target, process)
+    with running_server("--metrics-port", str(metrics_port), "--grace", "5", "--no-llm", "--responder", "echo",
+                        log=log) as (target, process):
         yield {"target": target, "metrics_port": metrics_port, "process": process, "log": log}
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:

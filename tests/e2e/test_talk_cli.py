@@ -8,11 +8,10 @@ import subprocess
 import wave
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tests.support.serve import RTMEDIA, free_port, wait_serving
-from tests.support.speech import wer
+from tests.support.serve import RTMEDIA, free_port, running_server
+from tests.support.speech import wer, write_wav
 
 pytestmark = pytest.mark.e2e
 RATE = 16000
@@ -23,37 +22,16 @@ INTERRUPTION = "Stop, that is enough."
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "wb") as log_file:
-        process = subprocess.Popen(
-            [RTMEDIA, "serve", "--port", str(port), "--metrics-port", str(free_port()), "--grace", "5"],
-            stdout=log_file, stderr=subprocess.STDOUT,
-        )
-    target = f"127.0.0.1:{port}"
-    try:
-        wait_serving(target, process)
+    with running_server("--metrics-port", str(free_port()), "--grace", "5", log=log) as (target, process):
         yield {"target": target, "process": process, "log": log}
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
-def write_wav(path: Path, *parts: np.ndarray) -> Path:
-    with wave.open(str(path), "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(RATE)
-        wav.writeframes(np.concatenate(parts).astype("<i2").tobytes())
-    return path
 
 
 @pytest.fixture(scope="module")
 def sentence_wav(tmp_path_factory, speaker) -> Path:
     """0.5 s silence, a sentence, 1.5 s silence."""
     path = tmp_path_factory.mktemp("talk") / "in.wav"
-    return write_wav(path, speaker.silence(0.5, RATE), speaker.say(SENTENCE, RATE), speaker.silence(1.5, RATE))
+    return write_wav(path, RATE, speaker.silence(0.5, RATE), speaker.say(SENTENCE, RATE), speaker.silence(1.5, RATE))
 
 
 def talk(served, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -177,7 +155,7 @@ def test_human_output_is_a_transcript_with_latencies(served, sentence_wav, tmp_p
 
 
 def test_barge_in_cancels_the_reply(served, speaker, tmp_path):
-    path = write_wav(tmp_path / "barge.wav", speaker.silence(0.5, RATE), speaker.say(LONG, RATE),
+    path = write_wav(tmp_path / "barge.wav", RATE, speaker.silence(0.5, RATE), speaker.say(LONG, RATE),
                      speaker.silence(1.2, RATE), speaker.say(INTERRUPTION, RATE), speaker.silence(1.5, RATE))
     events, summary = json_lines(talk(served, str(path), "--json", "--responder", "echo", "--realtime"))
     types = [e["type"] for e in events]

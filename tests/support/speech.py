@@ -1,8 +1,10 @@
-"""Test speech: Piper-synthesised sentences (resampled by scipy) and word error rate."""
+"""Test speech: Piper-synthesised sentences (resampled by scipy), word error rate, mono WAV files."""
 
 from __future__ import annotations
 
 import re
+import wave
+from pathlib import Path
 
 import jiwer
 import numpy as np
@@ -15,6 +17,16 @@ def normalise(text: str) -> str:
 
 def wer(reference: str, hypothesis: str) -> float:
     return jiwer.wer(normalise(reference), normalise(hypothesis) or "<empty>")
+
+
+def write_wav(path: Path, rate: int, *parts: np.ndarray) -> Path:
+    """A mono 16-bit WAV file at `rate` holding `parts` (int16 samples) one after another."""
+    with wave.open(str(path), "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(rate)
+        wav.writeframes(np.concatenate(parts).astype("<i2").tobytes())
+    return path
 
 
 class Speaker:

@@ -20,25 +20,14 @@ from rtmedia.engines.asr import (
     AsrStream,
     _Worker,
     _worker_main,
-    asr_lane,
 )
+
+from tests.support.speech import Speaker, normalise, wer
 
 RATE = 16000
 CHUNK = RATE // 10  # 100 ms of samples
 FOX = "The quick brown fox jumps over the lazy dog."
 CALL = "Please call me back tomorrow afternoon at the office."
-
-
-def _norm(text: str) -> str:
-    return re.sub(r"[^a-z' ]", "", text.lower()).strip()
-
-
-def _wer(reference: str, hypothesis: str) -> float:
-    return jiwer.wer(_norm(reference), _norm(hypothesis) or "<empty>")
-
-
-def _silence(seconds: float) -> np.ndarray:
-    return np.zeros(round(seconds * RATE), np.int16)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +64,7 @@ def _two_sentences(
     speech: dict[str, np.ndarray], lead: float = 1.0
 ) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """lead s silence, FOX, 1.5 s silence, CALL, 0.5 s silence; returns the audio and where the speech is (ms)."""
-    parts = [_silence(lead), speech[FOX], _silence(1.5), speech[CALL], _silence(0.5)]
+    parts = [Speaker.silence(lead), speech[FOX], Speaker.silence(1.5), speech[CALL], Speaker.silence(0.5)]
     bounds, at = [], 0
     for i, part in enumerate(parts):
         if i in (1, 3):
@@ -97,7 +86,7 @@ def test_two_sentences_give_two_accurate_finals(engine: AsrEngine, speech: dict[
         engine.close_stream(stream)
     assert [f.utterance_index for f in finals] == [0, 1]
     for final, text, (start, end) in zip(finals, (FOX, CALL), bounds, strict=True):
-        assert _wer(text, final.text) < 0.35, (text, final.text)
+        assert wer(text, final.text) < 0.35, (text, final.text)
         assert abs(final.start_ms - start) <= 300, (final, start)
         assert abs(final.end_ms - end) <= 300, (final, end)
         assert final.delta == ""
@@ -138,12 +127,12 @@ def test_partials_are_regular_and_append_only(engine: AsrEngine, speech: dict[st
             assert ev.words == []
             text = ev.text
         assert text, "no words were committed before the final"
-        assert _wer(events[-1].text, text) < 0.5  # partials mostly agree with the final
+        assert wer(events[-1].text, text) < 0.5  # partials mostly agree with the final
 
 
 def test_end_flushes_an_open_utterance(engine: AsrEngine, speech: dict[str, np.ndarray]) -> None:
-    first = np.concatenate([_silence(0.5), speech[CALL]])  # no trailing silence: only end=True ends it
-    second = np.concatenate([_silence(0.5), speech[FOX]])
+    first = np.concatenate([Speaker.silence(0.5), speech[CALL]])  # no trailing silence: only end=True ends it
+    second = np.concatenate([Speaker.silence(0.5), speech[FOX]])
     stream = engine.open_stream()
     try:
         timed = _run(engine, stream, first)
@@ -153,10 +142,10 @@ def test_end_flushes_an_open_utterance(engine: AsrEngine, speech: dict[str, np.n
     arrived, final = timed[-1]
     assert _finals([ev for _, ev in timed]) == [final]
     assert arrived == len(first) * 1000 // RATE  # produced by the flush, on the last chunk
-    assert _wer(CALL, final.text) < 0.35
+    assert wer(CALL, final.text) < 0.35
     [again] = _finals(more)
     assert again.utterance_index == 1
-    assert _wer(FOX, again.text) < 0.35
+    assert wer(FOX, again.text) < 0.35
     assert abs(again.start_ms - (len(first) + RATE // 2) * 1000 // RATE) <= 300  # offsets keep counting
 
 
@@ -165,7 +154,7 @@ def _check_streams(results: dict[AsrStream, list[AsrEvent]], texts: dict[AsrStre
         finals = _finals(events)
         assert len(finals) == len(texts[stream])
         for final, text in zip(finals, texts[stream], strict=True):
-            assert _wer(text, final.text) < 0.35, (stream, text, final.text)
+            assert wer(text, final.text) < 0.35, (stream, text, final.text)
 
 
 def test_interleaved_streams_do_not_mix(engine: AsrEngine, speech: dict[str, np.ndarray]) -> None:
@@ -173,9 +162,9 @@ def test_interleaved_streams_do_not_mix(engine: AsrEngine, speech: dict[str, np.
     a, b, c = streams
     assert a.worker == c.worker != b.worker  # least-loaded placement; a and c share one worker's decoders
     audio = {
-        a: np.concatenate([_silence(0.5), speech[FOX], _silence(1.0)]),
-        b: np.concatenate([_silence(0.8), speech[CALL], _silence(1.0)]),
-        c: np.concatenate([_silence(1.1), speech[CALL], _silence(1.0)]),
+        a: np.concatenate([Speaker.silence(0.5), speech[FOX], Speaker.silence(1.0)]),
+        b: np.concatenate([Speaker.silence(0.8), speech[CALL], Speaker.silence(1.0)]),
+        c: np.concatenate([Speaker.silence(1.1), speech[CALL], Speaker.silence(1.0)]),
     }
     texts = {a: (FOX,), b: (CALL,), c: (CALL,)}
     chunks = {s: _chunks(pcm) for s, pcm in audio.items()}
@@ -199,7 +188,7 @@ def test_concurrent_step_calls_from_threads(engine: AsrEngine, speech: dict[str,
 
     def drive(stream: AsrStream) -> None:
         first, second = (speech[t] for t in texts[stream])
-        pcm = np.concatenate([_silence(0.3), first, _silence(1.5), second, _silence(0.6)])
+        pcm = np.concatenate([Speaker.silence(0.3), first, Speaker.silence(1.5), second, Speaker.silence(0.6)])
         try:
             results[stream] = [ev for _, ev in _run(engine, stream, pcm)]
         except BaseException as exc:
@@ -225,7 +214,7 @@ def test_close_stream_and_close_leave_no_processes(speech: dict[str, np.ndarray]
     try:
         # close a stream in the middle of an utterance: its decoder goes back to the worker's pool
         s1 = eng.open_stream()
-        half = np.concatenate([_silence(0.5), speech[FOX][: len(speech[FOX]) // 2]])
+        half = np.concatenate([Speaker.silence(0.5), speech[FOX][: len(speech[FOX]) // 2]])
         for chunk in _chunks(half):
             eng.step([AsrItem(s1, chunk)])
         eng.close_stream(s1)
@@ -233,10 +222,10 @@ def test_close_stream_and_close_leave_no_processes(speech: dict[str, np.ndarray]
         with pytest.raises(ValueError, match="not open"):
             eng.step([AsrItem(s1, b"\0\0")])
         s2 = eng.open_stream()
-        events = [ev for _, ev in _run(eng, s2, np.concatenate([_silence(0.5), speech[CALL]]))]
+        events = [ev for _, ev in _run(eng, s2, np.concatenate([Speaker.silence(0.5), speech[CALL]]))]
         [final] = _finals(events)
         assert final.utterance_index == 0
-        assert _wer(CALL, final.text) < 0.35
+        assert wer(CALL, final.text) < 0.35
         eng.close_stream(s2)
     finally:
         eng.close()
@@ -295,11 +284,11 @@ def test_unsegmented_turns_end_only_on_end(
     engine: AsrEngine, speech: dict[str, np.ndarray], fast_final: bool
 ) -> None:
     turns = [
-        np.concatenate([_silence(0.3), speech[FOX], _silence(1.2)]),  # trailing silence does not end it
+        np.concatenate([Speaker.silence(0.3), speech[FOX], Speaker.silence(1.2)]),  # trailing silence does not end it
         # right after the previous turn, with the short lead-in a VAD turn's prefix padding gives (a word
         # at a turn's very first sample is sometimes misheard: "Please" as "lace")
-        np.concatenate([_silence(0.1), speech[CALL]]),
-        np.concatenate([_silence(0.2), speech[CALL], _silence(0.4)]),
+        np.concatenate([Speaker.silence(0.1), speech[CALL]]),
+        np.concatenate([Speaker.silence(0.2), speech[CALL], Speaker.silence(0.4)]),
     ]
     stream = engine.open_stream(segment=False, fast_final=fast_final)
     try:
@@ -309,19 +298,19 @@ def test_unsegmented_turns_end_only_on_end(
     at = 0  # samples; offsets count from the stream's start
     for index, (turn_steps, pcm, text) in enumerate(zip(steps, turns, (FOX, CALL, CALL), strict=True)):
         final = _check_turn(turn_steps, index, at * 1000 // RATE, pcm)
-        assert _wer(text, final.text) < 0.35, (text, final.text)
+        assert wer(text, final.text) < 0.35, (text, final.text)
         at += len(pcm)
 
 
 def test_unsegmented_turn_is_not_split_by_silences(engine: AsrEngine, speech: dict[str, np.ndarray]) -> None:
-    turn = np.concatenate([_silence(0.5), speech[FOX], _silence(3.0), speech[CALL], _silence(2.0)])
+    turn = np.concatenate([Speaker.silence(0.5), speech[FOX], Speaker.silence(3.0), speech[CALL], Speaker.silence(2.0)])
     stream = engine.open_stream(segment=False)
     try:
         [steps] = _turns(engine, stream, [turn])
     finally:
         engine.close_stream(stream)
     final = _check_turn(steps, 0, 0, turn)
-    assert _wer(f"{FOX} {CALL}", final.text) < 0.35, final.text
+    assert wer(f"{FOX} {CALL}", final.text) < 0.35, final.text
 
 
 def test_unsegmented_turns_without_words_give_one_empty_final(
@@ -329,7 +318,7 @@ def test_unsegmented_turns_without_words_give_one_empty_final(
 ) -> None:
     rng = np.random.default_rng(0)
     hiss = rng.normal(0.0, 30.0, RATE).astype(np.int16)
-    turns = [_silence(1.0), _silence(0.0), _silence(0.02), hiss, speech[CALL], _silence(0.0)]
+    turns = [Speaker.silence(1.0), Speaker.silence(0.0), Speaker.silence(0.02), hiss, speech[CALL], Speaker.silence(0.0)]
     stream = engine.open_stream(segment=False)
     try:
         steps = _turns(engine, stream, turns)
@@ -340,7 +329,7 @@ def test_unsegmented_turns_without_words_give_one_empty_final(
         final = _check_turn(turn_steps, index, at * 1000 // RATE, pcm)
         at += len(pcm)
         if index == 4:
-            assert _wer(CALL, final.text) < 0.35, final.text
+            assert wer(CALL, final.text) < 0.35, final.text
         else:
             assert (final.text, final.words) == ("", []), (index, final)
 
@@ -349,7 +338,7 @@ def test_results_do_not_depend_on_decoder_history(engine: AsrEngine, speech: dic
     """Decoders are lent per utterance; what one decoded before must not change the next result."""
     rng = np.random.default_rng(1)
     loud = np.concatenate([rng.normal(0.0, 3000.0, RATE).astype(np.int16), speech[FOX]])
-    pcm = np.concatenate([_silence(0.2), speech[CALL], _silence(0.2)])
+    pcm = np.concatenate([Speaker.silence(0.2), speech[CALL], Speaker.silence(0.2)])
     finals = []
     for turns in ([pcm], [loud], [pcm]):
         stream = engine.open_stream(segment=False)  # every stream here starts on the same (idle) worker
@@ -363,7 +352,7 @@ def test_results_do_not_depend_on_decoder_history(engine: AsrEngine, speech: dic
 
 def test_fast_final_is_faster(engine: AsrEngine, speech: dict[str, np.ndarray]) -> None:
     """fast_final skips the decoder's second pass over the utterance in the final (see the module doc)."""
-    pcm = np.concatenate([_silence(0.2), speech[FOX], _silence(0.3)])
+    pcm = np.concatenate([Speaker.silence(0.2), speech[FOX], Speaker.silence(0.3)])
     *head, tail = _chunks(pcm)
     latency = {}
     for fast_final in (False, True):
@@ -376,7 +365,7 @@ def test_fast_final_is_faster(engine: AsrEngine, speech: dict[str, np.ndarray]) 
                 started = time.perf_counter()
                 [events] = engine.step([AsrItem(stream, tail, end=True)])
                 times.append(time.perf_counter() - started)
-                assert _wer(FOX, events[-1].text) < 0.35
+                assert wer(FOX, events[-1].text) < 0.35
         finally:
             engine.close_stream(stream)
         latency[fast_final] = min(times)
@@ -409,7 +398,7 @@ def test_fast_final_transcribes_within_bounds(engine: AsrEngine, speech: dict[st
         x += rng.normal(0.0, np.sqrt(np.mean(x**2) / 10**3.5), len(x))  # 35 dB SNR
         return np.clip(x, -32768, 32767).astype(np.int16)
 
-    clean = [np.concatenate([_silence(0.3), speech[t], _silence(0.4)]) for t in (FOX, CALL)]
+    clean = [np.concatenate([Speaker.silence(0.3), speech[t], Speaker.silence(0.4)]) for t in (FOX, CALL)]
     turns = [*clean, *(noisy(pcm) for pcm in clean)]
     stream = engine.open_stream(segment=False, fast_final=True)
     try:
@@ -421,8 +410,8 @@ def test_fast_final_transcribes_within_bounds(engine: AsrEngine, speech: dict[st
         finals.append(_check_turn(turn_steps, index, at * 1000 // RATE, pcm).text)
         at += len(pcm)
     for text, final in zip((FOX, CALL), finals[:2], strict=True):
-        assert _wer(text, final) < 0.35, (text, final)
-    assert jiwer.wer([_norm(FOX), _norm(CALL)], [_norm(f) or "<empty>" for f in finals[2:]]) < 0.35, finals
+        assert wer(text, final) < 0.35, (text, final)
+    assert jiwer.wer([normalise(FOX), normalise(CALL)], [normalise(f) or "<empty>" for f in finals[2:]]) < 0.35, finals
 
 
 def test_odd_byte_count_is_rejected(engine: AsrEngine) -> None:
@@ -443,13 +432,13 @@ def test_urgent_final_does_not_wait_for_a_running_step(speech: dict[str, np.ndar
     eng.load()
     try:
         talker, ender = (eng.open_stream(segment=False, fast_final=True) for _ in range(2))
-        turn = np.concatenate([_silence(0.2), speech[FOX], _silence(0.2)])
+        turn = np.concatenate([Speaker.silence(0.2), speech[FOX], Speaker.silence(0.2)])
         for chunk in _chunks(turn):
             eng.step([AsrItem(ender, chunk)])
         [[expected]] = eng.step([AsrItem(ender, b"", end=True)])  # the same turn through the step pipe
         for chunk in _chunks(turn):
             eng.step([AsrItem(ender, chunk)])
-        long = np.tile(np.concatenate([speech[CALL], _silence(0.3)]), 8)  # ~30 s: seconds of decoding
+        long = np.tile(np.concatenate([speech[CALL], Speaker.silence(0.3)]), 8)  # ~30 s: seconds of decoding
         done: dict[str, float] = {}
 
         def talk() -> None:
@@ -464,14 +453,14 @@ def test_urgent_final_does_not_wait_for_a_running_step(speech: dict[str, np.ndar
         done["ender"] = time.perf_counter()
         thread.join(timeout=120)
         assert "talker" in done and done["ender"] < done["talker"] - 0.5, (started, done)
-        assert final.is_final and final.text == expected.text and _wer(FOX, final.text) < 0.35
+        assert final.is_final and final.text == expected.text and wer(FOX, final.text) < 0.35
         assert [w for w, *_ in final.words] == [w for w, *_ in expected.words]
         # the worker still answers both pipes (the urgent request it took mid-step is not waited for again)
         assert eng.step([AsrItem(ender, speech[FOX].tobytes())]) != [[]]
         [[last]] = eng.step([AsrItem(talker, b"", end=True)], urgent=True)
-        assert last.is_final and _wer(" ".join([CALL] * 8), last.text) < 0.35
-        assert [asr_lane(AsrItem(ender, b"", end=True)), asr_lane(AsrItem(ender, b"\0\0", end=True))] == \
-            ["asr_final", "asr"]
+        assert last.is_final and wer(" ".join([CALL] * 8), last.text) < 0.35
+        assert [AsrItem(ender, b"", end=True).only_ends, AsrItem(ender, b"\0\0", end=True).only_ends] == \
+            [True, False]
         with pytest.raises(ValueError, match="urgent ASR item only ends an utterance"):
             eng.step([AsrItem(ender, b"\0\0", end=True)], urgent=True)
         with pytest.raises(ValueError, match="urgent ASR item only ends an utterance"):
