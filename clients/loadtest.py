@@ -1,5 +1,5 @@
 """`rtmedia loadtest`: many simulated people talking to a server at once, measured
-as SPEC §1.5 defines (RealtimeService.Converse through the generated stubs only).
+as docs/protocol.md#latency-definitions defines (RealtimeService.Converse through the generated stubs only).
 
 Each person is one Converse stream and two tasks: a sender that streams speech at
 real-time pace (one append event per --chunk-ms, silence between utterances, as a
@@ -74,7 +74,7 @@ Profiles (session config):
   mixed        sessions take listen, listen, transcribe, talk in turn
   barge-in     talk, interrupting --barge-in-share of the replies 0.4-0.9 s into them
 
-Measured on the client's clock (SPEC 1.5): response latency (speech_stopped
+Measured on the client's clock (docs/protocol.md#latency-definitions): response latency (speech_stopped
 received -> first reply audio), voice-to-voice (last voiced sample sent -> first
 reply audio), barge-in (first voiced sample of the interruption sent ->
 output_audio_buffer.cleared), VAD start (first voiced sample sent ->

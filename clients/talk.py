@@ -1,8 +1,9 @@
-"""`rtmedia talk`: one duplex speech session fed from a WAV file (RealtimeService.Converse, SPEC §1).
+"""`rtmedia talk`: one duplex speech session fed from a WAV file (RealtimeService.Converse,
+docs/protocol.md#sessions).
 
 The file goes to the server as `input_audio_buffer.append` chunks; replies are
 "played" on a simulated clock that sends `playback.ack` as a real client would;
-latencies follow SPEC §1.5 as the client sees them. One asyncio task sends (the
+latencies follow docs/protocol.md#latency-definitions as the client sees them. One asyncio task sends (the
 file at its pace, then commit / response.create, then waits for the session to
 go idle and closes it), one acknowledges playback, and the command itself reads
 the server's events.

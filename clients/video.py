@@ -142,7 +142,7 @@ def cmd_decode_video(args: argparse.Namespace) -> None:
     finally:
         if out is not None:
             out.close()
-        if not ok:  # a failed decode: what arrived is not a valid prefix to keep (SPEC 3.1)
+        if not ok:  # a failed decode: what arrived is not a valid prefix to keep (docs/protocol.md#chunk-contract)
             for path in written:
                 path.unlink(missing_ok=True)
     if not chunks_done:

@@ -1,4 +1,5 @@
-"""CUDA-graph runner: capture fixed-shape engine steps once, replay them (SPEC §4).
+"""CUDA-graph runner: capture fixed-shape engine steps once, replay them
+(docs/architecture.md#cuda-graph-runner).
 
 A `GraphRunner` belongs to one engine. `run(fn, *inputs)` computes
 `fn(*inputs)` (tensors in, a tensor or a tuple of tensors out), either eagerly

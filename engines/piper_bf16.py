@@ -1,13 +1,13 @@
 """A Piper voice's decoder (engines/piper_graph.py) in bfloat16 on OpenVINO's CPU plugin.
 
 On a CPU that computes bfloat16 natively (AMX or AVX512-BF16) OpenVINO runs the decoder
-2.5-4x faster than onnxruntime's float32 per latent frame on one thread. Against the float32
-decode of the same frames the audio has ~40 dB SNR, and its log-mel spectrum is about ten
-times closer to it than two float32 syntheses of the same text are to each other (Piper
-samples noise): tests/perf/bench_tts_precision.py measures both.
+several times faster than onnxruntime's float32 per latent frame on one thread. Against the
+float32 decode of the same frames the audio is far closer than two float32 syntheses of the
+same text are to each other (Piper samples noise): tests/perf/bench_tts_precision.py measures
+both (figures in BENCHMARKS.md).
 
-OpenVINO compiles its kernels for each input length it meets (0.2-1.5 s each), so the
-decoder is compiled once per size in SIZES: `decode` cuts a stretch of frames into pieces
+OpenVINO compiles its kernels for each input length it meets (a stall per new length), so
+the decoder is compiled once per size in SIZES: `decode` cuts a stretch of frames into pieces
 that fit them, each widened with the sentence's own frames, and `run` pads a piece that
 reaches the sentence's end with zero frames.
 Inference runs on the calling thread (one thread), so concurrent callers do not share cores
@@ -61,7 +61,7 @@ class Bf16Decoder:
             shaped.reshape({"latent": [1, channels, size]})
             return core.compile_model(shaped, "CPU", config)
 
-        with ThreadPoolExecutor(len(SIZES)) as pool:  # compiling takes 0.4-0.8 s per size on one core
+        with ThreadPoolExecutor(len(SIZES)) as pool:  # compiling is slow: the sizes in parallel
             self._compiled = dict(zip(SIZES, pool.map(compiled, SIZES), strict=True))
         self._idle: dict[int, queue.SimpleQueue] = {size: queue.SimpleQueue() for size in SIZES}
 
@@ -82,8 +82,8 @@ class Bf16Decoder:
     def run(self, latent: np.ndarray) -> np.ndarray:
         """Audio of `latent` [1, channels, n], n <= SIZES[-1], padded with zero frames to the
         next compiled size; the audio of all `size` frames. `decode` pads only past a sentence's
-        end, where in float32 it changed the last frame of audio by at most ~3e-4 of full scale
-        (five Piper sentences), far below bfloat16's own error."""
+        end, where in float32 it changed the last frame of audio far less than bfloat16's own
+        error (BENCHMARKS.md)."""
         frames = latent.shape[2]
         size = next((s for s in SIZES if s >= frames), 0)
         if not size:

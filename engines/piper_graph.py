@@ -1,16 +1,16 @@
 """A Piper voice's graph split in two: phonemes -> latent frames, and a HiFi-GAN
 decoder (latent frames -> audio) rewritten as 2-D convolutions.
 
-Piper's VITS graph spends ~70 % of a synthesis in its decoder (`/dec/...`):
+Piper's VITS graph spends most of a synthesis in its decoder (`/dec/...`):
 1-D convolutions over the audio-rate signal with 32-256 channels. onnxruntime
 runs a 1-D convolution as im2col + GEMM, but a 2-D one over [batch, C, 1, L]
-in its blocked NCHWc layout with direct kernels, which is ~1.3-2x faster for
-these shapes on one thread. The rewrite adds a unit height axis at the
+in its blocked NCHWc layout with direct kernels, which is faster for these
+shapes on one thread (BENCHMARKS.md). The rewrite adds a unit height axis at the
 decoder's input, gives every convolution in it a [1, k] kernel (weights
 [O, I, 1, k], pads, strides, dilations and output padding likewise) and
 removes the axis at the decoder's output; the decoder's other ops (LeakyRelu,
 Add, Div by a scalar, Tanh) do not depend on the rank. The result is the same
-computation on the same weights (audio equal to the original within ~1e-6).
+computation on the same weights (audio equal to the original to float rounding).
 
 The split also lets a long sentence be decoded in windows (engines/tts.py):
 the decoder is convolutional, so a window of latent frames decoded with
@@ -33,7 +33,7 @@ DECODER = "/dec/"
 _CONVS = ("Conv", "ConvTranspose")
 _RANK_FREE = ("LeakyRelu", "Add", "Div", "Tanh")
 # Latent frames of context decoded on each side of a window: the decoder's receptive field
-# (with 9 a window differed from the whole decode by up to 2e-4, with 10 by 5e-7;
+# (with 9 a window differed visibly from the whole decode, with 10 only by float rounding;
 # tests/unit/test_piper_graph.py checks windows against whole decodes).
 CONTEXT_FRAMES = 10
 

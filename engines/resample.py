@@ -1,4 +1,4 @@
-"""Streaming sample-rate conversion and PCM / G.711 helpers (SPEC 2.1).
+"""Streaming sample-rate conversion and PCM / G.711 helpers (docs/protocol.md#output-sample-rate).
 
 One engine, ``_StreamingFir``, does all resampling: in effect the input is upsampled by
 ``up`` (zeros inserted), filtered by a centred Kaiser-windowed sinc and decimated by
@@ -23,7 +23,7 @@ import operator
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-BETA = 5.0  # Kaiser window beta (SPEC 2.1)
+BETA = 5.0  # Kaiser window beta (docs/protocol.md#output-sample-rate)
 _EMPTY = np.zeros(0, dtype=np.float32)
 
 
@@ -65,7 +65,8 @@ def _design(up: int, down: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | No
     ``q*up + r`` (r < up) read inputs ``q*down + first[r] + t`` (relative to output q*up's
     oldest input), so ``block[first[r] + t, r] = bank[phase(r), t]``.
     """
-    # 20 * max(L, M) + 1 taps (SPEC 2.1 for L = 1; also resample_poly's default length):
+    # 20 * max(L, M) + 1 taps (docs/protocol.md#output-sample-rate for L = 1; also resample_poly's
+    # default length):
     # 20 * max(L, M) / L taps per output phase -- 20 when upsampling, 20 * M / L when
     # downsampling, i.e. 20-60 multiply-adds per output. Relative to the lower Nyquist the
     # response is flat within 0.7 % to 0.8x, -3 dB at 0.91x, below 1 % from 1.1x, -60 dB by 1.12x.
@@ -153,7 +154,8 @@ class _StreamingFir:
 
 
 class FirDownsampler(_StreamingFir):
-    """Integer-ratio decimator of SPEC 2.1: 20*R + 1 taps, cutoff 0.95/R, beta 5, unit DC gain."""
+    """Integer-ratio decimator (docs/protocol.md#output-sample-rate): 20*R + 1 taps, cutoff 0.95/R,
+    beta 5, unit DC gain."""
 
     def __init__(self, src_rate: int, dst_rate: int) -> None:
         src, dst = _check_rate(src_rate, "src_rate"), _check_rate(dst_rate, "dst_rate")

@@ -4,11 +4,11 @@ The wheel's `silero_vad.onnx` computes one 576-sample window per row: a
 reflect pad, an STFT as a 256-tap strided convolution, four small
 convolutions over 4, 4, 2 and 1 frames, an LSTM cell and a 1x1 output
 convolution. onnxruntime runs each of those convolutions as one small matrix
-product per row, so a 500-row call spends most of its time on per-row work
-(~50 us a row on one thread). The graph built here computes the same network
-with every convolution unrolled into a single matrix product over all rows
-and frames (the frames and the taps are gathered first, as im2col does), so
-each layer is one large GEMM: ~14 us a row.
+product per row, so a 500-row call spends most of its time on per-row work.
+The graph built here computes the same network with every convolution
+unrolled into a single matrix product over all rows and frames (the frames
+and the taps are gathered first, as im2col does), so each layer is one large
+GEMM and the per-row overhead goes (figures in BENCHMARKS.md).
 
 The weights are read from the wheel's own model file, never from elsewhere,
 and `tests/unit/test_vad.py` checks the result against that model. The graph

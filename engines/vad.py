@@ -17,8 +17,7 @@ new state and context go back to its stream. `step()` does the same for a
 list of single windows.
 A large round is split over `parallel_runs` concurrent single-threaded runs of
 the one onnxruntime session (rows are independent): two half-batch runs take
-less wall time than one run on two intra-op threads (8.0-9.0 against 9.0-10.7
-ms for 500 rows).
+less wall time than one run on two intra-op threads (BENCHMARKS.md).
 The caller must not step one stream from two threads at once.
 """
 

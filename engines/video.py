@@ -3,7 +3,7 @@
 Each stream owns its causal feature cache (the list the Wan decoder threads
 through its causal convolutions), so streams interleave step by step on one
 VAE. A step decodes one latent frame: the first of a segment gives 1 frame,
-every later one 4 (SPEC 3.2). `decode_full` is the reference: diffusers' own
+every later one 4 (docs/protocol.md#causal-plan). `decode_full` is the reference: diffusers' own
 `vae.decode` of every segment, used for one-shot requests.
 
 On CUDA the steady-state step (every causal-conv cache entry a tensor or an

@@ -1,4 +1,5 @@
-"""Frame plans and the chunk assembler for chunked video decode (SPEC 3.1-3.3).
+"""Frame plans and the chunk assembler for chunked video decode (docs/protocol.md#chunk-contract,
+docs/protocol.md#causal-plan, docs/protocol.md#overlapped-window-plan).
 
 Pure functions and numpy only: no torch, no gRPC.
 
@@ -8,10 +9,10 @@ a feature cache that is fresh at the start of every *segment*) and the
 committed chunks, in order, and holds the final chunk back until the whole
 plan has been checked.
 
-- causal (Wan-style, SPEC 3.2): one segment, the whole latent; latent frame 0
+- causal (Wan-style, docs/protocol.md#causal-plan): one segment, the whole latent; latent frame 0
   gives 1 frame, each later one 4; a chunk is the frames of
   `steps_per_chunk` latent steps.
-- overlapped (MiniMax-H3-style, SPEC 3.3): the latent, padded at the end by
+- overlapped (MiniMax-H3-style, docs/protocol.md#overlapped-window-plan): the latent, padded at the end by
   repeating its last frame, is cut into windows of 7 tokens advancing by 5;
   each window is its own segment (fresh cache) and decodes to 25 frames, of
   which the 3 leading ones are dropped; the first 5 of the remaining 22 are
@@ -69,7 +70,7 @@ class Chunk:
 
 @dataclass(frozen=True)
 class OverlapConfig:
-    """The reference configuration of SPEC 3.3."""
+    """The reference configuration of the overlapped window plan (docs/protocol.md#overlapped-window-plan)."""
 
     advance: int = 5        # latent tokens a window moves on
     overlap: int = 2        # latent tokens shared by neighbouring windows
@@ -142,7 +143,7 @@ def causal_plan(latent_frames: int, steps_per_chunk: int = 1) -> FramePlan:
 
 
 def overlapped_windows(latent_frames: int, cfg: OverlapConfig = OVERLAP) -> tuple[int, int]:
-    """(N windows, padding tokens) by SPEC 3.3; N <= 0 is rejected."""
+    """(N windows, padding tokens) by docs/protocol.md#overlapped-window-plan; N <= 0 is rejected."""
     pseudo = latent_frames + cfg.drop_leading
     pad_tok = (cfg.advance - pseudo % cfg.advance) % cfg.advance
     n = (pseudo + pad_tok) // cfg.advance - 1
@@ -295,7 +296,7 @@ class Assembler:
 
 
 def check_chunks(chunks: Sequence[tuple[int, int, int, int, bool]], total_frames: int | None = None) -> None:
-    """Check the SPEC 3.1 chunk contract on (chunk_index, total_chunks, frame_start,
+    """Check the chunk contract (docs/protocol.md#chunk-contract) on (chunk_index, total_chunks, frame_start,
     frame_count, is_final) tuples; raises AssertionError naming the first violation."""
     if not chunks:
         raise AssertionError("no chunks")

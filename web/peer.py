@@ -12,9 +12,9 @@ The peer owns its tasks and ends them all in `close()`:
 - `acks`: `playback.ack` from what the outgoing audio track has actually played out;
 - `video`: a demo `DecodeVideo` whose frames go out on the video track.
 
-The page speaks canonical JSON (SPEC 1.2) on the `events` channel. Messages whose
-type starts with `bridge.` are the bridge's own (see `web/README` in the top-level
-README): `bridge.video.request` from the page; `bridge.peer`, `bridge.playback.cleared`,
+The page speaks canonical JSON (docs/protocol.md#events) on the `events` channel. Messages whose
+type starts with `bridge.` are the bridge's own (docs/protocol.md#events):
+`bridge.video.request` from the page; `bridge.peer`, `bridge.playback.cleared`,
 `bridge.video.*` and `bridge.error` to it.
 """
 
@@ -194,7 +194,7 @@ class Peer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.call is not None and not self.call.done():
-            self.call.cancel()  # the server frees the session's resources (SPEC 1.4)
+            self.call.cancel()  # the server frees the session's resources (docs/protocol.md#admission-and-lifecycle)
         self.audio_out.stop()
         self.video_out.stop()
         with contextlib.suppress(Exception):
@@ -224,7 +224,7 @@ class Peer:
                 frame = await track.recv()
             except MediaStreamError:
                 return  # the browser stopped sending
-            pcm = resampler.resample(frame)  # ~20 µs per 20 ms frame: not worth a thread hop
+            pcm = resampler.resample(frame)  # cheap next to a thread hop: stays on the loop
             self.stats.mic_frames += 1
             if pcm:
                 self.stats.mic_bytes += len(pcm)
@@ -420,7 +420,7 @@ class Peer:
             self.send_bridge("bridge.video.error", code="no_video_track",
                              message="the offer had no video section, so there is no track to show video on")
             return
-        # Up to MAX_LATENT_VALUES normal draws (16 MiB, tens of ms): off the loop that paces the tracks.
+        # Up to MAX_LATENT_VALUES normal draws (16 MiB): too long for the loop that paces the tracks.
         request = await asyncio.to_thread(_latent_request, shape, fps, seed)
         self.video_out.restart_clip()
         self.send_bridge("bridge.video.started", latent_shape=shape, fps=fps)

@@ -11,7 +11,7 @@ response latency of the `llm` responder.
    step for all N per token and once one session at a time, in the same run.
 2. A real `rtmedia serve` (default responder `llm`): spoken questions at
    real-time pace; response latency = speech_stopped received -> first reply
-   audio byte (SPEC 1.5), at one session.
+   audio byte (docs/protocol.md#latency-definitions), at one session.
 Prints one JSON object.
 """
 

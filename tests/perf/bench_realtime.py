@@ -4,7 +4,7 @@ latency, and batched VAD against one call per session.
     .venv/bin/python tests/perf/bench_realtime.py [--turns 8] [--sessions 16]
 
 Drives a real `rtmedia serve` process (echo responder) with speech streamed at
-real-time pace in 20 ms chunks and measures at the client by SPEC 1.5:
+real-time pace in 20 ms chunks and measures at the client by docs/protocol.md#latency-definitions:
 - response latency: receiving input_audio_buffer.speech_stopped -> first reply audio byte;
 - voice-to-voice: sending the last voiced chunk -> first reply audio byte;
 - barge-in: sending the interrupting speech's first voiced chunk -> receiving

@@ -9,7 +9,7 @@ VAE) and measures at the client:
 - one decode step: the server's rtmedia_lane_step_seconds{lane="video"} mean
   over the chunked decodes (targets: first frame within 1.5x of one step, total
   chunked within 5 % of one-shot);
-- speech response latency (SPEC 1.5, one session, turns at real-time pace)
+- speech response latency (docs/protocol.md#latency-definitions, one session, turns at real-time pace)
   alone and while decodes run back to back (target: p95 rises by under 20 %).
 Prints one JSON object.
 """

@@ -10,7 +10,7 @@ microphone packet as it arrives); `--bridge-prefetch N` measures a separate
 default is 4, as is the client's with `--client-prefetch 4`). The client decodes each
 reply packet as it arrives unless `--client-prefetch N` says otherwise.
 
-voice-to-voice (SPEC 1.5): from the last voiced 20 ms frame the client sent to the first
+voice-to-voice (docs/protocol.md#latency-definitions): from the last voiced 20 ms frame the client sent to the first
 audible reply frame at the client (-45 dBFS). Over gRPC, the reply is "played" from its
 first delta at real time, so a quiet lead-in of the reply counts the same on both paths.
 Both paths speak the same Piper sentence at real-time pace with the session at 16 kHz

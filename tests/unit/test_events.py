@@ -1,4 +1,4 @@
-"""Canonical JSON events (SPEC 1.2) <-> ConverseRequest / ConverseResponse."""
+"""Canonical JSON events (docs/protocol.md#events) <-> ConverseRequest / ConverseResponse."""
 
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def test_round_trip_populated_json_is_stable():
         assert to_json(from_json(obj, "server" if isinstance(msg, ConverseResponse) else "client")) == obj
 
 
-# ---- exact JSON (SPEC 1.2) ----
+# ---- exact JSON (docs/protocol.md#events) ----
 
 def test_speech_started_exact():
     msg = server_event("input_audio_buffer.speech_started", item_id="item_1", audio_start_ms=1234)

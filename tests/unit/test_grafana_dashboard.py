@@ -1,4 +1,4 @@
-"""The Grafana dashboard queries only metrics the server registers (SPEC §6)."""
+"""The Grafana dashboard queries only metrics the server registers (docs/operations.md#metrics)."""
 
 from __future__ import annotations
 

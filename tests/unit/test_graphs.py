@@ -1,4 +1,4 @@
-"""Graph runner bookkeeping (SPEC §4) through an injected capture backend.
+"""Graph runner bookkeeping (docs/architecture.md#cuda-graph-runner) through an injected capture backend.
 
 The backend below stands in for CUDA at the edge of the test: "capture" runs
 the function once on the static inputs and keeps its output tensors; "replay"

@@ -1,4 +1,4 @@
-"""Streaming resamplers and PCM / G.711 helpers (SPEC 2.1); scipy is the independent reference."""
+"""Streaming resamplers and PCM / G.711 helpers (docs/protocol.md#output-sample-rate); scipy is the independent reference."""
 
 from __future__ import annotations
 

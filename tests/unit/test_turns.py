@@ -1,4 +1,4 @@
-"""Server-VAD turn detection (SPEC 1.3) on synthetic probabilities, and end to end on the real
+"""Server-VAD turn detection (docs/protocol.md#turns) on synthetic probabilities, and end to end on the real
 VAD engine with Piper speech."""
 
 from __future__ import annotations

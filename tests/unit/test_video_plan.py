@@ -1,4 +1,4 @@
-"""Frame plans and the chunk assembler (SPEC 3.1-3.3), on synthetic step frames."""
+"""Frame plans and the chunk assembler (docs/protocol.md#chunk-contract-3.3), on synthetic step frames."""
 
 from __future__ import annotations
 

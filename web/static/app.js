@@ -1,6 +1,6 @@
 // rtmedia browser page: one WebRTC peer connection to the bridge (microphone up,
 // reply audio and demo video down) and the `events` data channel carrying the
-// session's events in canonical JSON (SPEC 1.2). No build step.
+// session's events in canonical JSON (docs/protocol.md#events). No build step.
 //
 // For automation: window.rtmedia.events holds every event received, in order, with
 // `t_ms` (page clock) added; <body data-state> is idle | connecting | connected |

@@ -1,4 +1,4 @@
-"""Canonical JSON events (SPEC 1.2) <-> ConverseRequest / ConverseResponse.
+"""Canonical JSON events (docs/protocol.md#events) <-> ConverseRequest / ConverseResponse.
 
 The CLI's --json output, the WebRTC bridge's data channel and the browser page
 all convert through this module. An event is `{"type": "<dotted name>", ...}`
