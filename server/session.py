@@ -10,8 +10,9 @@ and conversation history live here. The rest is in the parts it owns, one each:
   its final is ready when speech_stopped comes: Limits.early_finals);
 - the reply pipeline (server/reply.py): transcript -> responder -> TTS -> audio deltas.
 
-The session never calls an engine itself: audio goes through the VAD tick lane
-(server/audio_input.py), ASR and TTS work through the scheduler's lanes in those parts.
+The session never calls an engine: it and its parts use the scheduler's typed handles
+(server/engine_access.py): its audio input is attached to the VAD tick, turn audio goes to
+the ASR lanes, replies to a responder's lane and the TTS lane.
 Every task of the session is owned here and cancelled by `close()`.
 """
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,14 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.perf.bench_loadtest import loadtest, tree_cpu_s  # noqa: E402
 from tests.perf.bench_speech import machine  # noqa: E402
+from tests.support.serve import free_port, wait_serving  # noqa: E402
 
 # import name -> folder of a source tree (pyproject.toml's package-dir)
 PACKAGES = {"v1": "proto/rtmedia/v1", "protocol": "proto/rtmedia/protocol", "server": "server",
@@ -54,12 +51,6 @@ def package_dir(tree: Path, into: Path) -> Path:
     return into
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_server(pythonpath: Path | None) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = dict(os.environ)
@@ -71,20 +62,12 @@ def start_server(pythonpath: Path | None) -> tuple[subprocess.Popen[bytes], str]
          "--log-level", "WARNING"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True)
     target = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited with {server.returncode} before serving")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return server, target
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    server.kill()
-    raise RuntimeError("the server did not say SERVING within 180 s")
+    try:
+        wait_serving(target, server, timeout=180)
+    except (RuntimeError, TimeoutError):
+        server.kill()
+        raise
+    return server, target
 
 
 def stop_server(server: subprocess.Popen[bytes]) -> None:
