@@ -473,10 +473,13 @@ class AsrEngine:
             self._load[stream.worker] -= 1
         self._call({stream.worker: ("close", stream.id)})
 
-    def step(self, items: Sequence[AsrItem], urgent: bool = False) -> list[list[AsrEvent]]:
+    def step(self, items: Sequence[AsrItem], urgent: bool = False) -> list[list[AsrEvent] | EngineError]:
         """Decode a batch. `urgent`: items that only end an utterance (`end=True`, no audio),
-        answered by each worker between two pieces of the step it is decoding."""
+        answered by each worker between two pieces of the step it is decoding. An item of a
+        stream closed meanwhile (its session ended while the item waited) fails alone: its
+        result is an EngineError."""
         groups: dict[int, list[int]] = {}
+        results: list[Any] = [[] for _ in items]
         for i, item in enumerate(items):
             if urgent and not item.only_ends:
                 raise ValueError("an urgent ASR item only ends an utterance: end=True and no audio")
@@ -485,10 +488,10 @@ class AsrEngine:
                     f"ASR audio must be whole PCM16 samples, got an odd byte count: {len(item.audio)}"
                 )
             if self._open.get(item.stream.id) is not item.stream:
-                raise ValueError(f"ASR stream {item.stream.id} is not open on this engine")
+                results[i] = EngineError(f"ASR stream {item.stream.id} is not open on this engine")
+                continue
             groups.setdefault(item.stream.worker, []).append(i)
         batches = {w: ("step", [_request(items[i]) for i in idx]) for w, idx in groups.items()}
-        results: list[list[AsrEvent]] = [[] for _ in items]
         for w, events in self._call(batches, urgent).items():
             for i, ev in zip(groups[w], events, strict=True):
                 results[i] = ev

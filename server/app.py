@@ -109,7 +109,13 @@ class RtmediaServer:
         self.realtime = RealtimeService(self.access, max_sessions=config.max_sessions,
                                         lm_slots=config.lm_slots,
                                         defaults=SessionSettings(responder=config.default_responder),
-                                        limits=Limits(early_finals=config.early_finals))
+                                        limits=Limits(
+                                            early_finals=config.early_finals,
+                                            max_outbox_events=config.session_outbox_events,
+                                            max_outbox_bytes=config.session_outbox_bytes,
+                                            max_text_chars=config.session_text_chars,
+                                            max_instructions_chars=config.session_instructions_chars,
+                                            max_id_bytes=config.session_id_bytes))
         self.services = SERVICE_NAMES + (RIVA_SERVICE_NAMES if config.riva else [])
         self.health = health.aio.HealthServicer()
         self.state = "starting"
@@ -137,7 +143,7 @@ class RtmediaServer:
         )
         realtime_pb2_grpc.add_RealtimeServiceServicer_to_server(self.realtime, server)
         video_pb2_grpc.add_VideoServiceServicer_to_server(
-            VideoService(self.access, self.config.max_send_bytes, self.config.video_queue_chunks), server
+            VideoService.from_config(self.access, self.config), server
         )
         if self.config.riva:  # NVIDIA Riva's speech API on the same engines
             riva_asr_pb2_grpc.add_RivaSpeechRecognitionServicer_to_server(

@@ -98,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "off on CUDA, falls back to the reference on a CPU)")
     p.add_argument("--video-threads", type=int, default=None,
                    help="torch intra-op threads for video decode (1; process-wide, shared with the LM)")
+    for flag, default, what in (
+            ("latent-frames", "128", "latent frames T of one DecodeVideo request"),
+            ("latent-height", "160", "latent height H of one DecodeVideo request"),
+            ("latent-width", "160", "latent width W of one DecodeVideo request"),
+            ("frames", "512", "output frames of one DecodeVideo request"),
+            ("frame-pixels", "921600 = 1280x720", "pixels of one decoded frame (before any crop)"),
+            ("total-pixels", "176947200 = 192 frames of 1280x720", "output frames x decoded frame pixels")):
+        p.add_argument(f"--video-max-{flag}", type=int, default=None, metavar="N",
+                       help=f"most {what} ({default}); over it: INVALID_ARGUMENT")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
     p.add_argument("--log-format", choices=["json", "text"], default=None, help="log line format (json)")
     p.set_defaults(func=cmd_serve)

@@ -31,6 +31,15 @@ class ServerConfig:
     # A server_vad turn's recogniser utterance ends at each pause (160 ms of silence) rather than
     # at speech_stopped, so its final is ready when the turn ends (server/session.py Limits).
     early_finals: bool = True
+    # What one Converse session may make the server hold or echo (server/session_limits.py):
+    # events and bytes waiting for a client that does not read; a typed text item and the
+    # instructions, in characters (sized to fit the embedded LM's context with the
+    # conversation); ids and names the server echoes, in bytes.
+    session_outbox_events: int = 4096
+    session_outbox_bytes: int = 8 * MiB
+    session_text_chars: int = 2000
+    session_instructions_chars: int = 2000
+    session_id_bytes: int = 256
     # Concurrent Converse sessions; one more is refused with RESOURCE_EXHAUSTED.
     max_sessions: int = 256
     # LM slots (a separate, smaller pool; sessions wait for one, never refused).
@@ -99,6 +108,16 @@ class ServerConfig:
     video_threads: int = 1
     # Encoded chunks a DecodeVideo stream may hold for a slow reader before its decode waits.
     video_queue_chunks: int = 4
+    # Bounds on one DecodeVideo request, checked before it is accepted (INVALID_ARGUMENT over them;
+    # server/video_service.py VideoLimits): latent T, H and W; output frames; pixels of one decoded
+    # frame (before any crop: the work); output frames x those pixels. Defaults: 720p (latent 90x160),
+    # up to 192 frames of it; the message limit alone would let a request run for minutes or take GBs.
+    video_max_latent_frames: int = 128
+    video_max_latent_height: int = 160
+    video_max_latent_width: int = 160
+    video_max_frames: int = 512
+    video_max_frame_pixels: int = 1280 * 720
+    video_max_total_pixels: int = 1280 * 720 * 192
     # Wan VAE decoder fast path: "off" (diffusers' reference) or "fused" (Triton kernels, kernels/wan.py).
     video_fast_path: str = "off"
     log_level: str = "INFO"

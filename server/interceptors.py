@@ -1,18 +1,28 @@
-"""Server interceptor: admission gate (warming up, draining) and gRPC metrics."""
+"""Server interceptor: admission gate (warming up, draining), undecodable requests, gRPC metrics.
+
+A request message that does not decode ends its call with INVALID_ARGUMENT and the reason
+UNDECODABLE_REQUEST, on every method, wherever the servicer reads its requests (a reader
+task of a duplex stream included): the interceptor's deserializer hands the servicer a
+marker instead of raising inside grpc, and the call is ended from the handler. It is logged
+without a traceback, at most once a minute per peer."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 from rtmedia.protocol.errors import rich_status
 from rtmedia.server.metrics import Metrics
 
 log = logging.getLogger("rtmedia.rpc")
+UNDECODABLE_LOG_S = 60.0  # a peer's undecodable requests are logged at most this often
+UNDECODABLE_PEERS = 4096  # peers remembered for that (the oldest are forgotten)
 # Calls refused while warming up or draining: rtmedia's own services and the Riva speech API.
 GATED_PREFIX = ("/rtmedia.v1.", "/nvidia.riva.")
 
@@ -25,6 +35,18 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         self._metrics = metrics
         # Returns (reason, message) while new rtmedia calls must be refused.
         self._refusal = refusal
+        self._logged: dict[str, float] = {}  # peer -> when its last undecodable request was logged
+
+    def _log_undecodable(self, peer: str, method: str, bad: Undecodable) -> None:
+        now = time.monotonic()
+        if now - self._logged.get(peer, -UNDECODABLE_LOG_S) < UNDECODABLE_LOG_S:
+            return
+        self._logged.pop(peer, None)
+        self._logged[peer] = now
+        while len(self._logged) > UNDECODABLE_PEERS:
+            del self._logged[next(iter(self._logged))]
+        log.warning("undecodable request", extra={"method": method, "peer": peer, "bytes": bad.size,
+                                                  "error": bad.error})
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -58,6 +80,15 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             if refusal is not None:
                 await context.abort_with_status(rich_status(grpc.StatusCode.UNAVAILABLE, *refusal))
 
+        async def undecodable(context, bad: Undecodable) -> None:
+            self._log_undecodable(context.peer(), method, bad)
+            await context.abort_with_status(rich_status(
+                grpc.StatusCode.INVALID_ARGUMENT, "UNDECODABLE_REQUEST",
+                f"request {bad.index} of {name} ({bad.size} bytes) is not a valid {bad.type_name} message"))
+
+        streaming_requests = handler.request_streaming
+        behavior = _checked(behavior, streaming_requests, inspect.isasyncgenfunction(behavior), undecodable)
+
         if inspect.isasyncgenfunction(behavior):
             async def stream_behavior(request, context):
                 started, error = time.perf_counter(), None
@@ -83,7 +114,104 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     finish(context, started, error)
             wrapped = unary_behavior
-        return handler._replace(**{kind: wrapped})
+        return handler._replace(**{kind: wrapped}, request_deserializer=_safe(handler.request_deserializer))
+
+
+class Undecodable:
+    """What the interceptor's deserializer returns for a message that does not decode."""
+
+    def __init__(self, size: int, error: BaseException, type_name: str) -> None:
+        self.size, self.error, self.type_name = size, f"{type(error).__name__}: {error}", type_name
+        self.index = 1  # its place in the call's requests, from 1
+
+
+class UndecodableRequest(Exception):
+    """Raised where a servicer reads a request that did not decode; the handler ends the call."""
+
+    def __init__(self, bad: Undecodable) -> None:
+        super().__init__(bad.error)
+        self.bad = bad
+
+
+def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+    type_name = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    type_name = type_name.full_name if type_name is not None else "request"
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf's DecodeError, or anything a deserializer raises
+            return Undecodable(len(data), exc, type_name)
+
+    return deserialize
+
+
+def _checked(behavior: Any, streaming: bool, generator: bool,
+             undecodable: Callable[[Any, Undecodable], Awaitable[None]]) -> Any:
+    """`behavior` whose requests never carry an Undecodable: a unary call ends at once; a
+    stream of requests raises UndecodableRequest where it is read and the handler, told at
+    the same moment, ends the call (a servicer may read in a task of its own)."""
+    if not streaming:
+        if generator:
+            async def unary_gen(request, context):
+                if isinstance(request, Undecodable):
+                    await undecodable(context, request)
+                async for response in behavior(request, context):
+                    yield response
+            return unary_gen
+
+        async def unary(request, context):
+            if isinstance(request, Undecodable):
+                await undecodable(context, request)
+            return await behavior(request, context)
+        return unary
+
+    def requests_of(iterator: AsyncIterator[Any], bad: asyncio.Future[Undecodable]) -> AsyncIterator[Any]:
+        async def requests() -> AsyncIterator[Any]:
+            index = 0
+            async for request in iterator:
+                index += 1
+                if isinstance(request, Undecodable):
+                    request.index = index
+                    if not bad.done():
+                        bad.set_result(request)
+                    raise UndecodableRequest(request)
+                yield request
+        return requests()
+
+    if generator:
+        async def stream_gen(request_iterator, context):
+            bad: asyncio.Future[Undecodable] = asyncio.get_running_loop().create_future()
+            try:
+                async for response in behavior(requests_of(request_iterator, bad), context):
+                    yield response
+            except UndecodableRequest as exc:
+                await undecodable(context, exc.bad)
+        return stream_gen
+
+    async def stream(request_iterator, context):
+        bad: asyncio.Future[Undecodable] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(behavior(requests_of(request_iterator, bad), context))
+        try:
+            await asyncio.wait({task, bad}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            raise
+        if not bad.done():
+            return task.result()
+        if task.done():
+            if not task.cancelled():
+                task.exception()  # the servicer's own ending gives way to the status below
+        else:  # a reader task found it: stop the servicer, then end the call
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await undecodable(context, bad.result())
+    return stream
 
 
 _TYPES = {

@@ -85,6 +85,7 @@ class LmLane:
         self.name = name
         self._metrics = metrics
         self._paused: set[Hashable] = set()
+        self._admitted: list[Generation] = []  # admitted this iteration (being prefilled)
         self._waiting: deque[Generation] = deque()
         self._active: list[Generation] = []
         self._kept: OrderedDict[Hashable, Kept] = OrderedDict()  # least recently used first
@@ -113,7 +114,7 @@ class LmLane:
     def forget(self, key: Hashable) -> None:
         """The conversation is over: give up its kept slot and keep nothing more for it."""
         self.resume(key)
-        for generation in [*self._active, *self._waiting]:
+        for generation in [*self._active, *self._waiting, *self._admitted]:  # prefilling ones too
             if generation.key == key:
                 generation.key = None
         if (kept := self._kept.pop(key, None)) is not None:
@@ -188,7 +189,7 @@ class LmLane:
                 self._finish(generation)
             self._active = [g for g in self._active if g.slot is not None]
             self._waiting = deque(g for g in self._waiting if not g.cancelled)
-            admitted = []
+            admitted = self._admitted = []
             while self._waiting:
                 generation = self._waiting[0]
                 if (slot := self._slot_for(generation)) is None and not generation.prepare_only:

@@ -3,39 +3,91 @@
 Two lanes: control events (lifecycle, errors, barge-in, acks) overtake queued media
 (transcription and reply deltas). Media carry the epoch of their response; cancelling a
 response bumps the session's epoch, so media of an older epoch still queued, or produced
-late by the cancelled response, are dropped rather than sent. The media lane is bounded:
-a client that stops reading fills it, and the session ends instead of growing without limit.
+late by the cancelled response, are dropped rather than sent.
+
+Both lanes together are bounded in events and bytes: a client that stops reading fills
+them. The first event that does not fit is dropped and an `error{client_too_slow}` (let in
+past the bound) says so; if another does not fit before the client has read the queue down
+to half, the outbox fails: it lets go of everything queued and calls `on_overflow`, and the
+session ends with RESOURCE_EXHAUSTED (CLIENT_TOO_SLOW).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
+from rtmedia.protocol.events import event_type, server_event
 from rtmedia.v1 import realtime_pb2
 
 
 class Outbox:
-    """Outbound events: control first, then media of the current epoch, in order."""
+    """Outbound events: control first, then media of the current epoch, in order, at most
+    `max_events` events and `max_bytes` bytes (see the module docstring)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, max_events: int, max_bytes: int = 8 * 1024 * 1024,
+                 on_overflow: Callable[[], None] | None = None) -> None:
         self._control: deque[realtime_pb2.ConverseResponse] = deque()
         self._media: deque[tuple[int, realtime_pb2.ConverseResponse]] = deque()
         self._ready = asyncio.Event()
-        self._limit = limit
+        self.max_events, self.max_bytes = max_events, max_bytes
+        self.on_overflow = on_overflow
+        self._bytes = 0
+        self.overflowing = False  # an event was dropped; the next one that does not fit fails the outbox
+        self.failed = False
         self.closed = False
         self._last: realtime_pb2.ConverseResponse | None = None
 
+    @property
+    def queued(self) -> tuple[int, int]:
+        """(events, bytes) waiting to be written."""
+        return len(self._control) + len(self._media), self._bytes
+
+    def _fits(self, event: realtime_pb2.ConverseResponse) -> int | None:
+        """The event's size if it may be queued; None if it is dropped (the overflow rule)."""
+        if self.failed:
+            return None
+        size = event.ByteSize()
+        events, queued = self.queued
+        if events < self.max_events and queued + size <= self.max_bytes:
+            return size
+        if not self.overflowing:
+            self.overflowing = True
+            notice = server_event("error", code="client_too_slow", message=(
+                f"the client is not reading: {events} events ({queued} bytes) are waiting, over the outbox "
+                f"limit of {self.max_events} events or {self.max_bytes} bytes; a {event_type(event)} "
+                "event was dropped, and the session closes if the client does not catch up"))
+            self._control.append(notice)
+            self._bytes += notice.ByteSize()
+            self._ready.set()
+            return None
+        self.failed = True
+        self._control.clear()
+        self._media.clear()
+        self._bytes = 0
+        if self.on_overflow is not None:
+            self.on_overflow()
+        return None
+
     def control(self, event: realtime_pb2.ConverseResponse) -> None:
-        self._control.append(event)
-        self._ready.set()
+        if (size := self._fits(event)) is not None:
+            self._control.append(event)
+            self._bytes += size
+            self._ready.set()
 
     def media(self, epoch: int, event: realtime_pb2.ConverseResponse) -> None:
-        """Queue a media event of `epoch`; OverflowError when `limit` are waiting already."""
-        if len(self._media) >= self._limit:
-            raise OverflowError(f"the client is not reading: {len(self._media)} events are waiting")
-        self._media.append((epoch, event))
-        self._ready.set()
+        """Queue a media event of `epoch`."""
+        if (size := self._fits(event)) is not None:
+            self._media.append((epoch, event))
+            self._bytes += size
+            self._ready.set()
+
+    def _taken(self, event: realtime_pb2.ConverseResponse) -> realtime_pb2.ConverseResponse:
+        self._bytes -= event.ByteSize()
+        if self.overflowing and self._bytes <= self.max_bytes // 2 and self.queued[0] <= self.max_events // 2:
+            self.overflowing = False
+        return event
 
     def close(self, last: realtime_pb2.ConverseResponse | None = None) -> None:
         """No more events but `last`, which goes out after everything queued."""
@@ -47,9 +99,10 @@ class Outbox:
         """The next event to write, or None once closed and empty."""
         while True:
             if self._control:
-                return self._control.popleft()
+                return self._taken(self._control.popleft())
             while self._media:
                 event_epoch, event = self._media.popleft()
+                self._taken(event)
                 if event_epoch == epoch:
                     return event
             if self.closed:

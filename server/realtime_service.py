@@ -50,16 +50,17 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
         log.info("session opened", extra={"session_id": session.id, "peer": context.peer()})
         reader = asyncio.create_task(self._read(session, request_iterator), name=f"session-{session.id}-reader")
         outcome = "completed"
+        session.writer = asyncio.current_task()
         try:
             await context.write(session.created_event())
             while (event := await session.outbox.get(session.epoch)) is not None:
                 await context.write(event)
         except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        except OverflowError as exc:  # the client stopped reading
-            outcome = "failed"
-            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "CLIENT_TOO_SLOW", str(exc))
+            if not session.outbox.failed:
+                outcome = "cancelled"
+                raise
+            outcome = "failed"  # the client kept not reading: its outbox let go of everything
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # the session's own cancel
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -71,18 +72,18 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
             self.metrics.sessions_active.set(len(self.sessions))
             self.metrics.sessions_total.labels(outcome).inc()
             log.info("session closed", extra={"session_id": session.id, "reason": session.closing_reason or outcome})
+        if outcome == "failed":  # the status goes out once the client reads what is in flight (or is gone)
+            limits = self.context.limits
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "CLIENT_TOO_SLOW",
+                        f"the client did not read its events: more than {limits.max_outbox_events} events or "
+                        f"{limits.max_outbox_bytes} bytes were waiting twice in a row")
 
     async def _read(self, session: Session, request_iterator: Any) -> None:
         """The reader: every client event goes to the session as it arrives."""
-        try:
-            async for request in request_iterator:
-                session.handle(request)
-                if session.closing_reason is not None:
-                    return
-        except OverflowError as exc:
-            session.error("client_too_slow", str(exc))
-            session.finish("client_too_slow")
-            return
+        async for request in request_iterator:
+            session.handle(request)
+            if session.closing_reason is not None:
+                return
         # The client finished sending: let a response in flight complete, then close.
         response = session.response
         if response is not None and response.task is not None:

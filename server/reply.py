@@ -22,7 +22,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from rtmedia.engines.responder import Message, ReplyRequest, Waiting
+from rtmedia.engines.base import EngineError
+from rtmedia.engines.responder import Message, ReplyRequest, ResponderError, Waiting
 from rtmedia.engines.text_chunks import TextChunker
 from rtmedia.engines.tts import TtsItem
 from rtmedia.protocol.events import server_event
@@ -240,7 +241,9 @@ class ReplyPipeline:
             status, reason = "failed", "the transcript of the turn did not arrive in time"
         except Exception as exc:
             log.exception("response failed", extra={"session_id": self.conversation})
-            status, reason = "failed", f"{type(exc).__name__}: {exc}"
+            # A responder's or engine's own words are the client's; anything else stays in the log.
+            status, reason = "failed", (str(exc) if isinstance(exc, ResponderError | EngineError) else
+                                        "an internal error; the server logged it with the session id")
         finally:
             for task in [*spoken, *(t for t in (sender, synthesizer) if t is not None)]:
                 task.cancel()

@@ -34,6 +34,7 @@ from rtmedia.engines.asr import AsrEvent
 from rtmedia.server.audio_input import WINDOW_MS, Action, AudioInput
 from rtmedia.server.endpointing import DEFAULTS, HistoryEndpointer, check_endpointing
 from rtmedia.server.engine_access import EngineAccess
+from rtmedia.server.interceptors import UndecodableRequest
 from rtmedia.server.recognition import Recognizer, Turn
 from rtmedia.server.riva_common import (
     INVALID,
@@ -345,9 +346,12 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
             await recognition.finish()
         except Rejected as exc:
             recognition.fail(exc)
-        except Exception as exc:
+        except UndecodableRequest:
+            raise  # the interceptor ends the call (INVALID_ARGUMENT)
+        except Exception:
             log.exception("riva recognition: reading requests failed")
-            recognition.fail(Rejected(grpc.StatusCode.INTERNAL, "INTERNAL", f"reading the requests failed: {exc}"))
+            recognition.fail(Rejected(grpc.StatusCode.INTERNAL, "REQUEST_READ_FAILED",
+                                      f"reading request {number + 1} failed"))
 
 
 def _check_runtime_config(request: riva_asr_pb2.StreamingRecognizeRequest, number: int) -> None:

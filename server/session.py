@@ -36,7 +36,7 @@ from rtmedia.server.outbox import Outbox
 from rtmedia.server.recognition import Recognizer, Turn
 from rtmedia.server.reply import TTS_WINDOW_FRAMES, ReplyPipeline, Response
 from rtmedia.server.scheduler import Priority
-from rtmedia.server.session_config import PCM16, ConfigError, SessionSettings
+from rtmedia.server.session_config import PCM16, SESSION_BOUNDS, ConfigError, SessionSettings
 from rtmedia.server.session_limits import Limits
 from rtmedia.v1 import realtime_pb2
 
@@ -70,7 +70,8 @@ class Session:
         self._bytes_in = access.metrics.bytes_total.labels("in")
         self.settings = settings
         self.limits: Limits = context.limits
-        self.outbox = Outbox(self.limits.max_outbox_events)
+        self.outbox = Outbox(self.limits.max_outbox_events, self.limits.max_outbox_bytes, self._outbox_failed)
+        self.writer: asyncio.Task[Any] | None = None  # the servicer's writer, ended if the outbox fails
         self.started = time.monotonic()
         self.last_input = self.started
         self.closing_reason: str | None = None
@@ -79,6 +80,7 @@ class Session:
         self.turn: Turn | None = None  # the turn being spoken or committed
         self.pending_turns: deque[Turn] = deque()  # turns sent to the recogniser, oldest first
         self.buffer_ms = 0.0  # uncommitted input audio (manual / none)
+        self._since_commit_ms = 0.0  # of it, what came after the last commit asked for
         self.speech_start_ms = 0
         self.response_requested = False  # a response.create waits behind queued input
         self._asr_samples = 0  # 16 kHz samples sent to the recogniser
@@ -114,7 +116,8 @@ class Session:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("session task failed", exc_info=task.exception(), extra={"session_id": self.id})
-            self.error("server_error", f"internal error in {task.get_name()}: {task.exception()}")
+            self.error("server_error", "an internal error stopped part of the session; the server logged it "
+                       "with the session id")
 
     def send(self, name: str, **fields: Any) -> None:
         self.outbox.control(server_event(name, **fields))
@@ -149,12 +152,31 @@ class Session:
         kind = request.WhichOneof("event")
         event_id = request.event_id
         self.last_input = time.monotonic()
+        if (problem := self._oversized_id(request, kind)) is not None:
+            field, size = problem
+            self.error("invalid_value", f"{kind or 'the request'}: {field} is {size} bytes; the limit is "
+                       f"{self.limits.max_id_bytes}; the event was dropped",
+                       event_id if field != "event_id" else "", field)
+            return
         handler = getattr(self, f"on_{kind}", None)
         if handler is None:
             self.error("unknown_event", "the request carries no known event (empty oneof or a newer client)",
                        event_id)
             return
         handler(getattr(request, kind), event_id)
+
+    def _oversized_id(self, request: realtime_pb2.ConverseRequest, kind: str | None) -> tuple[str, int] | None:
+        """(field, bytes) of an id the server would echo that is over `max_id_bytes`, or None."""
+        limit = self.limits.max_id_bytes
+        fields = [("event_id", request.event_id)]
+        if kind in ("response_cancel", "playback_ack"):
+            fields.append(("response_id", getattr(request, kind).response_id))
+        elif kind == "conversation_item_truncate":
+            fields.append(("item_id", request.conversation_item_truncate.item_id))
+        for field, value in fields:
+            if len(value) * 4 > limit and (size := len(value.encode())) > limit:  # a char is 1-4 bytes
+                return field, size
+        return None
 
     def on_input_audio_buffer_append(self, event: Any, event_id: str) -> None:
         data = event.audio
@@ -166,6 +188,7 @@ class Session:
         discarded = self.input.append(data)
         if self.settings.turn_type != "server_vad":
             self.buffer_ms += len(data) / self.input.bytes_per_ms
+            self._since_commit_ms += len(data) / self.input.bytes_per_ms
         if discarded:
             self.metrics.input_backpressure.inc()
             self.error("input_backpressure", f"the input inbox was full ({self.limits.inbox_ms} ms); "
@@ -174,7 +197,8 @@ class Session:
 
     def on_session_update(self, event: Any, event_id: str) -> None:
         try:
-            new = self.settings.updated(event.session, self.access.tts.rates, self.access.replies.names)
+            new = self.settings.updated(event.session, self.access.tts.rates, self.access.replies.names,
+                                        self.limits.max_id_bytes, self.limits.max_instructions_chars)
         except ConfigError as exc:
             self.error("invalid_value", str(exc), event_id, exc.param)
             return
@@ -196,10 +220,11 @@ class Session:
         elif self.settings.turn_type == "manual" and self.responding:
             self.error("response_in_progress", "manual mode is half duplex: input is not committed while a "
                        "response plays", event_id)
-        elif self.buffer_ms < 1 and not self.input.inbox:
+        elif self._since_commit_ms < 1:  # nothing appended since the last commit (or clear)
             self.error("input_audio_buffer_commit_empty", "the input audio buffer is empty: nothing to commit",
                        event_id)
         else:  # behind the audio still queued for the VAD tick
+            self._since_commit_ms = 0
             self.input.after_input(self._commit)
 
     def _commit(self) -> Turn:
@@ -211,7 +236,7 @@ class Session:
 
     def on_input_audio_buffer_clear(self, event: Any, event_id: str) -> None:
         dropped = self.input.clear() + round(self.buffer_ms)
-        self.buffer_ms = 0
+        self.buffer_ms = self._since_commit_ms = 0
         if self.turn is not None:  # the recogniser forgets the uncommitted turn
             self.recognizer.send("abort", self.turn)
             self.turn = None
@@ -220,7 +245,7 @@ class Session:
     def on_conversation_item_create(self, event: Any, event_id: str) -> None:
         item = event.item
         if item.role not in ("", "user", "assistant"):
-            self.error("invalid_value", f"conversation.item.create: role {item.role!r} must be user or assistant",
+            self.error("invalid_value", f"conversation.item.create: role {item.role[:32]!r} must be user or assistant",
                        event_id, "item.role")
         elif not item.text.strip():
             self.error("invalid_value", "conversation.item.create: the item has no text", event_id, "item.text")
@@ -241,7 +266,10 @@ class Session:
                        f"0..{response.sent_ms} (the audio sent for {event.item_id})", event_id, "audio_end_ms")
             return
         response.heard_ms, response.truncated = event.audio_end_ms, True
-        self.replies.truncate_history(response)
+        if response is self.response and not response.done:  # playback stopped: so does the reply
+            self.replies.cancel("client_truncated")
+        else:
+            self.replies.truncate_history(response)
 
     def on_response_create(self, event: Any, event_id: str) -> None:
         if self.responding:
@@ -249,6 +277,15 @@ class Session:
             return
         instructions = event.instructions if event.HasField("instructions") else None
         max_tokens = event.max_output_tokens if event.HasField("max_output_tokens") else None
+        if instructions is not None and len(instructions) > self.limits.max_instructions_chars:
+            self.error("invalid_value", f"response.create: instructions has {len(instructions)} characters; the "
+                       f"limit is {self.limits.max_instructions_chars}", event_id, "instructions")
+            return
+        low, high = SESSION_BOUNDS["max_output_tokens"]
+        if max_tokens is not None and not low <= max_tokens <= high:
+            self.error("invalid_value", f"response.create: max_output_tokens={max_tokens} is outside {low}..{high}",
+                       event_id, "max_output_tokens")
+            return
         # none mode responds to the buffered audio (committing it); a commit still
         # queued behind input goes first. Either way the response waits its turn.
         commit = self.settings.turn_type == "none" and (self.buffer_ms >= 1 or bool(self.input.inbox))
@@ -412,6 +449,16 @@ class Session:
         """A response's response.done is queued: when draining, the session closes after it."""
         if self.closing_reason is not None:  # draining: the response was allowed to finish
             self.outbox.close(server_event("session.closed", reason=self.closing_reason))
+
+    def _outbox_failed(self) -> None:
+        """The client kept not reading (server/outbox.py): the session ends at once, and the
+        writer, which may be waiting on a client that never reads, is stopped."""
+        if self.closing_reason is None:
+            self.closing_reason = "client_too_slow"
+        if self.replies.generating:
+            self.replies.cancel("client_too_slow")
+        if self.writer is not None:
+            self.writer.cancel()
 
     def shutdown_now(self) -> None:
         """The drain grace period ended: close even if a response is still running."""

@@ -54,9 +54,16 @@ class SessionSettings:
         return self.input_encoding, self.input_rate
 
     def updated(self, config: realtime_pb2.SessionConfig, voices: dict[str, list[int]],
-                responders: Collection[str]) -> SessionSettings:
+                responders: Collection[str], max_name_chars: int = 256,
+                max_instructions_chars: int = 2000) -> SessionSettings:
         """The settings with `config`'s set fields applied; ConfigError names the first bad field.
-        `voices` maps voice names (first: the default) to their supported output rates."""
+        `voices` maps voice names (first: the default) to their supported output rates. A name
+        (voice, responder) over `max_name_chars` or instructions over `max_instructions_chars`
+        is refused without being echoed."""
+        for name, limit in (("voice", max_name_chars), ("responder", max_name_chars),
+                            ("instructions", max_instructions_chars)):
+            if config.HasField(name) and len(getattr(config, name)) > limit:
+                raise ConfigError(name, f"{name} has {len(getattr(config, name))} characters; the limit is {limit}")
         changes: dict[str, object] = {}
         if config.HasField("input_audio_format"):
             fmt = config.input_audio_format

@@ -18,8 +18,16 @@ class Limits:
     max_camera_frames: int = 8
     max_camera_frame_bytes: int = 2 * 1024 * 1024
     max_camera_total_bytes: int = 4 * 1024 * 1024
-    max_text_chars: int = 5000
+    # A typed text item (conversation.item.create); like the instructions, sized so that one
+    # fits the embedded LM's context beside the conversation and the reply.
+    max_text_chars: int = 2000
+    max_instructions_chars: int = 2000
+    # Ids and names a client sends and the server may echo (event_id, response and item ids,
+    # voice, responder), in bytes.
+    max_id_bytes: int = 256
+    # What may wait for a client that does not read: events and bytes (server/outbox.py).
     max_outbox_events: int = 4096
+    max_outbox_bytes: int = 8 * 1024 * 1024
     transcript_wait_s: float = 20.0  # a late reply beats a failed one under overload
     # At a pause in a server_vad turn (160 ms of silence, silence_duration_ms not
     # yet reached) the recogniser finishes the turn's audio so far, so the final is ready by

@@ -1,7 +1,9 @@
 """VideoService.DecodeVideo: committed frame chunks stream out while the VAE decodes.
 
 A request is checked completely before any decoding starts (bad input is
-INVALID_ARGUMENT naming the problem). A producer task then submits the plan's
+INVALID_ARGUMENT naming the problem), and bounded by the server's VideoLimits
+(latent dimensions, output frames, pixels per frame and in all) so no request
+buys more work or memory than the operator allows. A producer task then submits the plan's
 steps one at a time to the BULK `video` lane, so realtime speech work runs
 between any two steps; the assembler turns step frames into committed chunks,
 which are encoded (raw RGB24 or an fMP4 fragment) off the loop and put on a
@@ -20,6 +22,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -30,6 +33,9 @@ from rtmedia.protocol.errors import abort
 from rtmedia.protocol.video_mp4 import Fmp4Writer
 from rtmedia.server.engine_access import EngineAccess
 from rtmedia.v1 import video_pb2, video_pb2_grpc
+
+if TYPE_CHECKING:
+    from rtmedia.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +49,12 @@ PLANS = {video_pb2.FRAME_PLAN_UNSPECIFIED: "causal", video_pb2.FRAME_PLAN_CAUSAL
          video_pb2.FRAME_PLAN_OVERLAPPED: "overlapped"}
 FORMATS = (video_pb2.VIDEO_FORMAT_RAW_RGB24, video_pb2.VIDEO_FORMAT_FMP4_H264)
 DEFAULT_FPS = 16.0
+# The fMP4 writer turns fps into a rational with a denominator of at most 1001 (below ~1/2002 fps it
+# rounds to 0 and the encoder cannot open); one range for every format keeps clients simple.
+MIN_FPS = 0.1
 MAX_FPS = 240.0
+# Latents larger than this are copied and checked for NaN/inf in a worker thread, not on the loop.
+INLINE_PARSE_BYTES = 256 * 1024
 # Room for a message's metadata fields under the send limit.
 HEADER_ROOM = 4096
 _DONE = object()
@@ -53,6 +64,42 @@ class BadRequest(ValueError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """Bounds on one DecodeVideo request, checked before any work is accepted; each is the
+    ServerConfig setting `video_max_<field>` (docs/operations.md#configuration)."""
+
+    latent_frames: int = 128        # latent T
+    latent_height: int = 160        # latent H (x spatial ratio 8: 1280 px)
+    latent_width: int = 160         # latent W
+    frames: int = 512               # output frames of the plan
+    frame_pixels: int = 1280 * 720  # pixels of one decoded frame (before any crop)
+    total_pixels: int = 1280 * 720 * 192  # output frames x decoded frame pixels
+
+    def __post_init__(self) -> None:
+        for name in ("latent_frames", "latent_height", "latent_width", "frames", "frame_pixels", "total_pixels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{self.setting(name)} must be a positive integer, got {value!r}")
+
+    @staticmethod
+    def setting(name: str) -> str:
+        return f"video_max_{name}"
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> VideoLimits:
+        """The limits of a ServerConfig (its `video_max_*` fields)."""
+        return cls(**{f: getattr(config, cls.setting(f)) for f in cls.__dataclass_fields__})
+
+
+DEFAULT_LIMITS = VideoLimits()
+
+
+def _over(reason: str, what: str, value: int, limits: VideoLimits, name: str) -> BadRequest:
+    limit = getattr(limits, name)
+    return BadRequest(reason, f"{what} = {value} is over the limit {limits.setting(name)}={limit}")
 
 
 @dataclass(frozen=True)
@@ -67,9 +114,10 @@ class VideoJob:
     one_shot: bool
 
 
-def parse_request(request: video_pb2.DecodeVideoRequest, info: VaeInfo | None, max_send: int) -> VideoJob:
-    """Check everything about a request against the loaded VAE; raises BadRequest naming the
-    first problem."""
+def parse_request(request: video_pb2.DecodeVideoRequest, info: VaeInfo | None, max_send: int,
+                  limits: VideoLimits = DEFAULT_LIMITS) -> VideoJob:
+    """Check everything about a request against the loaded VAE and the limits; raises BadRequest
+    naming the first problem. Shape limits come before anything that costs in proportion to them."""
     assert info is not None
     tensor = request.latent
     shape = list(tensor.shape)
@@ -82,6 +130,17 @@ def parse_request(request: video_pb2.DecodeVideoRequest, info: VaeInfo | None, m
     if channels != info.latent_channels:
         raise BadRequest("BAD_LATENT_CHANNELS", f"the latent has {channels} channels; this VAE takes "
                                                 f"{info.latent_channels}")
+    if frames > limits.latent_frames:
+        raise _over("LATENT_TOO_LONG", "latent.shape[1] (T, latent frames)", frames, limits, "latent_frames")
+    if lat_h > limits.latent_height:
+        raise _over("LATENT_TOO_LARGE", "latent.shape[2] (H, latent height)", lat_h, limits, "latent_height")
+    if lat_w > limits.latent_width:
+        raise _over("LATENT_TOO_LARGE", "latent.shape[3] (W, latent width)", lat_w, limits, "latent_width")
+    full_h, full_w = lat_h * info.spatial_ratio, lat_w * info.spatial_ratio
+    if full_h * full_w > limits.frame_pixels:
+        raise _over("FRAME_TOO_MANY_PIXELS", f"decoded frame pixels ({full_w}x{full_h}: latent {lat_h}x{lat_w} x "
+                    f"spatial ratio {info.spatial_ratio}; width/height only crop)", full_h * full_w, limits,
+                    "frame_pixels")
     if tensor.dtype not in DTYPES:
         raise BadRequest("BAD_DTYPE", f"latent.dtype={tensor.dtype} is not supported; use FLOAT32, FLOAT16 or "
                                       "BFLOAT16")
@@ -98,9 +157,15 @@ def parse_request(request: video_pb2.DecodeVideoRequest, info: VaeInfo | None, m
         plan = make_plan(PLANS[request.plan], frames, request.latent_steps_per_chunk or 1)
     except PlanError as exc:
         raise BadRequest("LATENT_TOO_SHORT" if isinstance(exc, LatentTooShort) else "BAD_PLAN", str(exc)) from None
+    if plan.total_frames > limits.frames:
+        raise _over("VIDEO_TOO_LONG", f"output frames ({plan.kind} plan of T={frames})", plan.total_frames,
+                    limits, "frames")
+    total = plan.total_frames * full_h * full_w
+    if total > limits.total_pixels:
+        raise _over("VIDEO_TOO_LARGE", f"output pixels ({plan.total_frames} frames x {full_w}x{full_h})",
+                    total, limits, "total_pixels")
     if request.one_shot:
         plan = plan.one_shot()
-    full_h, full_w = lat_h * info.spatial_ratio, lat_w * info.spatial_ratio
     for name, value, full in (("width", request.width, full_w), ("height", request.height, full_h)):
         if value < 0:
             raise BadRequest("BAD_SIZE", f"{name}={value} is negative")
@@ -117,9 +182,13 @@ def parse_request(request: video_pb2.DecodeVideoRequest, info: VaeInfo | None, m
         raise BadRequest("FRAME_TOO_LARGE", f"one {width}x{height} RGB24 frame is {width * height * 3} bytes, over "
                                             f"the {max_send}-byte message limit; ask for fMP4 or a smaller size")
     fps = request.fps or DEFAULT_FPS
-    if not 0 < fps <= MAX_FPS or not math.isfinite(fps):
-        raise BadRequest("BAD_FPS", f"fps={request.fps} must be in (0, {MAX_FPS:g}] (0: {DEFAULT_FPS:g})")
+    if not MIN_FPS <= fps <= MAX_FPS:  # also refuses NaN
+        raise BadRequest("BAD_FPS", f"fps={request.fps:g} must be in [{MIN_FPS:g}, {MAX_FPS:g}] (0: {DEFAULT_FPS:g})")
     latent = torch.frombuffer(bytearray(tensor.data), dtype=dtype).reshape(shape)
+    if not bool(torch.isfinite(latent).all()):
+        bad = int((~torch.isfinite(latent)).sum())
+        raise BadRequest("NON_FINITE_LATENT", f"latent.data holds {bad} NaN or infinite value(s) of "
+                                              f"{latent.numel()}; every value must be finite")
     return VideoJob(latent, request.normalized, plan, width, height, fps, fmt, request.one_shot)
 
 
@@ -130,16 +199,26 @@ class EncodedChunk:
 
 
 class VideoService(video_pb2_grpc.VideoServiceServicer):
-    def __init__(self, access: EngineAccess, max_send_bytes: int, queue_chunks: int = 4) -> None:
+    def __init__(self, access: EngineAccess, max_send_bytes: int, queue_chunks: int = 4,
+                 limits: VideoLimits = DEFAULT_LIMITS) -> None:
         self.video = access.video
         self.metrics = access.metrics
         self.max_send = max_send_bytes
         self.queue_chunks = queue_chunks
+        self.limits = limits
+
+    @classmethod
+    def from_config(cls, access: EngineAccess, config: ServerConfig) -> VideoService:
+        """The service with a ServerConfig's send limit, queue depth and video limits."""
+        return cls(access, config.max_send_bytes, config.video_queue_chunks, VideoLimits.from_config(config))
 
     async def DecodeVideo(self, request, context) -> AsyncIterator[video_pb2.DecodeVideoResponse]:
         started = time.perf_counter()
         try:
-            job = parse_request(request, self.video.info, self.max_send)
+            args = (request, self.video.info, self.max_send, self.limits)
+            # A large latent's copy and NaN/inf scan run off the loop.
+            job = parse_request(*args) if len(request.latent.data) <= INLINE_PARSE_BYTES else \
+                await asyncio.to_thread(parse_request, *args)
         except BadRequest as exc:
             await abort(context, INVALID, exc.reason, str(exc))
         self.metrics.bytes_total.labels("in").inc(len(request.latent.data))

@@ -4,32 +4,52 @@ connections into Converse sessions on an rtmedia server (a gRPC client like any 
 Signalling, non-trickle (the answer carries every ICE candidate):
 
 - `POST /offer` with JSON `{"sdp": "...", "type": "offer"}` -> `{"sdp", "type": "answer", "id"}`,
-  as aiortc's own examples do; `DELETE /peers/{id}` ends the peer.
+  as aiortc's own examples do; `DELETE /peers/{id}` ends the peer, `GET /peers/{id}` its statistics.
 - `POST /whip` with an `application/sdp` offer -> `201 Created`, the answer, and
   `Location: /whip/{id}`; `DELETE /whip/{id}` ends it (RFC 9725). Deviation: WHIP
   ingests media only, while these transceivers are send-receive (the reply audio, and
   video when the offer has a video section, come back on the same connection).
   `PATCH` (trickle ICE) answers 405.
 
-Bad input gets a 4xx naming the problem; a full bridge (`max_peers`) answers 503 and
-says so; a server that refuses the session answers 502/503 with its gRPC status.
+A peer id is the peer's capability: 256 random bits (`secrets.token_urlsafe`), given only
+to the client whose offer created it (the answer, `Location`, the page's `bridge.peer`
+event); `/healthz` counts peers and names none, and only the id ends or shows a peer.
+Logs and task names carry a short prefix of it (`Peer.tag`).
+
+Bad input gets a 4xx with a JSON body `{"error": "..."}` naming the problem (every error
+answer has that shape, aiohttp's own 404/405/413 included); the request body is bounded
+(`max_body_bytes`, aiohttp's `client_max_size`) and so are an offer's media sections
+(`max_media_sections`). A full bridge (`max_peers`) answers 503 and says so; a server that
+refuses the session answers 502/503 with its gRPC status.
+
+ICE binds only where the operator said (`media_host`, default the page's `host`): see
+`install_ice_binding`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
+import contextvars
+import ipaddress
+import json
 import logging
 import random
 import secrets
+import socket
 import ssl
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aioice.ice as aioice_ice
 import grpc
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription, rtcsctptransport
+from aiortc.exceptions import InternalError, InvalidAccessError, InvalidStateError, OperationError
+from aiortc.rtcrtpsender import RTCRtpSender
 from aiortc.sdp import SessionDescription
 from rtmedia.clients.client import CHANNEL_OPTIONS
 from rtmedia.web.peer import OfferError, Peer, VideoDefaults
@@ -38,7 +58,15 @@ from rtmedia.web.tracks import set_audio_prefetch
 log = logging.getLogger("rtmedia.web")
 
 STATIC = Path(__file__).with_name("static")
-MAX_SDP_BYTES = 64 * 1024
+# A browser's offer (audio, video, data channel) is 4-12 KB of SDP; JSON adds a little.
+MAX_BODY_BYTES = 64 * 1024
+# The page offers audio, video and the data channel; WHIP clients audio and video.
+MAX_MEDIA_SECTIONS = 4
+PEER_ID_BYTES = 32  # secrets.token_urlsafe: 256 bits, 43 characters
+MEDIA_KINDS = ("audio", "video", "application")
+# What aiortc raises for an offer it cannot take (setRemoteDescription, createAnswer, setLocalDescription).
+NEGOTIATION_ERRORS = (ValueError, TypeError, KeyError, IndexError, InternalError, InvalidAccessError,
+                      InvalidStateError, OperationError)
 # Small-MTU paths (IPv6 minimum 1280, VPN tunnels): aiortc fragments data-channel
 # messages into DATA chunks of this much user data at most. 1100 bytes keeps a full
 # SCTP packet, with DTLS, UDP and IPv6 headers, well under 1280 bytes; oversized
@@ -69,6 +97,11 @@ class BridgeConfig:
     # much jitter or reordering.
     audio_prefetch: int = 0
     connect_timeout_s: float = 30.0  # an answered peer must connect within this
+    max_body_bytes: int = MAX_BODY_BYTES  # an HTTP request body (aiohttp's client_max_size); larger is 413
+    max_media_sections: int = MAX_MEDIA_SECTIONS  # m= sections of one offer; more is 400
+    # Address ICE's UDP media sockets bind (and gather host candidates) on; None: `host`'s.
+    # "0.0.0.0": every IPv4 address, "::" or "": every address.
+    media_host: str | None = None
     session: dict[str, Any] = field(default_factory=dict)  # session.update fields every session starts with
     video: VideoDefaults = field(default_factory=VideoDefaults)
 
@@ -77,6 +110,10 @@ class BridgeConfig:
             raise ValueError(f"audio_prefetch must be 0..16 frames, got {self.audio_prefetch}")
         if self.max_peers < 1:
             raise ValueError(f"max_peers must be at least 1, got {self.max_peers}")
+        if not 1024 <= self.max_body_bytes <= 16 * 1024 * 1024:
+            raise ValueError(f"max_body_bytes must be 1024..16777216, got {self.max_body_bytes}")
+        if not 1 <= self.max_media_sections <= 64:
+            raise ValueError(f"max_media_sections must be 1..64, got {self.max_media_sections}")
         if self.input_rate not in (8000, 16000, 24000):
             raise ValueError(f"input_rate must be 8000, 16000 or 24000, got {self.input_rate}")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -88,6 +125,10 @@ class BridgeConfig:
         for url in self.ice_servers:
             if not url.startswith(("stun:", "turn:", "turns:")):
                 raise ValueError(f"ICE server {url!r} must be a stun:, turn: or turns: URL")
+
+    @property
+    def media_bind_host(self) -> str:
+        return self.host if self.media_host is None else self.media_host
 
 
 def parse_udp_ports(text: str) -> tuple[int, int]:
@@ -108,29 +149,80 @@ def ice_server(url: str) -> RTCIceServer:
     return RTCIceServer(urls=url)
 
 
-def validate_offer(sdp: Any) -> SessionDescription:
-    """The parsed offer, or OfferError(400) naming what is wrong with it."""
+def validate_offer(sdp: Any, max_bytes: int = MAX_BODY_BYTES, max_media: int = MAX_MEDIA_SECTIONS) -> SessionDescription:
+    """The parsed offer, or OfferError(4xx) naming what is wrong with it. Checks what aiortc
+    would otherwise fail on deep inside (or, worse, in a task of its own): the sections'
+    kinds and mids, the BUNDLE group, the codecs."""
     if not isinstance(sdp, str) or not sdp.strip():
         raise OfferError(400, "the offer has no SDP")
-    if len(sdp) > MAX_SDP_BYTES:
-        raise OfferError(413, f"the SDP offer is {len(sdp)} bytes; at most {MAX_SDP_BYTES} are accepted")
+    try:
+        size = len(sdp.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise OfferError(400, "the SDP offer is not valid Unicode text (it holds a lone surrogate)") from None
+    if size > max_bytes:
+        raise OfferError(413, f"the SDP offer is {size} bytes; at most {max_bytes} are accepted (--max-body-bytes)")
     if not sdp.lstrip().startswith("v=0"):
         raise OfferError(400, "malformed SDP offer: it must start with 'v=0'")
+    sections = sum(1 for line in sdp.splitlines() if line.startswith("m="))
+    if sections > max_media:
+        raise OfferError(400, f"the SDP offer has {sections} media sections (m= lines); at most {max_media} are "
+                              "accepted (--max-media-sections)")
     try:
         parsed = SessionDescription.parse(sdp)
     except Exception as exc:  # the parser raises whatever the bad line provokes
         raise OfferError(400, f"malformed SDP offer: {type(exc).__name__}: {exc}") from None
+    _check_sections(parsed)
     audio = [m for m in parsed.media if m.kind == "audio"]
     if not audio:
         raise OfferError(400, "the SDP offer has no audio section: the bridge needs the microphone (m=audio)")
     if not any((m.direction or "sendrecv") in ("sendrecv", "sendonly") for m in audio):
         raise OfferError(400, "the SDP offer's audio is receive-only: the bridge needs the browser to send "
                               "its microphone (a=sendrecv or a=sendonly)")
-    for m in parsed.media:
-        if m.kind in ("audio", "video") and m.port != 0 and not (m.ice.usernameFragment and m.dtls
-                                                                   and m.dtls.fingerprints):
-            raise OfferError(400, f"the SDP offer's {m.kind} section lacks ICE credentials or a DTLS fingerprint")
+    for m in parsed.media:  # aiortc needs them in every section, even a rejected (port 0) one
+        if not (m.ice.usernameFragment and m.ice.password and m.dtls and m.dtls.fingerprints):
+            raise OfferError(400, f"the SDP offer's {m.kind} section (mid {m.rtp.muxId[:32]}) lacks ICE "
+                                  "credentials or a DTLS fingerprint")
     return parsed
+
+
+def _check_sections(parsed: SessionDescription) -> None:
+    """Kinds, mids, BUNDLE groups and codecs of the offer's media sections."""
+    for m in parsed.media:
+        if m.kind not in MEDIA_KINDS:
+            raise OfferError(400, f"the SDP offer has a {m.kind[:32]!r} section (m={m.kind[:32]}); the bridge takes "
+                                  "audio, video and one application (data channel) section")
+    if sum(m.kind == "application" for m in parsed.media) > 1:
+        raise OfferError(400, "the SDP offer has more than one application (data channel) section")
+    mids = [m.rtp.muxId for m in parsed.media]
+    if not all(mids):
+        index = mids.index(next(mid for mid in mids if not mid))
+        raise OfferError(400, f"media section {index} (m={parsed.media[index].kind}) of the SDP offer has no a=mid")
+    shared = sorted(mid for mid, n in Counter(mids).items() if n > 1)
+    if shared:
+        raise OfferError(400, f"mid {shared[0][:32]} names more than one media section of the SDP offer")
+    bundled: set[str] = set()
+    for group in parsed.group:
+        if group.semantic != "BUNDLE":
+            continue
+        items = [str(item) for item in group.items]
+        unknown = [item for item in items if item not in mids]
+        if unknown:
+            raise OfferError(400, f"the SDP offer's BUNDLE group names mid {unknown[0][:32]}, "
+                                  "which no media section has")
+        if len(set(items)) != len(items) or bundled & set(items):
+            raise OfferError(400, "the SDP offer's BUNDLE groups name a mid more than once")
+        bundled.update(items)
+    for m in parsed.media:
+        if m.kind == "application":
+            continue
+        supported = {c.mimeType.lower(): c.mimeType.split("/", 1)[1] for c in RTCRtpSender.getCapabilities(m.kind).codecs
+                     if not c.mimeType.lower().endswith("/rtx")}
+        offered = [c.mimeType for c in m.rtp.codecs]
+        if not any(mime.lower() in supported for mime in offered):
+            named = ", ".join(mime.split("/", 1)[1] for mime in offered[:8] if "/" in mime) or "none"
+            raise OfferError(400, f"the SDP offer's {m.kind} section (mid {m.rtp.muxId[:32]}) has no codec the "
+                                  f"bridge supports: it offers {named[:200]}; the bridge takes "
+                                  f"{', '.join(dict.fromkeys(supported.values()))}")
 
 
 class Bridge:
@@ -144,15 +236,17 @@ class Bridge:
         self.port = 0
         self.url = ""
         self.sctp_chunk = cap_sctp_chunk_size()
+        self.ice = IceBinding(ports=config.udp_ports)  # resolved from media_bind_host in start()
 
     # ---- the app --------------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_SDP_BYTES * 2)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[json_errors])
         app.router.add_get("/", self.index)
         app.router.add_static("/static/", STATIC)
         app.router.add_get("/healthz", self.health)
         app.router.add_get("/config", self.page_config)
         app.router.add_post("/offer", self.offer)
+        app.router.add_get("/peers/{peer_id}", self.peer_stats)
         app.router.add_delete("/peers/{peer_id}", self.delete)
         app.router.add_post("/whip", self.whip)
         app.router.add_options("/whip", self.whip_options)
@@ -162,8 +256,8 @@ class Bridge:
 
     async def start(self) -> int:
         loop = asyncio.get_running_loop()
-        if self.config.udp_ports:
-            install_udp_port_range(loop, self.config.udp_ports)
+        self.ice = await ice_binding(self.config.media_bind_host, self.config.udp_ports)
+        install_ice_binding(loop)
         self.channel = grpc.aio.insecure_channel(self.config.target, options=CHANNEL_OPTIONS)
         ssl_context = None
         if self.config.tls_cert:
@@ -177,7 +271,8 @@ class Bridge:
         scheme = "https" if ssl_context else "http"
         self.url = f"{scheme}://{self.config.host}:{self.port}/"
         log.info("web bridge listening", extra={"url": self.url, "target": self.config.target,
-                                                "max_peers": self.config.max_peers, "sctp_chunk": self.sctp_chunk})
+                                                "max_peers": self.config.max_peers, "sctp_chunk": self.sctp_chunk,
+                                                "media_addresses": ",".join(self.ice.addresses or ("*",))})
         return self.port
 
     async def stop(self) -> None:
@@ -193,8 +288,12 @@ class Bridge:
         return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
     async def health(self, request: web.Request) -> web.Response:
+        """Counts only: a peer id is its owner's capability, so none is listed here."""
+        peers = list(self.peers.values())
         return web.json_response({"target": self.config.target, "max_peers": self.config.max_peers,
-                                  "refused": self.refused, "peers": [p.describe() for p in self.peers.values()]})
+                                  "peers": len(peers), "opening": self._opening, "refused": self.refused,
+                                  "connected": sum(p.pc.connectionState == "connected" for p in peers),
+                                  "late_mic_packets": sum(p.late_mic_packets for p in peers)})
 
     async def page_config(self, request: web.Request) -> web.Response:
         """What the page needs before it offers: the ICE servers (as RTCIceServer dictionaries)."""
@@ -212,26 +311,29 @@ class Bridge:
             if request.content_type != "application/json":
                 raise OfferError(415, f"POST /offer takes application/json, not {request.content_type or 'nothing'}"
                                       " (use POST /whip for application/sdp)")
+            text = await self._body_text(request)
             try:
-                body = await request.json()
+                body = json.loads(text)
+            except RecursionError:
+                raise OfferError(400, "the JSON body is nested too deeply") from None
             except ValueError as exc:
                 raise OfferError(400, f"the body is not valid JSON: {exc}") from None
             if not isinstance(body, dict):
                 raise OfferError(400, "the body must be a JSON object with 'sdp' and 'type'")
             if body.get("type") != "offer":
-                raise OfferError(400, f"'type' must be \"offer\", got {body.get('type')!r}")
+                raise OfferError(400, f"'type' must be \"offer\", got {str(body.get('type'))[:32]!r}")
             peer, answer = await self.answer(body.get("sdp"))
         except OfferError as exc:
-            return web.json_response({"error": exc.message}, status=exc.status)
+            return self._refuse(request, exc)
         return web.json_response({"sdp": answer, "type": "answer", "id": peer.id})
 
     async def whip(self, request: web.Request) -> web.Response:
         try:
             if request.content_type != "application/sdp":
                 raise OfferError(415, f"POST /whip takes application/sdp, not {request.content_type or 'nothing'}")
-            peer, answer = await self.answer(await request.text())
+            peer, answer = await self.answer(await self._body_text(request))
         except OfferError as exc:
-            return web.Response(status=exc.status, text=exc.message + "\n")
+            return self._refuse(request, exc)
         return web.Response(status=201, text=answer, content_type="application/sdp",
                             headers={"Location": f"/whip/{peer.id}", "ETag": f'"{peer.id}"'})
 
@@ -239,20 +341,51 @@ class Bridge:
         return web.Response(status=204, headers={"Accept-Post": "application/sdp"})
 
     async def whip_patch(self, request: web.Request) -> web.Response:
-        return web.Response(status=405, headers={"Allow": "DELETE"},
-                            text="trickle ICE is not supported: the answer already carries every candidate\n")
+        return error_response(405, "trickle ICE is not supported: the answer already carries every candidate",
+                              headers={"Allow": "DELETE"})
 
     async def delete(self, request: web.Request) -> web.Response:
+        """Ends the peer whose id is in the URL: the id is the credential."""
         peer = self.peers.get(request.match_info["peer_id"])
         if peer is None:
-            return web.Response(status=404, text="no such peer (it may have closed already)\n")
+            return error_response(404, "no such peer (it may have closed already)")
         await peer.close("ended by the client")
         return web.Response(status=200, text="closed\n")
+
+    async def peer_stats(self, request: web.Request) -> web.Response:
+        peer = self.peers.get(request.match_info["peer_id"])
+        if peer is None:
+            return error_response(404, "no such peer (it may have closed already)")
+        return web.json_response(peer.describe())
+
+    async def _body_text(self, request: web.Request) -> str:
+        """The request body as text: bounded (max_body_bytes), UTF-8 (or ASCII) only; raises OfferError."""
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise OfferError(413, f"the request body is larger than {self.config.max_body_bytes} bytes "
+                                  "(--max-body-bytes)") from None
+        charset = request.charset or "utf-8"
+        try:
+            codec = codecs.lookup(charset).name
+        except LookupError:
+            codec = ""
+        if codec not in ("utf-8", "ascii"):
+            raise OfferError(415, f"charset {charset[:32]!r} is not supported: send UTF-8")
+        try:
+            return raw.decode(codec)
+        except UnicodeDecodeError as exc:
+            raise OfferError(400, f"the body is not valid {'ASCII' if codec == 'ascii' else 'UTF-8'}: "
+                                  f"{exc.reason} at byte {exc.start}") from None
+
+    def _refuse(self, request: web.Request, exc: OfferError) -> web.Response:
+        log.info("offer refused", extra={"path": request.path, "status": exc.status, "error": exc.message[:300]})
+        return error_response(exc.status, exc.message)
 
     # ---- peers ----------------------------------------------------------------------------------------------
     async def answer(self, sdp: Any) -> tuple[Peer, str]:
         """Validate the offer, open a session, answer; raises OfferError."""
-        offer = validate_offer(sdp)
+        offer = validate_offer(sdp, self.config.max_body_bytes, self.config.max_media_sections)
         if len(self.peers) + self._opening >= self.config.max_peers:
             self.refused += 1
             raise OfferError(503, f"the bridge is full: it serves at most {self.config.max_peers} peers at once "
@@ -265,27 +398,35 @@ class Bridge:
 
     async def _answer(self, sdp: str, video: bool) -> tuple[Peer, str]:
         servers = [ice_server(url) for url in self.config.ice_servers]
-        pc = RTCPeerConnection(RTCConfiguration(iceServers=servers or None))
-        peer_id = secrets.token_urlsafe(12)
-        assert self.channel is not None, "start() the bridge first"
-        peer = Peer(peer_id, pc, self.channel, self.config.input_rate, self.config.video, self._forget)
+        # Every socket aioice opens for this peer (in this task and the tasks it starts) binds per self.ice.
+        binding = _ICE_BINDING.set(self.ice)
         try:
+            pc = RTCPeerConnection(RTCConfiguration(iceServers=servers or None))
+            peer_id = secrets.token_urlsafe(PEER_ID_BYTES)
+            assert self.channel is not None, "start() the bridge first"
+            peer = Peer(peer_id, pc, self.channel, self.config.input_rate, self.config.video, self._forget)
             try:
-                await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
-            except (ValueError, TypeError, KeyError) as exc:
-                raise OfferError(400, f"the SDP offer was not accepted: {exc}") from None
-            peer.mic_buffers = set_audio_prefetch(pc, self.config.audio_prefetch)
-            await peer.open_session(self.config.session)  # SessionRefused is an OfferError
-            pc.addTrack(peer.audio_out)
-            if video:
-                pc.addTrack(peer.video_out)
-            await pc.setLocalDescription(await pc.createAnswer())
-        except BaseException:
-            await peer.close("offer failed")
-            raise
+                try:
+                    await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+                except NEGOTIATION_ERRORS as exc:
+                    raise OfferError(400, f"the SDP offer was not accepted: {exc}") from None
+                peer.mic_buffers = set_audio_prefetch(pc, self.config.audio_prefetch)
+                await peer.open_session(self.config.session)  # SessionRefused is an OfferError
+                pc.addTrack(peer.audio_out)
+                if video:
+                    pc.addTrack(peer.video_out)
+                try:
+                    await pc.setLocalDescription(await pc.createAnswer())
+                except NEGOTIATION_ERRORS as exc:
+                    raise OfferError(400, f"the bridge cannot answer this SDP offer: {exc}") from None
+            except BaseException:
+                await peer.close("offer failed")
+                raise
+        finally:
+            _ICE_BINDING.reset(binding)
         self.peers[peer_id] = peer
-        asyncio.get_running_loop().create_task(self._expect_connection(peer), name=f"peer-{peer_id}-connect")
-        log.info("peer answered", extra={"peer": peer_id, "session_id": peer.session_id, "video": video})
+        asyncio.get_running_loop().create_task(self._expect_connection(peer), name=f"peer-{peer.tag}-connect")
+        log.info("peer answered", extra={"peer": peer.tag, "session_id": peer.session_id, "video": video})
         return peer, pc.localDescription.sdp
 
     async def _expect_connection(self, peer: Peer) -> None:
@@ -300,16 +441,92 @@ class Bridge:
         self.peers.pop(peer.id, None)
 
 
-def install_udp_port_range(loop: asyncio.AbstractEventLoop, ports: tuple[int, int]) -> None:
-    """Bind ICE's UDP sockets (aioice asks for port 0) to a port in `ports` instead, for
-    firewalls that open one range. Other datagram endpoints of the loop are untouched."""
-    lo, hi = ports
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    """The one shape of every error answer: `{"error": "..."}`."""
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own error answers (no such route, method not allowed, body too large) in the bridge's shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        return error_response(exc.status, f"{exc.reason}: {request.method} {request.path[:200]}", headers)
+
+
+# ---- where ICE binds ----------------------------------------------------------------------------------------
+# aiortc has no setting for the addresses ICE uses: each peer's aioice Connection opens one UDP
+# socket on every local address that aioice.ice.get_host_addresses finds (all interfaces but
+# loopback), whatever --host says. install_ice_binding() is the one place the bridge changes
+# that: it replaces get_host_addresses with a function that returns the addresses of the
+# IceBinding in force (a context variable the bridge sets around one peer's negotiation, so it
+# holds for every task aiortc starts for that peer and for nothing else in the process), and
+# wraps the loop's create_datagram_endpoint so that aioice's sockets take a port of --udp-ports
+# and a TURN allocation's socket binds the same address.
+
+@dataclass(frozen=True)
+class IceBinding:
+    """Where one bridge's ICE sockets bind. `addresses` None: every address aioice finds (IPv6
+    ones only with `ipv6`); `ports`: the --udp-ports range, None for any port."""
+    addresses: tuple[str, ...] | None = None
+    ipv6: bool = True
+    ports: tuple[int, int] | None = None
+
+
+_ICE_BINDING: contextvars.ContextVar[IceBinding | None] = contextvars.ContextVar("rtmedia_ice_binding", default=None)
+_aioice_host_addresses = aioice_ice.get_host_addresses
+
+
+async def ice_binding(host: str, ports: tuple[int, int] | None = None) -> IceBinding:
+    """The IceBinding of a --host/--media-host value: a wildcard keeps aioice's own choice
+    ("0.0.0.0": IPv4 only), an address is used as is, a name is resolved."""
+    if host in ("", "::"):
+        return IceBinding(ports=ports)
+    if host == "0.0.0.0":
+        return IceBinding(ipv6=False, ports=ports)
+    try:
+        return IceBinding(addresses=(str(ipaddress.ip_address(host)),), ports=ports)
+    except ValueError:
+        pass
+    infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    return IceBinding(addresses=tuple(dict.fromkeys(str(info[4][0]) for info in infos)), ports=ports)
+
+
+def _host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
+    """aioice.ice.get_host_addresses, narrowed to the IceBinding in force."""
+    binding = _ICE_BINDING.get()
+    if binding is None:
+        return _aioice_host_addresses(use_ipv4=use_ipv4, use_ipv6=use_ipv6)
+    if binding.addresses is None:
+        return _aioice_host_addresses(use_ipv4=use_ipv4, use_ipv6=use_ipv6 and binding.ipv6)
+    return [a for a in binding.addresses if (use_ipv6 if ":" in a else use_ipv4)]
+
+
+def install_ice_binding(loop: asyncio.AbstractEventLoop) -> None:
+    """Make aioice follow the IceBinding in force (see above); idempotent, and a no-op for
+    ICE outside a bridge's negotiation."""
+    aioice_ice.get_host_addresses = _host_addresses
+    if getattr(loop, "_rtmedia_ice_binding", False):
+        return
     original = loop.create_datagram_endpoint
 
     async def create_datagram_endpoint(protocol_factory: Any, local_addr: Any = None, **kwargs: Any) -> Any:
+        binding = _ICE_BINDING.get()
         module = getattr(protocol_factory, "__module__", "") or ""
-        if not (module.startswith("aioice") and local_addr and local_addr[1] == 0):
+        if binding is None or not module.startswith("aioice") or kwargs.get("sock") is not None:
             return await original(protocol_factory, local_addr=local_addr, **kwargs)
+        remote = kwargs.get("remote_addr")
+        if local_addr is None and remote and binding.addresses:
+            # A TURN allocation's socket: from the bridge's own address, not the wildcard.
+            v6 = ":" in str(remote[0])
+            local_addr = (next((a for a in binding.addresses if (":" in a) == v6), binding.addresses[0]), 0)
+        if not (local_addr and local_addr[1] == 0 and binding.ports):
+            return await original(protocol_factory, local_addr=local_addr, **kwargs)
+        lo, hi = binding.ports
         candidates = list(range(lo, hi + 1))
         random.shuffle(candidates)
         for port in candidates:
@@ -318,6 +535,7 @@ def install_udp_port_range(loop: asyncio.AbstractEventLoop, ports: tuple[int, in
         raise OSError(f"no free UDP port in {lo}-{hi} on {local_addr[0]} (--udp-ports)")
 
     loop.create_datagram_endpoint = create_datagram_endpoint  # type: ignore[method-assign]
+    loop._rtmedia_ice_binding = True  # type: ignore[attr-defined]
 
 
 async def start_beside(server_config: Any, grpc_port: int) -> Bridge:

@@ -18,7 +18,8 @@ https or on localhost, so on any other host give --tls-cert and --tls-key.
 Signalling: POST /offer (JSON {sdp, type}) as aiortc's examples do, or WHIP
 (POST /whip with application/sdp -> 201 + Location; DELETE to end; the
 transceivers are send-receive, so the reply comes back on the same connection).
-GET /healthz lists the peers.
+A peer's id (in its answer or Location) is its credential: only it ends or
+shows that peer. GET /healthz counts the peers and names none.
 """
 
 
@@ -26,7 +27,11 @@ def add_web_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("web", help="the WebRTC bridge and browser page (talk from a browser)",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"rtmedia server address (default {DEFAULT_TARGET})")
-    p.add_argument("--host", default="127.0.0.1", help="address to serve the page on (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve the page on (default 127.0.0.1); "
+                                                       "media binds it too unless --media-host says otherwise")
+    p.add_argument("--media-host", default=None, metavar="ADDR",
+                   help="address ICE's UDP media sockets bind and offer as host candidates (default: --host; "
+                        "0.0.0.0: every IPv4 address, '::': every address)")
     p.add_argument("--port", type=int, default=8080, help="HTTP(S) port (default 8080; 0 picks a free one)")
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate: serve https")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
@@ -41,6 +46,11 @@ def add_web_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--audio-prefetch", type=int, default=0, metavar="FRAMES",
                    help="20 ms microphone frames held before decoding (default 0: each packet is decoded as it "
                         "arrives and a late one dropped; raise it on jittery paths)")
+    p.add_argument("--max-body-bytes", type=int, default=65536, metavar="BYTES",
+                   help="largest HTTP request body, an offer's included (default 65536); larger is refused with 413")
+    p.add_argument("--max-media-sections", type=int, default=4, metavar="N",
+                   help="most m= sections (media sections) an offer may have (default 4: audio, video and the "
+                        "data channel fit); more is refused with 400")
     p.add_argument("--responder", default=None, help="responder of the sessions, e.g. echo (default: the server's)")
     p.set_defaults(func=cmd_web)
 
@@ -53,7 +63,8 @@ def bridge_config(args: argparse.Namespace) -> object:
                         tls_key=args.tls_key, ice_servers=args.ice_servers,
                         udp_ports=parse_udp_ports(args.udp_ports) if args.udp_ports else None,
                         max_peers=args.max_peers, input_rate=args.input_rate, session=session,
-                        audio_prefetch=args.audio_prefetch)
+                        audio_prefetch=args.audio_prefetch, media_host=args.media_host,
+                        max_body_bytes=args.max_body_bytes, max_media_sections=args.max_media_sections)
 
 
 def cmd_web(args: argparse.Namespace) -> None:

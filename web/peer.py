@@ -108,7 +108,8 @@ class PeerStats:
 class Peer:
     def __init__(self, peer_id: str, pc: RTCPeerConnection, channel: grpc.aio.Channel, input_rate: int,
                  video: VideoDefaults, on_closed: Callable[[Peer], None]) -> None:
-        self.id = peer_id
+        self.id = peer_id  # the peer's capability: only its own client knows it (web/bridge.py)
+        self.tag = peer_id[:8]  # what logs and task names call it
         self.pc = pc
         self.grpc_channel = channel
         self.input_rate = input_rate
@@ -159,26 +160,27 @@ class Peer:
         self.session_id = first.session_created.session_id
         self.to_page(to_json(first))
         self._session_open.set()
-        self._start("reader", self._read())
-        self._start("writer", self._write())
-        self._start("acks", self._ack_loop())
+        self._start("reader", self._read)
+        self._start("writer", self._write)
+        self._start("acks", self._ack_loop)
 
-    def _start(self, name: str, coro: Any) -> None:
-        self._tasks[name] = asyncio.create_task(self._guard(name, coro), name=f"peer-{self.id}-{name}")
+    def _start(self, name: str, run: Callable[..., Any], *args: Any) -> None:
+        # The coroutine is made inside the task: a task cancelled before it runs leaves none un-awaited.
+        self._tasks[name] = asyncio.create_task(self._guard(name, run, *args), name=f"peer-{self.tag}-{name}")
 
-    async def _guard(self, name: str, coro: Any) -> None:
+    async def _guard(self, name: str, run: Callable[..., Any], *args: Any) -> None:
         try:
-            await coro
+            await run(*args)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("peer task failed", extra={"peer": self.id, "task": name})
+            log.exception("peer task failed", extra={"peer": self.tag, "task": name})
             self.send_bridge("bridge.error", code="internal_error", message=f"{name}: {type(exc).__name__}: {exc}")
             self.schedule_close(f"{name} failed")
 
     def schedule_close(self, reason: str) -> None:
         if not self._closing:
-            asyncio.get_running_loop().create_task(self.close(reason), name=f"peer-{self.id}-close")
+            asyncio.get_running_loop().create_task(self.close(reason), name=f"peer-{self.tag}-close")
 
     async def close(self, reason: str) -> None:
         """End the session and the peer connection; idempotent."""
@@ -187,7 +189,7 @@ class Peer:
             return
         self._closing = True
         self.close_reason = reason
-        log.info("peer closing", extra={"peer": self.id, "session_id": self.session_id, "reason": reason})
+        log.info("peer closing", extra={"peer": self.tag, "session_id": self.session_id, "reason": reason})
         current = asyncio.current_task()
         tasks = [t for t in self._tasks.values() if t is not current]
         for task in tasks:
@@ -214,7 +216,7 @@ class Peer:
     # ---- browser -> server ------------------------------------------------------------------------------
     def _on_track(self, track: MediaStreamTrack) -> None:
         if track.kind == "audio" and "mic" not in self._tasks:
-            self._start("mic", self._pump_mic(track))
+            self._start("mic", self._pump_mic, track)
 
     async def _pump_mic(self, track: MediaStreamTrack) -> None:
         await self._session_open.wait()
@@ -247,6 +249,9 @@ class Peer:
         self.stats.events_from_page += 1
         try:
             obj = json.loads(message)
+        except RecursionError:
+            self.send_bridge("bridge.error", code="invalid_event", message="event is nested too deeply")
+            return
         except ValueError as exc:
             self.send_bridge("bridge.error", code="invalid_event", message=f"event is not valid JSON: {exc}")
             return
@@ -292,7 +297,7 @@ class Peer:
         if running is not None and not running.done():
             self.send_bridge("bridge.video.error", code="busy", message="a video decode is already running")
             return
-        self._start("video", self._decode_video(shape, fps, seed))
+        self._start("video", self._decode_video, shape, fps, seed)
 
     # ---- server -> browser ------------------------------------------------------------------------------
     async def _read(self) -> None:
@@ -453,11 +458,16 @@ class Peer:
             return
         self.send_bridge("bridge.video.done", frames=frames, t_ms=round((time.perf_counter() - started) * 1000, 1))
 
+    @property
+    def late_mic_packets(self) -> int:
+        return sum(b.late for b in self.mic_buffers if isinstance(b, PacketAudioBuffer))
+
     def describe(self) -> dict[str, Any]:
-        return {"id": self.id, "session_id": self.session_id, "connection_state": self.pc.connectionState,
+        """The peer's statistics, for its own client (GET /peers/{id})."""
+        return {"session_id": self.session_id, "connection_state": self.pc.connectionState,
                 "playout": vars(self.buffer.stats) | {"queued_ms": round(self.buffer.queued_ms)},
                 "stats": {k: v for k, v in vars(self.stats).items() if k != "opened_at"},
-                "late_mic_packets": sum(b.late for b in self.mic_buffers if isinstance(b, PacketAudioBuffer)),
+                "late_mic_packets": self.late_mic_packets,
                 "age_s": round(time.perf_counter() - self.stats.opened_at, 1)}
 
 

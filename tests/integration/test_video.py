@@ -145,6 +145,10 @@ BAD = [
     ({"format": 9}, "BAD_FORMAT", "format=9"),
     ({"format": FMP4, "width": 15}, "BAD_SIZE", "even size, got 15x16"),
     ({"fps": -1}, "BAD_FPS", "fps=-1"),
+    ({"fps": 1e-30, "format": FMP4}, "BAD_FPS", "fps=1e-30 must be in [0.1, 240]"),
+    ({"fps": float("nan")}, "BAD_FPS", "fps=nan"),
+    ({"data": np.full((16, 2, 2, 2), np.nan, np.float32).tobytes()}, "NON_FINITE_LATENT",
+     "holds 128 NaN or infinite value(s) of 128"),
     ({"latent_steps_per_chunk": -1}, "BAD_STEPS_PER_CHUNK", "is negative"),
 ]
 
@@ -178,6 +182,39 @@ async def test_frame_over_the_message_limit_is_refused(channel):
         await decode(channel, request(latent(1, 24, 24)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error_reason(err.value) == "FRAME_TOO_LARGE" and "ask for fMP4" in err.value.details()
+
+
+# The hostile probe's payloads, refused by the default limits before any work: a 1.2 MB latent that
+# decoded 1536x1536 frames (+1.08 GB), and a 640 kB one that held the video lane for 132 s.
+OVER_LIMITS = [
+    ((16, 1, 192, 192), np.float32, {"format": FMP4}, "LATENT_TOO_LARGE",
+     "latent.shape[2] (H, latent height) = 192 is over the limit video_max_latent_height=160"),
+    ((16, 20000, 1, 1), np.float16, {}, "LATENT_TOO_LONG",
+     "latent.shape[1] (T, latent frames) = 20000 is over the limit video_max_latent_frames=128"),
+    ((16, 2, 100, 160), np.float16, {"format": FMP4}, "FRAME_TOO_MANY_PIXELS",
+     "decoded frame pixels (1280x800: latent 100x160 x spatial ratio 8; width/height only crop) = 1024000"),
+]
+
+
+@pytest.mark.parametrize(("shape", "dtype", "fields", "reason", "message"), OVER_LIMITS)
+async def test_requests_over_the_limits_are_refused_before_any_work(server, channel, shape, dtype, fields, reason,
+                                                                    message):
+    engine = server.scheduler.lanes["video"].engine
+    steps = engine.steps_run
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await decode(channel, request(np.zeros(shape, dtype), **fields))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error_reason(err.value) == reason
+    assert message in err.value.details()
+    assert engine.steps_run == steps and not engine.streams, "nothing was decoded"
+
+
+async def test_a_large_non_finite_latent_is_refused(server, channel):
+    z = latent(5, 32, 32)  # 327 kB: checked off the event loop
+    z[9, 4, 31, 0] = np.inf
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await decode(channel, request(z, format=FMP4))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error_reason(err.value) == "NON_FINITE_LATENT"
+    assert "holds 1 NaN or infinite value(s) of 81920" in err.value.details()
 
 
 async def wait_until(predicate, timeout=5.0):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import time
 import urllib.request
@@ -150,6 +151,76 @@ class BridgePeer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.pc.close()
+
+
+# ---- hostile clients ------------------------------------------------------------------------------
+
+def _strip_codecs(sdp: str) -> str:
+    return "\r\n".join(line for line in sdp.split("\r\n") if not line.startswith(("a=rtpmap", "a=fmtp", "a=rtcp-fb")))
+
+
+def _unknown_codecs(sdp: str) -> str:
+    return re.sub(r"a=rtpmap:(\d+) [\w-]+/", r"a=rtpmap:\1 nosuchcodec/", sdp)
+
+
+def _audio_section(sdp: str) -> str:
+    start = sdp.index("m=audio")
+    end = sdp.find("m=", start + 1)
+    return sdp[start:end if end > 0 else len(sdp)]
+
+
+def repeat_audio(sdp: str, times: int, fresh_mids: bool) -> str:
+    audio = _audio_section(sdp)
+    copies = [audio.replace("a=mid:0", f"a=mid:a{i}") if fresh_mids else audio for i in range(times)]
+    return sdp.replace(audio, audio + "".join(copies))
+
+
+def hostile_requests(sdp: str) -> list[tuple[str, str, bytes, str, int, str]]:
+    """Bad requests a hostile client may send the bridge, made from a good offer `sdp` (with audio,
+    video and a data channel): (name, path, body, content type, the status the bridge answers
+    with the default limits, a word its JSON error must contain)."""
+    bundle = re.search(r"a=group:BUNDLE [^\r\n]*", sdp).group(0)
+    deep = b"[" * 30000 + b"]" * 30000
+
+    def as_offer(text: str) -> bytes:
+        return json.dumps({"sdp": text, "type": "offer"}).encode()
+
+    return [
+        ("whip body not UTF-8", "/whip", b"v=0\r\n\xff\xfe\r\n", "application/sdp", 400, "UTF-8"),
+        ("offer body not UTF-8", "/offer", b'{"sdp": "v=0\xff", "type": "offer"}', "application/json", 400, "UTF-8"),
+        ("whip unknown charset", "/whip", sdp.encode(), "application/sdp; charset=no-such-charset", 415, "charset"),
+        ("offer unknown charset", "/offer", as_offer(sdp), "application/json; charset=no-such-charset", 415,
+         "charset"),
+        ("offer non-text charset", "/offer", as_offer(sdp), "application/json; charset=base64", 415, "charset"),
+        ("deeply nested JSON", "/offer", deep, "application/json", 400, "nested"),
+        ("deeply nested sdp field", "/offer", b'{"type": "offer", "sdp": ' + deep + b"}", "application/json", 400,
+         "nested"),
+        ("lone surrogate", "/offer", b'{"type": "offer", "sdp": "v=0\\r\\n\\ud800"}', "application/json", 400,
+         "Unicode"),
+        ("too large", "/offer", b'{"sdp": "' + b"x" * 70000 + b'"}', "application/json", 413, "max-body-bytes"),
+        ("too large whip", "/whip", b"v=0\r\n" + b"a=x\r\n" * 14000, "application/sdp", 413, "max-body-bytes"),
+        ("no codecs", "/offer", as_offer(_strip_codecs(sdp)), "application/json", 400, "codec"),
+        ("unknown codecs", "/whip", _unknown_codecs(sdp).encode(), "application/sdp", 400, "codec"),
+        ("BUNDLE names a missing mid", "/offer", as_offer(sdp.replace(bundle, "a=group:BUNDLE 9 0 1 2")),
+         "application/json", 400, "BUNDLE"),
+        ("BUNDLE names a mid twice", "/offer", as_offer(sdp.replace(bundle, "a=group:BUNDLE 0 0 1 2")),
+         "application/json", 400, "BUNDLE"),
+        ("sections without mids", "/offer", as_offer(re.sub(r"a=mid:\w+\r\n", "", sdp)), "application/json", 400,
+         "mid"),
+        ("sections sharing a mid", "/whip", sdp.replace("a=mid:1", "a=mid:0").replace("a=mid:2", "a=mid:0").encode(),
+         "application/sdp", 400, "mid"),
+        ("50 duplicated m=audio", "/whip", repeat_audio(sdp, 49, fresh_mids=False).encode(), "application/sdp",
+         400, "max-media-sections"),
+        ("20 distinct m=audio", "/offer", as_offer(repeat_audio(sdp, 19, fresh_mids=True)), "application/json",
+         400, "max-media-sections"),
+        ("unknown media kind", "/offer", as_offer(sdp.replace("m=video", "m=text")), "application/json", 400,
+         "text"),
+        ("two data channel sections", "/whip",
+         (sdp + sdp[sdp.index("m=application"):].replace("a=mid:2", "a=mid:3")).encode(), "application/sdp", 400,
+         "application"),
+        ("wrong content type", "/whip", sdp.encode(), "text/plain", 415, "application/sdp"),
+        ("offer is not an object", "/offer", b"[1, 2]", "application/json", 400, "JSON object"),
+    ]
 
 
 def wait_http(url: str, process: subprocess.Popen, timeout: float = 30) -> None:

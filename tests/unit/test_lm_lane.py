@@ -8,6 +8,7 @@ A real LmEngine on a tiny random Llama saved to a temp dir."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,31 @@ def test_common_prefix() -> None:
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert common_prefix([], [1]) == 0
     assert common_prefix([1, 2], [1, 2]) == 2
+
+
+async def test_a_conversation_forgotten_while_its_prompt_is_prefilled_keeps_no_slot(lane: LmLane) -> None:
+    """A session that ends while its prompt (or its ahead-of-time prefix) is being prefilled
+    leaves no kept slot behind."""
+    prefill = lane.engine.prefill
+    started = asyncio.Event()
+
+    def slow_prefill(slot: int, ids: list[int]):
+        lane_loop.call_soon_threadsafe(started.set)
+        time.sleep(0.2)
+        return prefill(slot, ids)
+
+    lane_loop = asyncio.get_running_loop()
+    lane.engine.prefill = slow_prefill  # type: ignore[method-assign]
+    try:
+        lane.prepare("gone", PROMPT)
+        await asyncio.wait_for(started.wait(), 5)
+        lane.forget("gone")  # the session closed meanwhile
+        started.clear()
+        consumer = asyncio.create_task(generate(lane, PROMPT, key="gone too"))
+        await asyncio.wait_for(started.wait(), 5)
+        lane.forget("gone too")
+        await consumer
+    finally:
+        lane.engine.prefill = prefill  # type: ignore[method-assign]
+    await asyncio.sleep(0.05)
+    assert lane.kept == 0 and lane.engine.slots_free == lane.engine.slots_total

@@ -1,10 +1,10 @@
-"""The session outbox: control overtakes media, stale epochs are dropped, close and overflow."""
+"""The session outbox: control overtakes media, stale epochs are dropped, close, and the bound
+in events and bytes."""
 
 from __future__ import annotations
 
 import asyncio
 
-import pytest
 from rtmedia.protocol.events import server_event, to_json
 from rtmedia.server.outbox import Outbox
 
@@ -81,11 +81,37 @@ async def test_get_waits_for_an_event():
     assert await asyncio.wait_for(waiting, 1) is event
 
 
-async def test_overflow_raises():
-    outbox = Outbox(2)
+def error_of(event) -> str | None:
+    return event.error.code if event.WhichOneof("event") == "error" else None
+
+
+async def test_an_overflow_drops_the_event_says_so_and_recovers_once_read():
+    failed = []
+    outbox = Outbox(2, on_overflow=lambda: failed.append(True))
     outbox.media(0, delta("a"))
-    outbox.media(0, delta("b"))
-    with pytest.raises(OverflowError, match="2 events are waiting"):
-        outbox.media(0, delta("c"))
-    outbox.control(control("client"))  # control events are not bounded
-    assert await get(outbox, 0) is not None
+    outbox.control(control("client"))
+    outbox.media(0, delta("dropped"))  # a third event does not fit
+    assert outbox.queued[0] == 3 and outbox.overflowing and not failed
+    events = [await get(outbox, 0) for _ in range(3)]
+    assert [error_of(e) for e in events] == [None, "client_too_slow", None]
+    assert "response.output_text.delta event was dropped" in events[1].error.message
+    assert to_json(events[2])["delta"] == "a" and outbox.queued == (0, 0)
+    assert not outbox.overflowing, "read down to half: the next overflow is a warning again"
+    for text in "bcd":
+        outbox.media(0, delta(text))
+    assert not failed and outbox.overflowing
+
+
+async def test_an_overflow_that_goes_on_fails_the_outbox_and_lets_go_of_it():
+    failed = []
+    outbox = Outbox(1000, max_bytes=4096, on_overflow=lambda: failed.append(True))
+    big = "x" * 1500
+    for _ in range(2):
+        outbox.control(server_event("error", code="invalid_value", message="bad", event_id=big))
+    outbox.control(server_event("error", code="invalid_value", message="bad", event_id=big))  # warned
+    assert not failed and outbox.overflowing
+    outbox.control(server_event("error", code="invalid_value", message="bad", event_id=big))  # goes on
+    assert failed == [True] and outbox.failed and outbox.queued == (0, 0)
+    outbox.media(0, delta("late"))
+    outbox.control(control("client"))
+    assert outbox.queued == (0, 0), "nothing more is kept for a client that does not read"
