@@ -22,6 +22,7 @@ import asyncio
 import json
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -33,7 +34,7 @@ from rtmedia.protocol.events import client_event  # noqa: E402
 from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc  # noqa: E402
 
 from tests.perf.bench_speech import machine  # noqa: E402
-from tests.support.serve import running_server  # noqa: E402
+from tests.support.serve import free_port, running_server  # noqa: E402
 
 NON_READING = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024),
                ("grpc.max_send_message_length", 8 * 1024 * 1024)]
@@ -59,12 +60,23 @@ def rss_mib(pid: int) -> float:
     return round(total / 1024, 1)
 
 
-def counts(pid: int) -> dict:
-    return {"threads": len(list(Path(f"/proc/{pid}/task").iterdir())),
-            "fds": len(list(Path(f"/proc/{pid}/fd").iterdir())), "processes": len(tree(pid))}
+METRICS = {"rtmedia_sessions_active": "sessions_active", 'rtmedia_sessions_total{outcome="failed"}': "sessions_failed",
+           'rtmedia_lm_slots{state="kept"}': "lm_slots_kept"}
 
 
-async def watch(pid: int, attack, *args) -> dict:
+def counts(pid: int, metrics_port: int) -> dict:
+    """Threads, fds and processes of the server, and its session gauges from /metrics."""
+    out: dict = {"threads": len(list(Path(f"/proc/{pid}/task").iterdir())),
+                 "fds": len(list(Path(f"/proc/{pid}/fd").iterdir())), "processes": len(tree(pid))}
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
+        for line in reply.read().decode().splitlines():
+            name, _, value = line.rpartition(" ")
+            if name in METRICS:
+                out[METRICS[name]] = float(value)
+    return out
+
+
+async def watch(pid: int, metrics_port: int, attack, *args) -> dict:
     """Run `attack`, sampling the server's RSS every 50 ms; (before, peak, after 2 s)."""
     before, peak = rss_mib(pid), 0.0
     task = asyncio.ensure_future(attack(*args))
@@ -75,19 +87,19 @@ async def watch(pid: int, attack, *args) -> dict:
     detail = task.result()
     await asyncio.sleep(2)
     after = rss_mib(pid)
-    return {"rss_before_mib": before, "rss_peak_mib": max(peak, after), "rss_after_mib": after,
+    return {**counts(pid, metrics_port), "rss_before_mib": before, "rss_peak_mib": max(peak, after), "rss_after_mib": after,
             "peak_growth_mib": round(max(peak, after) - before, 1), "seconds": round(time.perf_counter() - started, 1),
             **detail}
 
 
-async def non_reading(target: str, requests, limit_s: float = 120) -> dict:
+async def non_reading(target: str, requests, limit_s: float = 60) -> dict:
     async with grpc.aio.insecure_channel(target, options=NON_READING) as channel:
         call = realtime_pb2_grpc.RealtimeServiceStub(channel).Converse(requests)
         try:
             code = await asyncio.wait_for(call.code(), limit_s)
         except TimeoutError:
             call.cancel()
-            return {"ended": "still open after the attack"}
+            return {"ended": f"no status at the client within {limit_s:g} s (it reads nothing)"}
         return {"ended": code.name}
 
 
@@ -140,18 +152,19 @@ async def vanishing(target: str, clients: int = 200) -> dict:
 
 
 async def run(rounds: int) -> dict:
-    with running_server("--metrics-port", "0", "--no-llm", "--responder", "echo", "--max-sessions", "3000",
+    metrics_port = free_port()
+    with running_server("--metrics-port", str(metrics_port), "--no-llm", "--responder", "echo", "--max-sessions", "3000",
                         "--log-level", "WARNING") as (target, server):
         pid = server.pid
         await asyncio.sleep(2)
-        baseline = {"rss_mib": rss_mib(pid), **counts(pid)}
+        baseline = {"rss_mib": rss_mib(pid), **counts(pid, metrics_port)}
         result: dict = {"baseline": baseline}
         for name, attack in (("big_ids", big_ids), ("errors", errors), ("empty", empty)):
-            result[name] = await watch(pid, attack, target)
+            result[name] = await watch(pid, metrics_port, attack, target)
         result["vanishing"] = []
         for _ in range(rounds):
-            result["vanishing"].append({**await watch(pid, vanishing, target), **counts(pid)})
-        result["after"] = {"rss_mib": rss_mib(pid), **counts(pid)}
+            result["vanishing"].append(await watch(pid, metrics_port, vanishing, target))
+        result["after"] = {"rss_mib": rss_mib(pid), **counts(pid, metrics_port)}
         result["after"]["rss_vs_first_round"] = round(
             result["after"]["rss_mib"] / result["vanishing"][0]["rss_after_mib"], 3) if rounds else None
     return result
