@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
             ("total-pixels", "176947200 = 192 frames of 1280x720", "output frames x decoded frame pixels")):
         p.add_argument(f"--video-max-{flag}", type=int, default=None, metavar="N",
                        help=f"most {what} ({default}); over it: INVALID_ARGUMENT")
+    for flag, default, what in (
+            ("outbox-events", "4096", "events a Converse session holds for a client that does not read"),
+            ("outbox-bytes", "8388608", "bytes a Converse session holds for a client that does not read"),
+            ("text-chars", "2000", "characters of a typed conversation item"),
+            ("instructions-chars", "2000", "characters of a session's or response's instructions"),
+            ("id-bytes", "256", "bytes of an id or name the server echoes")):
+        p.add_argument(f"--session-{flag}", type=_positive, default=None, metavar="N", help=f"most {what} ({default})")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
     p.add_argument("--log-format", choices=["json", "text"], default=None, help="log line format (json)")
     p.set_defaults(func=cmd_serve)
@@ -114,6 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_web_parser(sub)
     add_doctor_parser(sub)
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _sizes(text: str) -> list[int]:
