@@ -28,8 +28,9 @@ class Outbox:
 
     def __init__(self, max_events: int, max_bytes: int = 8 * 1024 * 1024,
                  on_overflow: Callable[[], None] | None = None) -> None:
-        self._control: deque[realtime_pb2.ConverseResponse] = deque()
-        self._media: deque[tuple[int, realtime_pb2.ConverseResponse]] = deque()
+        # Entries keep their event's size, so the byte count is kept without measuring twice.
+        self._control: deque[tuple[int, realtime_pb2.ConverseResponse]] = deque()
+        self._media: deque[tuple[int, int, realtime_pb2.ConverseResponse]] = deque()
         self._ready = asyncio.Event()
         self.max_events, self.max_bytes = max_events, max_bytes
         self.on_overflow = on_overflow
@@ -58,8 +59,8 @@ class Outbox:
                 f"the client is not reading: {events} events ({queued} bytes) are waiting, over the outbox "
                 f"limit of {self.max_events} events or {self.max_bytes} bytes; a {event_type(event)} "
                 "event was dropped, and the session closes if the client does not catch up"))
-            self._control.append(notice)
-            self._bytes += notice.ByteSize()
+            self._control.append((size := notice.ByteSize(), notice))
+            self._bytes += size
             self._ready.set()
             return None
         self.failed = True
@@ -72,19 +73,19 @@ class Outbox:
 
     def control(self, event: realtime_pb2.ConverseResponse) -> None:
         if (size := self._fits(event)) is not None:
-            self._control.append(event)
+            self._control.append((size, event))
             self._bytes += size
             self._ready.set()
 
     def media(self, epoch: int, event: realtime_pb2.ConverseResponse) -> None:
         """Queue a media event of `epoch`."""
         if (size := self._fits(event)) is not None:
-            self._media.append((epoch, event))
+            self._media.append((epoch, size, event))
             self._bytes += size
             self._ready.set()
 
-    def _taken(self, event: realtime_pb2.ConverseResponse) -> realtime_pb2.ConverseResponse:
-        self._bytes -= event.ByteSize()
+    def _taken(self, size: int, event: realtime_pb2.ConverseResponse) -> realtime_pb2.ConverseResponse:
+        self._bytes -= size
         if self.overflowing and self._bytes <= self.max_bytes // 2 and self.queued[0] <= self.max_events // 2:
             self.overflowing = False
         return event
@@ -99,10 +100,10 @@ class Outbox:
         """The next event to write, or None once closed and empty."""
         while True:
             if self._control:
-                return self._taken(self._control.popleft())
+                return self._taken(*self._control.popleft())
             while self._media:
-                event_epoch, event = self._media.popleft()
-                self._taken(event)
+                event_epoch, size, event = self._media.popleft()
+                self._taken(size, event)
                 if event_epoch == epoch:
                     return event
             if self.closed:
