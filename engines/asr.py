@@ -29,7 +29,8 @@ Streams come in two modes (`open_stream(segment=...)`):
 Decoders are leased per utterance: a silent stream holds only its endpointer and
 cepstral mean, and a worker builds another decoder (a build takes a noticeable
 fraction of a second and a decoder's memory is large; BENCHMARKS.md) only when
-more of its streams speak at once. Before each utterance the lent decoder gets
+more of its streams speak at once; when streams close, the pool shrinks back to
+its configured size (or to the streams still open). Before each utterance the lent decoder gets
 the stream's cepstral mean and fresh noise statistics: pocketsphinx keeps its
 noise-removal estimate across utterances (`start_utt` does not reset it), so
 without the reset a hypothesis depended on whatever that decoder decoded last.
@@ -69,6 +70,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import ctypes
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -188,6 +190,12 @@ class _StreamState:
     utt: _Utterance | None = None
 
 
+def _trim_heap() -> None:
+    """Return freed heap memory to the system (glibc keeps it otherwise); a no-op elsewhere."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 class _Worker:
     def __init__(self, urgent: Any = None) -> None:
         import pocketsphinx
@@ -199,6 +207,7 @@ class _Worker:
         self._ps = pocketsphinx
         first = self._new_decoder(fast=False)
         self._free: dict[bool, list[Any]] = {False: [first], True: []}  # idle decoders by `fast`
+        self._keep = {False: 1, True: 0}  # the configured pool sizes (set by warmup)
         self._prior_cmn = first.get_cmn()
         self._ms_per_frame = 1000.0 / float(first.config["frate"])
         self._streams: dict[int, _StreamState] = {}
@@ -224,10 +233,13 @@ class _Worker:
             if st is not None and st.utt is not None:
                 st.utt.decoder.end_utt()
                 self._free[st.fast].append(st.utt.decoder)
+            if st is not None:
+                self._shrink(st.fast)
         elif op == "warmup":
             # Build the pools up front: building a decoder on demand inside a step would stall
             # every stream of this worker.
             for fast, count in zip((False, True), arg, strict=True):
+                self._keep[fast] = count
                 while len(self._free[fast]) < count:
                     self._free[fast].append(self._new_decoder(fast))
             rng = random.Random(0)
@@ -240,6 +252,23 @@ class _Worker:
         elif op != "ping":
             raise ValueError(f"unknown ASR worker op {op!r}")
         return None
+
+    def decoders(self, fast: bool) -> int:
+        """Decoders of one configuration this worker holds, idle or lent to an utterance."""
+        lent = sum(1 for st in self._streams.values() if st.fast == fast and st.utt is not None)
+        return len(self._free[fast]) + lent
+
+    def _shrink(self, fast: bool) -> None:
+        """Free idle decoders beyond what this worker needs: its configured pool size, or more
+        while more of its streams are open (each may speak at once). A decoder's memory is
+        large, so glibc is asked to hand the freed memory back to the system."""
+        need = max(self._keep[fast], sum(1 for st in self._streams.values() if st.fast == fast))
+        pool, freed = self._free[fast], False
+        while pool and self.decoders(fast) > need:
+            pool.pop()
+            freed = True
+        if freed:
+            _trim_heap()
 
     def answer_urgent(self) -> None:
         """Answer the requests waiting on the urgent pipe, now (called between two pieces of work)."""

@@ -117,6 +117,7 @@ class LmLane:
         for generation in [*self._active, *self._waiting, *self._admitted]:  # prefilling ones too
             if generation.key == key:
                 generation.key = None
+                generation.cancelled |= generation.prepare_only  # a prefix nobody will use
         if (kept := self._kept.pop(key, None)) is not None:
             self.engine.release(kept.slot)
             self._update_gauges()
@@ -206,6 +207,9 @@ class LmLane:
                 continue
             started = time.perf_counter()
             for generation in admitted:
+                if generation.cancelled:  # its consumer left while others were prefilled
+                    self._finish(generation)
+                    continue
                 new = generation.prompt[len(generation.cached):]
                 try:
                     logits = await loop.run_in_executor(self._executor, self.engine.prefill, generation.slot, new)

@@ -491,3 +491,17 @@ def test_worker_loop_reads_only_pipes_that_still_hold_a_request(speech: dict[str
         conn.send((0, "stop", None))
         worker.join(timeout=10)
     assert not worker.is_alive()
+
+
+def test_decoder_pool_shrinks_back_when_streams_close(speech: dict[str, np.ndarray]) -> None:
+    """Four streams speaking at once on a worker configured for two decoders: it builds two more,
+    and closing the streams frees the extra ones, keeping the configured two."""
+    worker = _Worker()  # in this process: the code a worker process runs
+    worker.handle("warmup", (1, 2))
+    audio = speech[FOX][: 16000 // 2].tobytes()  # half a second: each turn is still going
+    worker.handle("step", [(sid, audio, False, False, True) for sid in range(1, 5)])
+    assert worker.decoders(fast=True) == 4
+    for sid, left in zip(range(1, 5), (3, 2, 2, 2), strict=True):
+        worker.handle("close", sid)
+        assert worker.decoders(fast=True) == left, sid
+    assert worker.decoders(fast=False) == 1

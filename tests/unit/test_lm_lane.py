@@ -166,3 +166,29 @@ async def test_a_conversation_forgotten_while_its_prompt_is_prefilled_keeps_no_s
         lane.engine.prefill = prefill  # type: ignore[method-assign]
     await asyncio.sleep(0.05)
     assert lane.kept == 0 and lane.engine.slots_free == lane.engine.slots_total
+
+
+async def test_consumers_gone_before_their_prefill_free_their_slots_unprefilled(lane: LmLane) -> None:
+    """Two generations admitted together, the second's consumer gone while the first is
+    prefilled: the second is never prefilled and its slot is free at once."""
+    prefill = lane.engine.prefill
+    started = asyncio.Event()
+
+    def slow_prefill(slot: int, ids: list[int]):
+        lane_loop.call_soon_threadsafe(started.set)
+        time.sleep(0.3)
+        return prefill(slot, ids)
+
+    lane_loop = asyncio.get_running_loop()
+    lane.engine.prefill = slow_prefill  # type: ignore[method-assign]
+    try:
+        first = asyncio.create_task(generate(lane, PROMPT, n=2))
+        second = asyncio.create_task(generate(lane, PROMPT[:5], n=2))
+        await asyncio.wait_for(started.wait(), 5)
+        second.cancel()  # its session vanished
+        await asyncio.gather(second, return_exceptions=True)
+        await first
+    finally:
+        lane.engine.prefill = prefill  # type: ignore[method-assign]
+    assert lane.prefills == [len(PROMPT)]
+    assert lane.engine.slots_free == lane.engine.slots_total
