@@ -78,6 +78,7 @@ import random
 import re
 import threading
 import warnings
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,7 @@ _REPLY_TIMEOUT_S = 60.0
 _ALTERNATE = re.compile(r"\(\d+\)$")
 # pocketsphinx finds no hypothesis in fewer than ~7 frames (and logs an error when asked for one)
 _MIN_FRAMES = 10
+_CLOSED_REMEMBERED = 65536  # stream ids a worker remembers as closed (a few MB)
 
 # Settings of the fast-final decoders, used by the duplex sessions (the default-mode decoders keep
 # PocketSphinx's defaults: beam=pbeam=1e-48, wbeam=lponlybeam=7e-29, maxhmmpf=30000, topn=4).
@@ -211,6 +213,11 @@ class _Worker:
         self._prior_cmn = first.get_cmn()
         self._ms_per_frame = 1000.0 / float(first.config["frate"])
         self._streams: dict[int, _StreamState] = {}
+        self._closed: set[int] = set()  # recently closed stream ids (see _remember_closed)
+        self._closed_order: deque[int] = deque()
+        self._stepping = False  # inside a step (closes are freed when it ends)
+        self._unfreed: list[int] = []  # closed streams whose state is still to be freed
+        self._current = 0  # the stream whose item is being decoded
 
     def _new_decoder(self, fast: bool) -> Any:
         # the search settings are read when the decoder is built (changing them needs a reinit,
@@ -223,18 +230,25 @@ class _Worker:
 
     def handle(self, op: str, arg: Any) -> Any:
         if op == "step":
-            events = []
-            for item in arg:
-                self.answer_urgent()
-                events.append(self._step(*item))
-            return events
-        if op == "close":
-            st = self._streams.pop(arg, None)
-            if st is not None and st.utt is not None:
-                st.utt.decoder.end_utt()
-                self._free[st.fast].append(st.utt.decoder)
-            if st is not None:
-                self._shrink(st.fast)
+            outer, self._stepping = not self._stepping, True  # an urgent step may run inside a step
+            current = self._current
+            try:
+                events = []
+                for item in arg:
+                    self.answer_urgent()
+                    events.append(self._step(*item))
+                return events
+            finally:
+                self._current = current
+                if outer:
+                    self._stepping = False
+                    self._free_closed()
+        if op == "close":  # a batch of stream ids
+            for sid in arg:
+                self._remember_closed(sid)
+            self._unfreed.extend(arg)
+            if not self._stepping:  # else the step frees them when it ends (one may be decoding)
+                self._free_closed()
         elif op == "warmup":
             # Build the pools up front: building a decoder on demand inside a step would stall
             # every stream of this worker.
@@ -281,7 +295,30 @@ class _Worker:
         finally:
             self._answering_urgent = False
 
+    def _remember_closed(self, sid: int) -> None:
+        """The rest of a step skips a closed stream's items, and a step checked before its stream
+        closed may arrive after the close: its items must not open the stream again (its state
+        would never be freed)."""
+        self._closed.add(sid)
+        self._closed_order.append(sid)
+        if len(self._closed_order) > _CLOSED_REMEMBERED:
+            self._closed.discard(self._closed_order.popleft())
+
+    def _free_closed(self) -> None:
+        """Free the state and decoders of the streams closed so far."""
+        closed = [st for sid in self._unfreed if (st := self._streams.pop(sid, None)) is not None]
+        self._unfreed.clear()
+        for st in closed:
+            if st.utt is not None:
+                st.utt.decoder.end_utt()
+                self._free[st.fast].append(st.utt.decoder)
+        for fast in {st.fast for st in closed}:
+            self._shrink(fast)
+
     def _step(self, sid: int, audio: bytes, end: bool, segment: bool, fast: bool) -> list[AsrEvent]:
+        if sid in self._closed:
+            return []
+        self._current = sid
         st = self._streams.get(sid)
         if st is None:
             ep = self._new_endpointer() if segment else None
@@ -293,11 +330,11 @@ class _Worker:
         st.pending += audio
         st.samples += len(audio) // 2
         size, done = st.ep.frame_bytes, 0
-        while len(st.pending) - done >= size:
+        while len(st.pending) - done >= size and sid not in self._closed:
             self._speech(st, st.ep.process(bytes(st.pending[done : done + size])), events)
             done += size
         del st.pending[:done]
-        if end:
+        if end and sid not in self._closed:
             if st.ep.in_speech:
                 # end_stream(b"") raises IndexError: give it one silent sample instead.
                 self._speech(st, st.ep.end_stream(bytes(st.pending) or b"\0\0"), events)
@@ -354,6 +391,8 @@ class _Worker:
             room = _PARTIAL_BYTES - utt.fed_bytes % _PARTIAL_BYTES
             piece, view = view[:room], view[room:]
             self.answer_urgent()
+            if self._current in self._closed:  # closed meanwhile: the step frees it when it ends
+                return
             utt.decoder.process_raw(bytes(piece))
             utt.fed_bytes += len(piece)
             if utt.fed_bytes % _PARTIAL_BYTES == 0 and (view or more):  # else the final follows
@@ -500,7 +539,10 @@ class AsrEngine:
             if self._open.pop(stream.id, None) is None:
                 return
             self._load[stream.worker] -= 1
-        self._call({stream.worker: ("close", stream.id)})
+        # On the urgent pipe: the worker answers between two pieces of a step it is decoding, so a
+        # close never waits for seconds of other streams' audio, and the rest of that step skips
+        # the closed stream's audio.
+        self._call({stream.worker: ("close", [stream.id])}, urgent=True)
 
     def step(self, items: Sequence[AsrItem], urgent: bool = False) -> list[list[AsrEvent] | EngineError]:
         """Decode a batch. `urgent`: items that only end an utterance (`end=True`, no audio),

@@ -502,6 +502,33 @@ def test_decoder_pool_shrinks_back_when_streams_close(speech: dict[str, np.ndarr
     worker.handle("step", [(sid, audio, False, False, True) for sid in range(1, 5)])
     assert worker.decoders(fast=True) == 4
     for sid, left in zip(range(1, 5), (3, 2, 2, 2), strict=True):
-        worker.handle("close", sid)
+        worker.handle("close", [sid])
         assert worker.decoders(fast=True) == left, sid
     assert worker.decoders(fast=False) == 1
+    # an item that raced its stream's close is dropped, not decoded into a stream never closed again
+    assert worker.handle("step", [(1, audio, False, False, True)]) == [[]]
+    assert worker.decoders(fast=True) == 2 and not worker._streams
+
+
+def test_a_close_does_not_wait_for_a_running_step(speech: dict[str, np.ndarray]) -> None:
+    """While a worker decodes a long step, closing another stream returns at once; closing the
+    stream being decoded ends that step's work on it too (the rest of its audio is skipped)."""
+    eng = AsrEngine(workers=1)
+    eng.load()
+    try:
+        busy, other = eng.open_stream(fast_final=True), eng.open_stream()
+        eng.step([AsrItem(other, speech[FOX][:8000].tobytes(), False)])
+        audio = np.tile(speech[FOX], 40).tobytes()  # many seconds of decoding
+        stepping = threading.Thread(target=eng.step, args=([AsrItem(busy, audio, True)],))
+        stepping.start()
+        time.sleep(0.3)
+        started = time.perf_counter()
+        eng.close_stream(other)
+        assert time.perf_counter() - started < 0.2
+        started = time.perf_counter()
+        eng.close_stream(busy)
+        stepping.join(timeout=30)
+        assert time.perf_counter() - started < 1.0
+        assert eng.open_streams == 0
+    finally:
+        eng.close()
