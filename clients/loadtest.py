@@ -274,10 +274,13 @@ class Person:
     # ---- the sender ------------------------------------------------------------------------------
     async def speak(self) -> None:
         run, chunk_s = self.run, self.run.chunk_ms / 1000
-        await self.call.write(client_event("session.update", event_id=CONFIG_ID, session=run.configs[self.profile]))
-        # Audio starts once the server admitted the session, as a client waiting for
-        # session.created does (a refusal then never races a write).
+        # The first write waits until the server admitted the session, as a client waiting for
+        # session.created does: a refusal at capacity then never races a write (which gRPC
+        # reports as INTERNAL instead of the server's RESOURCE_EXHAUSTED).
         await self.opened.wait()
+        if self.ended:
+            return
+        await self.call.write(client_event("session.update", event_id=CONFIG_ID, session=run.configs[self.profile]))
         t0 = time.perf_counter()
         self.next_speech = t0 + self.rng.uniform(0.3, 1.5)
         n = 0

@@ -312,6 +312,7 @@ class _Worker:
             if st.utt is not None:
                 st.utt.decoder.end_utt()
                 self._free[st.fast].append(st.utt.decoder)
+                st.utt = None  # the pool holds the only reference: _shrink may free it
         for fast in {st.fast for st in closed}:
             self._shrink(fast)
 

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import aioice.ice as aioice_ice
+import aioice.mdns as aioice_mdns
 import grpc
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription, rtcsctptransport
@@ -466,7 +467,11 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
 # IceBinding in force (a context variable the bridge sets around one peer's negotiation, so it
 # holds for every task aiortc starts for that peer and for nothing else in the process), and
 # wraps the loop's create_datagram_endpoint so that aioice's sockets take a port of --udp-ports
-# and a TURN allocation's socket binds the same address.
+# and a TURN allocation's socket (UDP or TCP) binds the same address. The mDNS socket aioice opens to resolve
+# a browser's `.local` candidates binds the wildcard (0.0.0.0:5353) and joins the group on the
+# default interface; under an IceBinding with addresses it binds the group address instead and
+# joins it only on the binding's IPv4 address (127.0.0.1 for an IPv6-only binding: aioice's mDNS
+# is IPv4 only), so it receives nothing from elsewhere.
 
 @dataclass(frozen=True)
 class IceBinding:
@@ -479,6 +484,7 @@ class IceBinding:
 
 _ICE_BINDING: contextvars.ContextVar[IceBinding | None] = contextvars.ContextVar("rtmedia_ice_binding", default=None)
 _aioice_host_addresses = aioice_ice.get_host_addresses
+_aioice_create_mdns_protocol = aioice_mdns.create_mdns_protocol
 
 
 async def ice_binding(host: str, ports: tuple[int, int] | None = None) -> IceBinding:
@@ -506,10 +512,33 @@ def _host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
     return [a for a in binding.addresses if (use_ipv6 if ":" in a else use_ipv4)]
 
 
+async def _create_mdns_protocol() -> aioice_mdns.MDnsProtocol:
+    """aioice.mdns.create_mdns_protocol, narrowed to the IceBinding in force."""
+    binding = _ICE_BINDING.get()
+    if binding is None or binding.addresses is None:
+        return await _aioice_create_mdns_protocol()
+    interface = next((a for a in binding.addresses if ":" not in a), "127.0.0.1")
+    group = aioice_mdns.MDNS_ADDRESS
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((group, aioice_mdns.MDNS_PORT))
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(group) + socket.inet_aton(interface))
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(interface))
+    except OSError:
+        sock.close()
+        raise
+    _, protocol = await asyncio.get_running_loop().create_datagram_endpoint(aioice_mdns.MDnsProtocol, sock=sock)
+    protocol._MDnsProtocol__joined = True  # joined above on `interface`; aioice would join on the default one
+    return protocol
+
+
 def install_ice_binding(loop: asyncio.AbstractEventLoop) -> None:
     """Make aioice follow the IceBinding in force (see above); idempotent, and a no-op for
     ICE outside a bridge's negotiation."""
     aioice_ice.get_host_addresses = _host_addresses
+    aioice_mdns.create_mdns_protocol = _create_mdns_protocol
     if getattr(loop, "_rtmedia_ice_binding", False):
         return
     original = loop.create_datagram_endpoint
@@ -534,7 +563,19 @@ def install_ice_binding(loop: asyncio.AbstractEventLoop) -> None:
                 return await original(protocol_factory, local_addr=(local_addr[0], port), **kwargs)
         raise OSError(f"no free UDP port in {lo}-{hi} on {local_addr[0]} (--udp-ports)")
 
+    original_tcp = loop.create_connection
+
+    async def create_connection(protocol_factory: Any, host: Any = None, port: Any = None, **kwargs: Any) -> Any:
+        binding = _ICE_BINDING.get()
+        module = getattr(protocol_factory, "__module__", "") or ""
+        if binding is not None and binding.addresses and module.startswith("aioice") and not kwargs.get("local_addr"):
+            # A TURN/TCP allocation's connection: from the bridge's own address too.
+            v6 = ":" in str(host)
+            kwargs["local_addr"] = (next((a for a in binding.addresses if (":" in a) == v6), binding.addresses[0]), 0)
+        return await original_tcp(protocol_factory, host, port, **kwargs)
+
     loop.create_datagram_endpoint = create_datagram_endpoint  # type: ignore[method-assign]
+    loop.create_connection = create_connection  # type: ignore[method-assign]
     loop._rtmedia_ice_binding = True  # type: ignore[attr-defined]
 
 

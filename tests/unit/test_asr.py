@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import multiprocessing
 import re
 import threading
@@ -493,6 +494,11 @@ def test_worker_loop_reads_only_pipes_that_still_hold_a_request(speech: dict[str
     assert not worker.is_alive()
 
 
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def test_decoder_pool_shrinks_back_when_streams_close(speech: dict[str, np.ndarray]) -> None:
     """Four streams speaking at once on a worker configured for two decoders: it builds two more,
     and closing the streams frees the extra ones, keeping the configured two."""
@@ -501,9 +507,18 @@ def test_decoder_pool_shrinks_back_when_streams_close(speech: dict[str, np.ndarr
     audio = speech[FOX][: 16000 // 2].tobytes()  # half a second: each turn is still going
     worker.handle("step", [(sid, audio, False, False, True) for sid in range(1, 5)])
     assert worker.decoders(fast=True) == 4
+    speaking = _rss_mib()
     for sid, left in zip(range(1, 5), (3, 2, 2, 2), strict=True):
         worker.handle("close", [sid])
         assert worker.decoders(fast=True) == left, sid
+    # the freed decoders' memory (~95 MiB each) goes back to the system, also when a batch of
+    # closes frees many at once
+    assert _rss_mib() < speaking - 100, (speaking, _rss_mib())
+    worker.handle("step", [(sid, audio, False, False, True) for sid in range(10, 22)])
+    speaking = _rss_mib()
+    worker.handle("close", list(range(10, 22)))
+    assert worker.decoders(fast=True) == 2
+    assert _rss_mib() < speaking - 600, (speaking, _rss_mib())
     assert worker.decoders(fast=False) == 1
     # an item that raced its stream's close is dropped, not decoded into a stream never closed again
     assert worker.handle("step", [(1, audio, False, False, True)]) == [[]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import base64
 import json
 import logging
@@ -279,3 +280,47 @@ async def test_media_host_setting_and_wildcards():
     config = BridgeConfig(host="127.0.0.1", media_host="0.0.0.0")
     assert config.media_bind_host == "0.0.0.0"
     assert BridgeConfig(host="127.0.0.1").media_bind_host == "127.0.0.1"
+
+
+async def test_mdns_socket_binds_the_group_on_the_bindings_address_only():
+    """Resolving a browser's `.local` candidate under a --media-host binding: aioice's mDNS
+    socket is bound to the group address (not 0.0.0.0), joined on that address, and works."""
+    bridge_module.install_ice_binding(asyncio.get_running_loop())
+    token = bridge_module._ICE_BINDING.set(await bridge_module.ice_binding("127.0.0.1"))
+    subscriber = object()
+    try:
+        protocol = await bridge_module.aioice_ice.get_or_create_mdns_protocol(subscriber)
+        sock = protocol.transport.get_extra_info("socket")
+        assert sock.getsockname() == (bridge_module.aioice_mdns.MDNS_ADDRESS, bridge_module.aioice_mdns.MDNS_PORT)
+        await protocol.publish("rtmedia-test.local", "127.0.0.1")  # answered by itself, over loopback
+        assert await protocol.resolve("rtmedia-test.local", timeout=2) == "127.0.0.1"
+    finally:
+        await bridge_module.aioice_ice.unref_mdns_protocol(subscriber)
+        bridge_module._ICE_BINDING.reset(token)
+
+
+async def test_turn_tcp_connection_leaves_from_the_bindings_address():
+    """aioice's TURN/TCP connection under a binding starts from the bound address (127.0.0.2:
+    the kernel would pick 127.0.0.1 to reach 127.0.0.1)."""
+    loop = asyncio.get_running_loop()
+    bridge_module.install_ice_binding(loop)
+    accepted: list = []
+
+    async def on_client(reader, writer):
+        accepted.append(writer.get_extra_info("peername"))
+        writer.close()
+
+    server = await asyncio.start_server(on_client, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    token = bridge_module._ICE_BINDING.set(await bridge_module.ice_binding("127.0.0.2"))
+    try:
+        from aioice.turn import create_turn_endpoint
+
+        with contextlib.suppress(Exception):  # this server closes at once: no allocation
+            await asyncio.wait_for(create_turn_endpoint(asyncio.DatagramProtocol, ("127.0.0.1", port), "u", "p",
+                                                        transport="tcp"), 1)
+        assert accepted and accepted[0][0] == "127.0.0.2"
+    finally:
+        bridge_module._ICE_BINDING.reset(token)
+        server.close()
+        await server.wait_closed()
