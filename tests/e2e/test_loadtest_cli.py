@@ -96,6 +96,19 @@ def test_listen_from_a_directory_with_rejections(target, tmp_path, speaker):
     assert report["slo"]["held"] is False and "2 sessions rejected" in report["slo"]["verdict"]
 
 
+def test_a_burst_beyond_capacity_counts_refusals_not_errors(target):
+    """Sessions opened faster than the server refuses them: each refusal is counted as one,
+    never as an error (a first write racing the server's RESOURCE_EXHAUSTED gave INTERNAL)."""
+    extra = 200
+    result = loadtest(target, "--profile", "listen", "--sessions", str(MAX_SESSIONS + extra), "--ramp-per-s", "1000",
+                      "--duration", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["errors"] == 0, report["errors_by_code"]
+    assert report["sessions_rejected"] == extra
+    assert report["sessions_completed"] == MAX_SESSIONS
+
+
 def one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
