@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import ctypes
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -84,6 +83,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import EngineError
+from .heap import trim_heap
 
 SAMPLE_RATE = 16000
 PARTIAL_MS = 300
@@ -192,12 +192,6 @@ class _StreamState:
     utt: _Utterance | None = None
 
 
-def _trim_heap() -> None:
-    """Return freed heap memory to the system (glibc keeps it otherwise); a no-op elsewhere."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
-
-
 class _Worker:
     def __init__(self, urgent: Any = None) -> None:
         import pocketsphinx
@@ -282,7 +276,7 @@ class _Worker:
             pool.pop()
             freed = True
         if freed:
-            _trim_heap()
+            trim_heap()
 
     def answer_urgent(self) -> None:
         """Answer the requests waiting on the urgent pipe, now (called between two pieces of work)."""

@@ -52,7 +52,8 @@ RIVA_SERVICE_NAMES = [
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
-    """Message limits (docs/protocol.md#wire-format) and keepalive chosen for long-lived media streams."""
+    """Message limits (docs/protocol.md#wire-format), the read-ahead window, and keepalive chosen for
+    long-lived media streams."""
     return [
         ("grpc.max_receive_message_length", config.max_receive_bytes),
         ("grpc.max_send_message_length", config.max_send_bytes),
@@ -64,6 +65,8 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 2),
         ("grpc.so_reuseport", 0),
+        *([("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", config.stream_window_bytes)]
+          if config.stream_window_bytes else []),
     ]
 
 

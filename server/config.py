@@ -22,6 +22,10 @@ class ServerConfig:
     grace_s: float = 30.0
     max_receive_bytes: int = 8 * MiB
     max_send_bytes: int = 4 * MiB
+    # HTTP/2 flow-control window per stream: what the server reads ahead of a handler that
+    # has not taken the previous message (a client it cannot keep up with, or a hostile one).
+    # 0: grpc's adaptive window, which grows to tens of MiB per stream.
+    stream_window_bytes: int = 1 * MiB
     max_text_chars: int = 5000
     asr_workers: int = 2
     # Fast-final PocketSphinx decoders built per worker at start: the user turns a worker
@@ -127,6 +131,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.vad_threads < 1:
             raise ValueError(f"vad_threads must be at least 1, got {self.vad_threads}")
+        if self.stream_window_bytes < 0:
+            raise ValueError(f"stream_window_bytes must be at least 0, got {self.stream_window_bytes}")
         if self.tts_threads < 0:
             raise ValueError(f"tts_threads must be at least 0, got {self.tts_threads}")
         if self.tts_precision not in PRECISIONS:

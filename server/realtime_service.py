@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
 from typing import Any
 
 import grpc
+from rtmedia.engines.heap import trim_heap
 from rtmedia.protocol.errors import abort
 from rtmedia.server.engine_access import EngineAccess
 from rtmedia.server.session import Limits, Session, SessionContext
@@ -18,6 +20,7 @@ from rtmedia.v1 import realtime_pb2_grpc
 
 log = logging.getLogger(__name__)
 HOUSEKEEPING_S = 1.0
+TRIM_EVERY = 10  # housekeeping rounds between two heap trims
 
 
 class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
@@ -91,8 +94,10 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
         session.finish("client_closed")
 
     async def _housekeeping(self) -> None:
-        while True:
+        for round_ in itertools.count(1):
             await asyncio.sleep(HOUSEKEEPING_S)
+            if round_ % TRIM_EVERY == 0:  # what closed sessions and large messages freed goes back
+                await asyncio.to_thread(trim_heap)
             now = time.monotonic()
             for session in list(self.sessions.values()):
                 settings = session.settings

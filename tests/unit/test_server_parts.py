@@ -43,6 +43,18 @@ def test_config_rejects_no_vad_runs():
         ServerConfig.load(vad_threads=0)
 
 
+def test_stream_window_is_fixed_unless_zero():
+    """A fixed read-ahead window per stream (grpc's adaptive one let a client that sends faster
+    than its handler takes park tens of MiB in the server), or grpc's own with 0."""
+    from rtmedia.server.app import grpc_options
+
+    options = dict(grpc_options(ServerConfig.load(stream_window_bytes=65536)))
+    assert options["grpc.http2.bdp_probe"] == 0 and options["grpc.http2.lookahead_bytes"] == 65536
+    assert "grpc.http2.bdp_probe" not in dict(grpc_options(ServerConfig.load(stream_window_bytes=0)))
+    with pytest.raises(ValueError, match="stream_window_bytes must be at least 0, got -1"):
+        ServerConfig.load(stream_window_bytes=-1)
+
+
 def test_config_rejects_an_unknown_tts_precision():
     assert ServerConfig.load(tts_precision="fp32").tts_precision == "fp32"
     with pytest.raises(ValueError, match="tts_precision must be one of auto, fp32, bf16, got 'int8'"):
