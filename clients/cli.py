@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 from rtmedia.clients.client import DEFAULT_TARGET, SpeechClient, read_wav
+from rtmedia.clients.credentials import add_credential_flags, from_args, refusal, token_of, unavailable_hint
 from rtmedia.protocol.errors import error_reason
 from rtmedia.v1 import speech_pb2
 
@@ -29,6 +30,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
         p.add_argument("--json", action="store_true", help="machine-readable JSON output")
         p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+        add_credential_flags(p)
 
     p = sub.add_parser("voices", help="list the server's voices and their output rates")
     common(p)
@@ -69,9 +71,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         args.func(args)
     except grpc.RpcError as exc:
-        reason = error_reason(exc)
-        detail = f" ({reason})" if reason else ""
-        print(f"rtmedia {args.command}: {exc.code().name}: {exc.details()}{detail}", file=sys.stderr)
+        line = refusal(exc, token_sent=bool(token_of(args)))
+        if line is None:
+            reason = error_reason(exc)
+            line = f"{exc.code().name}: {exc.details()}" + (f" ({reason})" if reason else "")
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                line += unavailable_hint(args, exc.details() or "")
+        print(f"rtmedia {args.command}: {line}", file=sys.stderr)
         return 1
     except (CliError, OSError, ValueError) as exc:
         print(f"rtmedia {args.command}: {exc}", file=sys.stderr)
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cmd_voices(args: argparse.Namespace) -> None:
-    with SpeechClient(args.target, args.timeout) as client:
+    with SpeechClient(args.target, args.timeout, from_args(args)) as client:
         reply = client.list_voices()
     if args.json:
         print(json.dumps({"voices": [
@@ -100,7 +106,7 @@ def cmd_synth(args: argparse.Namespace) -> None:
     first_audio_ms = None
     chunks = data_bytes = 0
     rate = channels = 0
-    with SpeechClient(args.target, args.timeout) as client, open(args.output, "wb") as out:
+    with SpeechClient(args.target, args.timeout, from_args(args)) as client, open(args.output, "wb") as out:
         for reply in client.synthesize(args.text, args.voice, args.sample_rate, framing):
             if first_audio_ms is None:
                 first_audio_ms = (time.perf_counter() - started) * 1000
@@ -153,7 +159,7 @@ def cmd_transcribe(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     finals: list[str] = []
     tty = sys.stderr.isatty() and not args.json
-    with SpeechClient(args.target, args.timeout) as client:
+    with SpeechClient(args.target, args.timeout, from_args(args)) as client:
         for result in client.transcribe(chunks, rate):
             t_ms = round((time.perf_counter() - started) * 1000)
             kind = "final" if result.is_final else "partial"

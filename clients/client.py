@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from rtmedia.clients.credentials import Credentials
 from rtmedia.v1 import common_pb2, realtime_pb2, speech_pb2, speech_pb2_grpc
 from rtmedia.v1.realtime_pb2_grpc import RealtimeServiceStub
 
@@ -20,10 +21,11 @@ CHANNEL_OPTIONS = [
 
 
 class SpeechClient:
-    """SpeechService over one channel."""
+    """SpeechService over one channel (plaintext without a token unless `credentials` say otherwise)."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None,
+                 credentials: Credentials | None = None) -> None:
+        self.channel = (credentials or Credentials()).channel(target, CHANNEL_OPTIONS)
         self.stub = speech_pb2_grpc.SpeechServiceStub(self.channel)
         self.timeout = timeout
 
@@ -66,10 +68,13 @@ class RealtimeClient:
             call = client.converse()
             await call.write(client_event("session.update", session={...}))
             async for event in call: ...
+
+    `credentials` (TLS, client certificate, token) default to plaintext without a token.
     """
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None,
+                 credentials: Credentials | None = None) -> None:
+        self.channel = (credentials or Credentials()).aio_channel(target, CHANNEL_OPTIONS)
         self.stub = RealtimeServiceStub(self.channel)
         self.timeout = timeout
 

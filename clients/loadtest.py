@@ -27,6 +27,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rtmedia.clients import talk
 from rtmedia.clients.cli import CliError
 from rtmedia.clients.client import CHANNEL_OPTIONS, DEFAULT_TARGET
+from rtmedia.clients.credentials import (
+    Credentials,
+    add_credential_flags,
+    from_args,
+    refusal,
+    token_of,
+    unavailable_hint,
+)
 from rtmedia.clients.loadtest_report import (
     Stats,
     build_report,
@@ -95,8 +103,6 @@ def add_loadtest_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("loadtest", help="many simulated sessions at once: latency percentiles and capacity",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
-    p.add_argument("--tls", action="store_true", help="connect with TLS (system roots, or --ca)")
-    p.add_argument("--ca", type=Path, default=None, help="PEM root certificates for --tls")
     p.add_argument("--sessions", type=int, default=10, help="concurrent sessions (default 10; the first "
                                                             "level with --find-capacity)")
     p.add_argument("--ramp-per-s", type=float, default=10.0, help="sessions started per second (default 10)")
@@ -124,6 +130,7 @@ def add_loadtest_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", type=Path, default=None, help="write a PNG chart (latency and sessions over time)")
     p.add_argument("--json", action="store_true", help="print the JSON report on stdout (the table goes to stderr)")
     p.add_argument("--quiet", action="store_true", help="no live progress")
+    add_credential_flags(p)
     p.set_defaults(func=cmd_loadtest)
 
 
@@ -146,7 +153,6 @@ def check_args(args: argparse.Namespace) -> None:
         (args.connect_timeout <= 0, f"--connect-timeout must be positive, got {args.connect_timeout:g}"),
         (args.find_capacity and args.capacity_limit < args.sessions,
          f"--capacity-limit {args.capacity_limit} is below --sessions {args.sessions}"),
-        (args.ca is not None and not args.tls, "--ca needs --tls"),
     ]
     for bad, message in problems:
         if bad:
@@ -262,10 +268,12 @@ class Person:
             else:
                 self.error(f"closed:{self.closed_reason or 'no_session_closed'}")
         except grpc.aio.AioRpcError as exc:
-            if not self.admitted and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                self.stats.rejected += 1
+            reason = error_reason(exc)
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (not self.admitted or reason == "QUOTA"):
+                self.stats.rejected += 1  # at capacity (MAX_SESSIONS) or over the token's quota (QUOTA)
+            elif exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # so would every other session be: stop
+                self.run.fail(refusal(exc, bool(token_of(self.run.args))) or "UNAUTHENTICATED")
             elif not self.cancelled:
-                reason = error_reason(exc)
                 self.error(f"grpc:{exc.code().name}" + (f":{reason}" if reason else ""))
         finally:
             self.ended = True
@@ -605,18 +613,12 @@ class Progress:
 
 # ---- the command ------------------------------------------------------------------------------------
 
-async def _connect(args: argparse.Namespace, sessions: int) -> list[grpc.aio.Channel]:
+async def _connect(args: argparse.Namespace, sessions: int, credentials: Credentials) -> list[grpc.aio.Channel]:
     """Channels (one connection per 50 sessions, like separate users) to a server that is SERVING."""
     options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-    credentials = None
-    if args.tls:
-        roots = args.ca.read_bytes() if args.ca else None
-        credentials = grpc.ssl_channel_credentials(roots)
 
     def channel() -> grpc.aio.Channel:
-        if credentials is not None:
-            return grpc.aio.secure_channel(args.target, credentials, options=options)
-        return grpc.aio.insecure_channel(args.target, options=options)
+        return credentials.aio_channel(args.target, options)
 
     first = channel()
     try:
@@ -624,21 +626,21 @@ async def _connect(args: argparse.Namespace, sessions: int) -> list[grpc.aio.Cha
                                                              timeout=args.connect_timeout)
     except grpc.aio.AioRpcError as exc:
         await first.close()
-        tls = "with TLS" if args.tls else "without TLS"
+        tls = credentials.describe()
         detail = (exc.details() or "").splitlines()[0] if exc.details() else exc.code().name
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             detail = f"no answer within {args.connect_timeout:g} s"
         raise CliError(f"cannot reach {args.target} ({tls}): {detail}; check the address and whether the server "
-                       f"uses TLS (--tls)") from None
+                       f"uses TLS (--tls){unavailable_hint(args, detail) if credentials.tls else ''}") from None
     if reply.status != health_pb2.HealthCheckResponse.SERVING:
         await first.close()
         raise CliError(f"{args.target} is not serving (health {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)})")
     return [first, *(channel() for _ in range(-(-sessions // SESSIONS_PER_CONNECTION) - 1))]
 
 
-async def _loadtest(args: argparse.Namespace, clips: list[Clip]) -> dict[str, Any]:
+async def _loadtest(args: argparse.Namespace, clips: list[Clip], credentials: Credentials) -> dict[str, Any]:
     top = args.capacity_limit if args.find_capacity else args.sessions
-    channels = await _connect(args, top)
+    channels = await _connect(args, top, credentials)
     progress = Progress(args.quiet)
     try:
         if not args.find_capacity:
@@ -675,9 +677,10 @@ async def _loadtest(args: argparse.Namespace, clips: list[Clip]) -> dict[str, An
 
 def cmd_loadtest(args: argparse.Namespace) -> None:
     check_args(args)
+    credentials = from_args(args)
     paths = wav_files(args.audio) if args.audio else synthesized()
     clips = load_clips(paths, args.input_rate, args.chunk_ms)
-    report = asyncio.run(_loadtest(args, clips))
+    report = asyncio.run(_loadtest(args, clips, credentials))
     if args.report:
         args.report.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     if args.plot:

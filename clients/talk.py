@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 from rtmedia.clients.cli import CliError
 from rtmedia.clients.client import DEFAULT_TARGET, RealtimeClient, read_wav, write_wav
+from rtmedia.clients.credentials import Credentials, add_credential_flags, from_args
 from rtmedia.protocol.events import client_event, event_type, to_json
 from rtmedia.v1 import realtime_pb2
 
@@ -97,6 +98,7 @@ def add_talk_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=60.0,
                    help="after the file is sent, wait at most this many seconds for the session to go idle "
                         "(default 60); then exit non-zero")
+    add_credential_flags(p)
     p.set_defaults(func=cmd_talk)
 
 
@@ -520,9 +522,9 @@ class Talk:
         return sum(map(len, self.audio_parts))
 
 
-async def _converse(args: argparse.Namespace, audio: InputAudio) -> Talk:
+async def _converse(args: argparse.Namespace, audio: InputAudio, credentials: Credentials) -> Talk:
     talk = Talk(args, audio)
-    async with RealtimeClient(args.target) as client:
+    async with RealtimeClient(args.target, credentials=credentials) as client:
         talk.call = client.converse()
         tasks = [asyncio.create_task(talk.drive(), name="talk-send"),
                  asyncio.create_task(talk.ack_loop(), name="talk-ack")]
@@ -543,11 +545,12 @@ async def _converse(args: argparse.Namespace, audio: InputAudio) -> Talk:
 
 
 def cmd_talk(args: argparse.Namespace) -> None:
+    credentials = from_args(args)
     # server_vad: a second of silence after the file, as a live microphone keeps sending
     audio = load_input(args.input, args.chunk_ms, tail_ms=1000 if args.mode == "server_vad" else 0)
     if args.timeout <= 0:
         raise CliError(f"--timeout must be positive, got {args.timeout}")
-    talk = asyncio.run(_converse(args, audio))
+    talk = asyncio.run(_converse(args, audio, credentials))
     if sys.stderr.isatty() and not args.json and talk.partial:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     problem = ""

@@ -8,10 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import numpy as np
 from rtmedia.clients.cli import CliError
 from rtmedia.clients.client import CHANNEL_OPTIONS, DEFAULT_TARGET
+from rtmedia.clients.credentials import add_credential_flags, from_args
 from rtmedia.v1 import video_pb2, video_pb2_grpc
 
 DTYPES = {np.dtype(np.float32): video_pb2.TENSOR_DTYPE_FLOAT32, np.dtype(np.float16): video_pb2.TENSOR_DTYPE_FLOAT16}
@@ -40,6 +40,7 @@ def add_video_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per chunk, then a summary object")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    add_credential_flags(p)
     p.set_defaults(func=cmd_decode_video)
 
 
@@ -84,6 +85,7 @@ def cmd_decode_video(args: argparse.Namespace) -> None:
             raise CliError(f"-o {args.output}: give an .mp4 file (raw chunks already go to --raw-dir)")
     if mp4_path is None and raw_dir is None:
         raise CliError("say where to write: -o out.mp4, -o DIR or --raw-dir DIR")
+    credentials = from_args(args)
     latent = load_latent(args.input)
     # Raw frames when they are asked for (the MP4 is then encoded here); otherwise the server's fMP4.
     fmt = video_pb2.VIDEO_FORMAT_RAW_RGB24 if raw_dir else video_pb2.VIDEO_FORMAT_FMP4_H264
@@ -99,7 +101,7 @@ def cmd_decode_video(args: argparse.Namespace) -> None:
     written: list[Path] = [mp4_path] if mp4_path else []
     ok = False
     try:
-        with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
+        with credentials.channel(args.target, CHANNEL_OPTIONS) as channel:
             stub = video_pb2_grpc.VideoServiceStub(channel)
             for reply in stub.DecodeVideo(request_for(latent, args, fmt), timeout=args.timeout):
                 if reply.chunk_index != chunks_done or reply.part != len(parts):

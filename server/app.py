@@ -7,7 +7,9 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,7 +23,9 @@ from rtmedia.engines.asr import AsrEngine
 from rtmedia.engines.openai_chat import OpenAIResponder
 from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
 from rtmedia.engines.vad import VadEngine
+from rtmedia.protocol.tokens import TokenTable
 from rtmedia.server.audio_input import WINDOW_MS, VadTick
+from rtmedia.server.auth import AuthInterceptor
 from rtmedia.server.config import ServerConfig
 from rtmedia.server.engine_access import ASR, ASR_FINAL, TTS, VAD, VIDEO, EngineAccess
 from rtmedia.server.interceptors import ServerInterceptor
@@ -35,6 +39,7 @@ from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler
 from rtmedia.server.session import Limits
 from rtmedia.server.session_config import SessionSettings
 from rtmedia.server.speech_service import SpeechService
+from rtmedia.server.tls import ServerTls
 from rtmedia.server.video_service import VideoService
 from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc, speech_pb2, speech_pb2_grpc, video_pb2, video_pb2_grpc
 
@@ -76,6 +81,10 @@ class RtmediaServer:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
+        # Read first, so a bad file stops the start at once with one line naming it.
+        self.tls = ServerTls(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
+        self.tokens = TokenTable.load(config.auth_tokens)
+        self.auth = AuthInterceptor(self.tokens, lambda reason: self.metrics.auth_refused.labels(reason).inc())
         self.placement = placement(config)  # device, precision, CUDA graphs (server/placement.py)
         self.scheduler = scheduler = Scheduler(self.metrics)
         voices = default_voices() + [voice_from_path(p) for p in config.voices]
@@ -118,7 +127,11 @@ class RtmediaServer:
                                             max_outbox_bytes=config.session_outbox_bytes,
                                             max_text_chars=config.session_text_chars,
                                             max_instructions_chars=config.session_instructions_chars,
-                                            max_id_bytes=config.session_id_bytes))
+                                            max_id_bytes=config.session_id_bytes,
+                                            max_session_s=config.session_max_duration_s,
+                                            max_idle_timeout_s=config.session_max_idle_s))
+        self.private_target: str | None = None  # the in-process web front's own socket (start(private=True))
+        self._private_dir: str | None = None
         self.services = SERVICE_NAMES + (RIVA_SERVICE_NAMES if config.riva else [])
         self.health = health.aio.HealthServicer()
         self.state = "starting"
@@ -136,10 +149,24 @@ class RtmediaServer:
         for name in ["", *self.services]:
             await self.health.set(name, status)
 
-    async def start(self) -> int:
+    def reload(self) -> TokenTable:
+        """SIGHUP: read the TLS certificate and the token file again (a bad file keeps the old one,
+        and says so); live sessions go on. Returns the token table in force."""
+        if self.tls is not None:
+            self.tls.reload()
+        try:
+            self.tokens = self.auth.tokens = self.tokens.reloaded()
+            log.info("tokens reloaded", extra={"tokens": len(self.tokens.tokens)})
+        except ValueError as exc:
+            log.error("token reload failed, keeping the previous tokens: %s", exc)
+        return self.tokens
+
+    async def start(self, private: bool = False) -> int:
+        """`private`: also listen on a unix socket in a directory only this user can enter (its
+        target in `private_target`), for the web front running in this process."""
         server = grpc.aio.server(
             options=grpc_options(self.config),
-            interceptors=[ServerInterceptor(self.metrics, self.refusal)],
+            interceptors=[ServerInterceptor(self.metrics, self.refusal), self.auth],
         )
         speech_pb2_grpc.add_SpeechServiceServicer_to_server(
             SpeechService(self.access, self.config.max_text_chars), server
@@ -159,12 +186,21 @@ class RtmediaServer:
             server,
         )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.tls is not None:
+            self.port = server.add_secure_port(address, self.tls.credentials())
+        else:
+            self.port = server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        if private:
+            self._private_dir = tempfile.mkdtemp(prefix="rtmedia-")  # mode 0700
+            self.private_target = f"unix:{self._private_dir}/grpc.sock"
+            server.add_insecure_port(self.private_target)
         await server.start()
         self._server = server
-        log.info("listening", extra={"host": self.config.host, "port": self.port})
+        log.info("listening", extra={"host": self.config.host, "port": self.port, "tls": self.tls is not None,
+                                     "mutual_tls": bool(self.config.tls_client_ca), "auth": self.tokens.enabled})
         where = self.placement.describe()
         log.info("engines on %s: LM %s, CUDA graphs %s", where["device"], where["lm_dtype"],
                  "on" if where["cuda_graphs"] else "off", extra=where)
@@ -189,31 +225,43 @@ class RtmediaServer:
             await self._server.stop(max(1.0, grace - (time.monotonic() - started)))
         await self.realtime.close()
         await self.scheduler.close()
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
         self.state = "stopped"
         log.info("stopped")
 
 
-async def serve(config: ServerConfig, beside: Callable[[ServerConfig, int], Awaitable[Any]] | None = None) -> None:
-    """Run until SIGTERM/SIGINT, then drain gracefully. `beside(config, port)` starts what runs next
-    to the server once it serves (the web front; the entry module passes it) and returns an object
-    with `async stop()`."""
+async def serve(config: ServerConfig,
+                beside: Callable[[ServerConfig, str, TokenTable], Awaitable[Any]] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain gracefully; SIGHUP reloads the certificates and tokens.
+    `beside(config, target, tokens)` starts what runs next to the server once it serves (the web
+    front; the entry module passes it), dialling `target` (the server's private socket), and
+    returns an object with `reload(tokens)`, `async drain(grace_s)` and `async stop()`."""
     server = RtmediaServer(config)
     if config.metrics_port:
-        start_http_server(config.metrics_port, addr=config.host, registry=server.metrics.registry)
-        log.info("metrics", extra={"port": config.metrics_port})
+        start_http_server(config.metrics_port, addr=config.metrics_host, registry=server.metrics.registry)
+        log.info("metrics", extra={"host": config.metrics_host, "port": config.metrics_port})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     bridge = None
-    starting = asyncio.create_task(server.start(), name="server-start")
+
+    def reload() -> None:
+        tokens = server.reload()
+        if bridge is not None:
+            bridge.reload(tokens)
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
+    starting = asyncio.create_task(server.start(private=beside is not None), name="server-start")
     stopping = asyncio.create_task(stop.wait(), name="stop-signal")
     try:
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if starting.done():
             starting.result()  # a failed start raises here
             if beside is not None:
-                bridge = await beside(config, server.port)
+                assert server.private_target is not None
+                bridge = await beside(config, server.private_target, server.tokens)
             await stopping
         log.info("signal received: draining", extra={"grace_s": config.grace_s})
     finally:
@@ -221,6 +269,8 @@ async def serve(config: ServerConfig, beside: Callable[[ServerConfig, int], Awai
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        loop.remove_signal_handler(signal.SIGHUP)
+        # The bridge's peers are sessions of this server: both drain together, within the grace.
+        await asyncio.gather(server.stop(), *([bridge.drain(config.grace_s)] if bridge is not None else []))
         if bridge is not None:
             await bridge.stop()
-        await server.stop()

@@ -43,6 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="gRPC port (default 50051; 0 picks a free one)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default 9464; 0 disables)")
+    p.add_argument("--metrics-host", default=None, help="address the metrics endpoint binds (default 127.0.0.1)")
+    p.add_argument("--tls-cert", default=None, metavar="FILE",
+                   help="PEM certificate chain: serve gRPC over TLS (with --tls-key; reloaded on SIGHUP)")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=None, metavar="FILE",
+                   help="PEM CA bundle: require client certificates that chain to it (mutual TLS)")
+    p.add_argument("--auth-tokens", default=None, metavar="FILE",
+                   help="bearer tokens, one per line with an optional name and quotas (docs/operations.md); "
+                        "default: RTMEDIA_AUTH_TOKENS, else no authentication; reloaded on SIGHUP")
     p.add_argument("--config", default=None, help="YAML deploy file (its `server:` keys; flags override it)")
     p.add_argument("--grace", dest="grace_s", type=float, default=None, help="drain grace period in seconds (30)")
     p.add_argument("--asr-workers", type=int, default=None, help="PocketSphinx worker processes (2)")
@@ -112,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("outbox-bytes", "8388608", "bytes a Converse session holds for a client that does not read"),
             ("text-chars", "2000", "characters of a typed conversation item"),
             ("instructions-chars", "2000", "characters of a session's or response's instructions"),
-            ("id-bytes", "256", "bytes of an id or name the server echoes")):
+            ("id-bytes", "256", "bytes of an id or name the server echoes"),
+            ("max-duration-s", "14400", "seconds of max_session_s a client may ask for"),
+            ("max-idle-s", "1800", "seconds of idle_timeout_s a client may ask for")):
         p.add_argument(f"--session-{flag}", type=_positive, default=None, metavar="N", help=f"most {what} ({default})")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
     p.add_argument("--log-format", choices=["json", "text"], default=None, help="log line format (json)")

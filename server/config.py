@@ -18,6 +18,16 @@ class ServerConfig:
     port: int = 50051
     # 0 disables the metrics endpoint.
     metrics_port: int = 9464
+    # Where the metrics endpoint binds (loopback: a deployment sets the pod's address).
+    metrics_host: str = "127.0.0.1"
+    # TLS on the gRPC port (PEM files; both or neither), and the CA bundle client
+    # certificates must chain to (mutual TLS). Reloaded on SIGHUP.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    # The token file (rtmedia.protocol.tokens; else RTMEDIA_AUTH_TOKENS): every call but health
+    # needs a bearer token, with per-token session quotas. Reloaded on SIGHUP.
+    auth_tokens: str | None = None
     # Seconds active RPCs get to finish on SIGTERM/SIGINT.
     grace_s: float = 30.0
     max_receive_bytes: int = 8 * MiB
@@ -44,6 +54,9 @@ class ServerConfig:
     session_text_chars: int = 2000
     session_instructions_chars: int = 2000
     session_id_bytes: int = 256
+    # The longest max_session_s and idle_timeout_s a client may ask for, in seconds.
+    session_max_duration_s: int = 14400
+    session_max_idle_s: int = 1800
     # Concurrent Converse sessions; one more is refused with RESOURCE_EXHAUSTED.
     max_sessions: int = 256
     # LM slots (a separate, smaller pool; sessions wait for one, never refused).
@@ -131,6 +144,13 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.vad_threads < 1:
             raise ValueError(f"vad_threads must be at least 1, got {self.vad_threads}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together (--tls-cert and --tls-key)")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        for name in ("session_max_duration_s", "session_max_idle_s"):
+            if not 1 <= getattr(self, name) <= 86400:
+                raise ValueError(f"{name} must be within 1..86400, got {getattr(self, name)}")
         if self.stream_window_bytes < 0:
             raise ValueError(f"stream_window_bytes must be at least 0, got {self.stream_window_bytes}")
         if self.tts_threads < 0:

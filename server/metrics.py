@@ -59,6 +59,18 @@ class Metrics:
         self.lm_slots = Gauge(
             "rtmedia_lm_slots", "LM KV-cache slots: busy, free, and generations waiting for one", ["state"], registry=r
         )
+        self.sessions_draining = Gauge(
+            "rtmedia_sessions_draining", "Sessions finishing their turn in flight before a shutdown closes them",
+            registry=r,
+        )
+        self.token_sessions = Gauge(
+            "rtmedia_token_sessions_active", "Open Converse sessions by token name (with --auth-tokens)", ["token"],
+            registry=r,
+        )
+        self.auth_refused = Counter(
+            "rtmedia_auth_refused_total", "Calls refused by authentication or quota (UNAUTHENTICATED, QUOTA)",
+            ["reason"], registry=r,
+        )
         self.input_backpressure = Counter(
             "rtmedia_input_backpressure_total", "Times a session's input inbox overflowed", registry=r
         )

@@ -13,6 +13,8 @@ from typing import Any
 import grpc
 from rtmedia.engines.heap import trim_heap
 from rtmedia.protocol.errors import abort
+from rtmedia.protocol.tokens import Token
+from rtmedia.server.auth import Quotas, caller
 from rtmedia.server.engine_access import EngineAccess
 from rtmedia.server.session import Limits, Session, SessionContext
 from rtmedia.server.session_config import SessionSettings
@@ -37,6 +39,7 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
         self.draining = False
         self._all_closed = asyncio.Event()
         self._housekeeper: asyncio.Task[None] | None = None
+        self.quotas = Quotas()
 
     def start(self) -> None:
         self._housekeeper = asyncio.create_task(self._housekeeping(), name="realtime-housekeeping")
@@ -46,11 +49,29 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
             self.metrics.sessions_total.labels("rejected").inc()
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "MAX_SESSIONS",
                         f"the server is at its limit of {self.max_sessions} concurrent sessions; retry later")
+        token = caller()
+        if (over := self.quotas.admit(token)) is not None:
+            self.metrics.sessions_total.labels("rejected").inc()
+            self.metrics.auth_refused.labels("QUOTA").inc()
+            why, retry_after = over
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "QUOTA", f"{why}; retry later",
+                        retry_after_s=f"{retry_after:g}")
+        try:
+            await self._converse(request_iterator, context, token)
+        finally:
+            self.quotas.release(token)
+            if token is not None:
+                self.metrics.token_sessions.labels(token.name).set(self.quotas.active(token.name))
+
+    async def _converse(self, request_iterator, context, token: Token | None) -> None:
         session = Session(f"sess_{uuid.uuid4().hex[:12]}", self.context, self.defaults)
+        session.caller = token.name if token is not None else None
         self.sessions[session.id] = session
         self.metrics.sessions_active.set(len(self.sessions))
         self.metrics.sessions_total.labels("admitted").inc()
-        log.info("session opened", extra={"session_id": session.id, "peer": context.peer()})
+        if token is not None:
+            self.metrics.token_sessions.labels(token.name).set(self.quotas.active(token.name))
+        log.info("session opened", extra={"session_id": session.id, "peer": context.peer(), "token": session.caller})
         reader = asyncio.create_task(self._read(session, request_iterator), name=f"session-{session.id}-reader")
         outcome = "completed"
         session.writer = asyncio.current_task()
@@ -72,9 +93,12 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
             del self.sessions[session.id]
             if not self.sessions:
                 self._all_closed.set()
+            if self.draining:
+                self.metrics.sessions_draining.set(len(self.sessions))
             self.metrics.sessions_active.set(len(self.sessions))
             self.metrics.sessions_total.labels(outcome).inc()
-            log.info("session closed", extra={"session_id": session.id, "reason": session.closing_reason or outcome})
+            log.info("session closed", extra={"session_id": session.id, "reason": session.closing_reason or outcome,
+                                              "token": session.caller})
         if outcome == "failed":  # the status goes out once the client reads what is in flight (or is gone)
             limits = self.context.limits
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "CLIENT_TOO_SLOW",
@@ -85,7 +109,7 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
         """The reader: every client event goes to the session as it arrives."""
         async for request in request_iterator:
             session.handle(request)
-            if session.closing_reason is not None:
+            if session.outbox.closed:  # a draining session still hears the turn in flight
                 return
         # The client finished sending: let a response in flight complete, then close.
         response = session.response
@@ -107,11 +131,13 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
                     session.finish("idle_timeout")
 
     async def drain(self, grace_s: float) -> None:
-        """SIGTERM: active sessions finish their current response, then close with
+        """SIGTERM: every session finishes what is in flight (a turn being spoken is heard to its
+        end and answered, a reply goes out in full), then closes with
         session.closed{server_shutdown}; at the grace deadline the rest are closed."""
         self.draining = True
         for session in list(self.sessions.values()):
             session.finish("server_shutdown")
+        self.metrics.sessions_draining.set(len(self.sessions))
         if self.sessions:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._all_closed.wait(), grace_s)

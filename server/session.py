@@ -75,6 +75,7 @@ class Session:
         self.started = time.monotonic()
         self.last_input = self.started
         self.closing_reason: str | None = None
+        self.caller: str | None = None  # the name of the token it was opened with (--auth-tokens)
         self._ids = itertools.count(1)
         self.history: list[Message] = []
         self.turn: Turn | None = None  # the turn being spoken or committed
@@ -198,7 +199,8 @@ class Session:
     def on_session_update(self, event: Any, event_id: str) -> None:
         try:
             new = self.settings.updated(event.session, self.access.tts.rates, self.access.replies.names,
-                                        self.limits.max_id_bytes, self.limits.max_instructions_chars)
+                                        self.limits.max_id_bytes, self.limits.max_instructions_chars,
+                                        self.limits.session_caps)
         except ConfigError as exc:
             self.error("invalid_value", str(exc), event_id, exc.param)
             return
@@ -410,12 +412,13 @@ class Session:
         self.send("input_audio_buffer.speech_stopped", item_id=turn.item_id, audio_end_ms=end_ms)
         turn.audio_ms = end_ms - max(0, self.speech_start_ms - self.settings.prefix_padding_ms)
         self._end_turn()
-        if self.settings.create_response and self.closing_reason is None:
+        if self.settings.create_response and self.closing_reason in (None, "server_shutdown"):
             if self.responding:  # interrupt_response off: the new turn waits its turn
                 self.error("response_in_progress", "a turn ended while a response is in progress; "
                            "it is in the history but gets no response of its own")
                 return
             self.replies.start(turn)
+        self._close_if_drained()
 
     # ---- recognition results (server/recognition.py) ---------------------------
     def _on_transcript_delta(self, turn: Turn, delta: str) -> None:
@@ -431,24 +434,39 @@ class Session:
             self.pending_turns.remove(turn)
         if text:
             self.history.append(Message("user", text))
+        self._close_if_drained()
 
     # ---- lifecycle ---------------------------------------------------------------
     def finish(self, reason: str) -> None:
-        """Close the session with session.closed{reason}; a response in flight is cancelled
-        unless the server is draining (then it completes first)."""
+        """Close the session with session.closed{reason}; a response in flight is cancelled,
+        unless the server is draining: then what is in flight finishes first (see `draining`)."""
         if self.closing_reason is not None:
             return
         self.closing_reason = reason
-        if self.responding and reason == "server_shutdown":
-            return  # _response_done closes the outbox after the response
+        if reason == "server_shutdown":
+            self._close_if_drained()
+            return
         if self.responding:
             self.replies.cancel(reason)
         self.outbox.close(server_event("session.closed", reason=reason))
 
-    def _response_done(self) -> None:
-        """A response's response.done is queued: when draining, the session closes after it."""
-        if self.closing_reason is not None:  # draining: the response was allowed to finish
+    @property
+    def in_flight(self) -> bool:
+        """A turn being spoken (or buffered for a manual commit), a response being asked for or
+        given, or a finished turn whose transcript is still being recognised."""
+        manual_buffer = self.settings.turn_type == "manual" and self.buffer_ms > 0
+        transcribing = any(not turn.transcript.done() for turn in self.pending_turns)
+        return self.turn is not None or manual_buffer or self.responding or transcribing
+
+    def _close_if_drained(self) -> None:
+        """Draining (server_shutdown): the session closes once nothing is in flight: a turn the
+        user is speaking is heard to its end and answered, and the reply goes out in full."""
+        if self.closing_reason == "server_shutdown" and not self.outbox.closed and not self.in_flight:
             self.outbox.close(server_event("session.closed", reason=self.closing_reason))
+
+    def _response_done(self) -> None:
+        """A response's response.done is queued: when draining, the session may close now."""
+        self._close_if_drained()
 
     def _outbox_failed(self) -> None:
         """The client kept not reading (server/outbox.py): the session ends at once, and the

@@ -55,11 +55,12 @@ class SessionSettings:
 
     def updated(self, config: realtime_pb2.SessionConfig, voices: dict[str, list[int]],
                 responders: Collection[str], max_name_chars: int = 256,
-                max_instructions_chars: int = 2000) -> SessionSettings:
+                max_instructions_chars: int = 2000, caps: dict[str, int] | None = None) -> SessionSettings:
         """The settings with `config`'s set fields applied; ConfigError names the first bad field.
         `voices` maps voice names (first: the default) to their supported output rates. A name
         (voice, responder) over `max_name_chars` or instructions over `max_instructions_chars`
-        is refused without being echoed."""
+        is refused without being echoed. `caps` lowers the upper bounds of SESSION_BOUNDS (the
+        server's maxima: max_session_s, idle_timeout_s)."""
         for name, limit in (("voice", max_name_chars), ("responder", max_name_chars),
                             ("instructions", max_instructions_chars)):
             if config.HasField(name) and len(getattr(config, name)) > limit:
@@ -89,9 +90,10 @@ class SessionSettings:
             if config.HasField(name):
                 changes["output_rate" if name == "output_sample_rate" else name] = getattr(config, name)
         for name, (low, high) in SESSION_BOUNDS.items():
-            value = changes.get(name)
-            if value is not None and not low <= value <= high:  # type: ignore[operator]
-                raise ConfigError(name, f"{name}={value} is outside {low}..{high}")
+            value, cap = changes.get(name), (caps or {}).get(name, high)
+            if value is not None and not low <= value <= min(high, cap):  # type: ignore[operator]
+                limit = " (the server's maximum)" if cap < high else ""
+                raise ConfigError(name, f"{name}={value} is outside {low}..{min(high, cap)}{limit}")
         result = dataclasses.replace(self, **changes)  # type: ignore[arg-type]
         voice = result.voice or next(iter(voices))
         if voice not in voices:

@@ -28,6 +28,9 @@ class Limits:
     # What may wait for a client that does not read: events and bytes (server/outbox.py).
     max_outbox_events: int = 4096
     max_outbox_bytes: int = 8 * 1024 * 1024
+    # The longest session and idle timeout a client may ask for (session.update), in seconds.
+    max_session_s: int = 14400
+    max_idle_timeout_s: int = 1800
     transcript_wait_s: float = 20.0  # a late reply beats a failed one under overload
     # At a pause in a server_vad turn (160 ms of silence, silence_duration_ms not
     # yet reached) the recogniser finishes the turn's audio so far, so the final is ready by
@@ -38,6 +41,10 @@ class Limits:
     # the client's playback (acked position, or wall clock since the first delta).
     output_delta_ms: int = 200
     output_lead_ms: int = 1000
+
+    @property
+    def session_caps(self) -> dict[str, int]:
+        return {"max_session_s": self.max_session_s, "idle_timeout_s": self.max_idle_timeout_s}
 
     def to_proto(self, max_sessions: int, lm_slots: int) -> realtime_pb2.SessionLimits:
         return realtime_pb2.SessionLimits(

@@ -1,5 +1,7 @@
 """SIGTERM drains a real `rtmedia serve`: NOT_SERVING, new sessions refused with
-DRAINING, the response in flight completes, then session.closed{server_shutdown}."""
+DRAINING; every session finishes what is in flight (a reply being played goes out in full,
+a turn the user is still speaking is heard to its end and answered), then
+session.closed{server_shutdown}; an idle session closes at once; the process exits 0."""
 
 from __future__ import annotations
 
@@ -19,19 +21,28 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture
 def server(tmp_path):
-    with running_server("--metrics-port", "0", "--grace", "20", "--responder", "echo",
+    with running_server("--metrics-port", "0", "--grace", "20", "--no-llm", "--responder", "echo",
                         log=tmp_path / "serve.log") as (target, process):
         yield process, target
 
 
-async def test_sigterm_drains_sessions(server):
+async def test_sigterm_drains_sessions(server, speaker):
     process, target = server
-    async with grpc.aio.insecure_channel(target) as channel, Conversation(channel) as c:
+    speech = speaker.say("Please tell me what the weather will be like tomorrow morning.").tobytes()
+    async with grpc.aio.insecure_channel(target) as channel, Conversation(channel) as c, \
+            Conversation(channel) as speaking, Conversation(channel) as idle:
+        for conversation in (c, speaking, idle):
+            await conversation.wait_for("session.created")
         c.send("conversation.item.create", item={"text": "a reply that is still playing " * 4})
         c.send("response.create")
         created = await c.wait_for("response.created")
         await c.wait_for("response.output_audio.delta")
+        # the user is mid-sentence at SIGTERM: the rest of it, then a pause, still arrive
+        half = len(speech) // 2 // 640 * 640
+        await speaking.stream(speech[:half], 16000)
+        await speaking.wait_for("input_audio_buffer.speech_started")
         process.send_signal(signal.SIGTERM)
+        rest = asyncio.create_task(speaking.stream(speech[half:] + bytes(32000), 16000))
         health = health_pb2_grpc.HealthStub(channel)
         for _ in range(50):
             reply = await health.Check(health_pb2.HealthCheckRequest())
@@ -49,6 +60,16 @@ async def test_sigterm_drains_sessions(server):
         assert closed["reason"] == "server_shutdown" and closed["t"] >= done["t"]
         await c.ended()
         assert c.error is None
+        # the idle session closed at once; the speaking one was heard out and answered, in full
+        assert (await idle.wait_for("session.closed"))["reason"] == "server_shutdown"
+        await rest
+        stopped = await speaking.wait_for("input_audio_buffer.speech_stopped", timeout=30)
+        answered = await speaking.wait_for("response.done", timeout=30)
+        closed = await speaking.wait_for("session.closed", timeout=30)
+        assert answered["status"] == "completed" and speaking.of_type("response.output_audio.delta")
+        assert closed["reason"] == "server_shutdown" and closed["t"] >= answered["t"] >= stopped["t"]
+        await speaking.ended()
+        assert speaking.error is None
     for _ in range(300):
         if process.poll() is not None:
             break

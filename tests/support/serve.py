@@ -23,11 +23,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(target: str, process: subprocess.Popen, timeout: float = 120) -> None:
+def channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A sync channel to `target`: TLS with `credentials`, else plaintext."""
+    return grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+
+
+def wait_serving(target: str, process: subprocess.Popen, timeout: float = 120,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
     """Block until the server's health says SERVING; raise if it exits or takes too long."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    with channel(target, credentials) as channel_:
+        stub = health_pb2_grpc.HealthStub(channel_)
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise RuntimeError(f"rtmedia serve exited with {process.returncode}")
@@ -42,16 +48,18 @@ def wait_serving(target: str, process: subprocess.Popen, timeout: float = 120) -
 
 
 @contextmanager
-def running_server(*args: str, log: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+def running_server(*args: str, log: Path | None = None, credentials: grpc.ChannelCredentials | None = None,
+                   env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """`rtmedia serve ARGS` on a free port, once SERVING: (target, process); terminated at exit.
-    Its output goes to `log` (default: discarded)."""
+    Its output goes to `log` (default: discarded); `credentials`: how to reach a TLS port;
+    `env`: variables added to this process's environment."""
     port = free_port()
     with open(log, "wb") if log else open(os.devnull, "wb") as out:
         process = subprocess.Popen([RTMEDIA, "serve", "--port", str(port), *args], stdout=out,
-                                   stderr=subprocess.STDOUT)
+                                   stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     target = f"127.0.0.1:{port}"
     try:
-        wait_serving(target, process)
+        wait_serving(target, process, credentials=credentials)
         yield target, process
     finally:
         if process.poll() is None:

@@ -99,7 +99,6 @@ def test_capacity_search_finds_the_break(true_capacity):
     (["--turn-detection", "none", "--profile", "talk"], "only for --profile listen"),
     (["--sessions", "500", "--ramp-per-s", "10", "--duration", "30"], "takes 49.9 s"),
     (["--find-capacity", "--sessions", "50", "--capacity-limit", "20"], "below --sessions"),
-    (["--ca", "x.pem"], "--ca needs --tls"),
 ])
 def test_impossible_parameters(argv, message):
     with pytest.raises(CliError, match=re.escape(message)):
