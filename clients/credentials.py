@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
-from rtmedia.protocol.errors import error_reason
+from rtmedia.protocol.errors import error_metadata, error_reason
+from rtmedia.protocol.tokens import is_loopback, target_host
 
 TOKEN_ENV = "RTMEDIA_TOKEN"
 AUTHORIZATION = "authorization"
@@ -67,8 +65,8 @@ class Credentials:
 
     def check(self, target: str) -> None:
         """Refuse to send a token in plaintext anywhere but to this machine."""
-        if self.token and not self.tls and not is_loopback(host_of(target)):
-            raise CredentialsError(f"refusing to send a token in plaintext to {host_of(target)}; use --tls")
+        if self.token and not self.tls and not is_loopback(target_host(target)):
+            raise CredentialsError(f"refusing to send a token in plaintext to {target_host(target)}; use --tls")
 
     def _channel_credentials(self) -> grpc.ChannelCredentials:
         creds = grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
@@ -133,31 +131,6 @@ def _read_pem(flag: str, path: Path | None, kind: bytes) -> bytes | None:
     if b"-----BEGIN " not in data or kind not in data:
         raise CredentialsError(f"{flag} {path}: not a PEM file holding a {kind.decode().lower()}")
     return data
-
-
-def host_of(target: str) -> str:
-    """The host of a gRPC target: HOST:PORT, [V6]:PORT, dns:[//AUTH/]HOST:PORT, ipv4:/ipv6:ADDR,
-    unix:PATH (this machine: "localhost")."""
-    scheme, sep, rest = target.partition(":")
-    if sep and scheme in ("unix", "unix-abstract"):
-        return "localhost"
-    if sep and scheme in ("dns", "ipv4", "ipv6"):
-        target = rest.split("/")[-1] if rest.startswith("//") else rest
-        target = target.split(",")[0]
-    if target.startswith("["):
-        return target[1:].partition("]")[0]
-    if target.count(":") == 1:
-        return target.rsplit(":", 1)[0]
-    return target  # a bare name, or a bare IPv6 address
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 # ---- the token in plaintext: an interceptor adds it to every call ------------------------------
@@ -228,17 +201,6 @@ def _aio_bearers(token: str) -> list[_AioBearer]:
 
 
 # ---- the server's refusals as one line ------------------------------------------------------------
-
-def error_metadata(error: grpc.RpcError) -> dict[str, str]:
-    """The ErrorInfo metadata of a failed call ({} when it has none)."""
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    for detail in status.details if status is not None else ():
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            return dict(info.metadata)
-    return {}
-
 
 def refusal(error: grpc.RpcError, token_sent: bool) -> str | None:
     """A refusal for want of a token or over a token's quota, as one line; None for other errors."""

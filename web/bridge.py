@@ -20,10 +20,27 @@ Bad input gets a 4xx with a JSON body `{"error": "..."}` naming the problem (eve
 answer has that shape, aiohttp's own 404/405/413 included); the request body is bounded
 (`max_body_bytes`, aiohttp's `client_max_size`) and so are an offer's media sections
 (`max_media_sections`). A full bridge (`max_peers`) answers 503 and says so; a server that
-refuses the session answers 502/503 with its gRPC status.
+refuses the session answers 401, 429, 502 or 503 with its gRPC status (below).
 
 ICE binds only where the operator said (`media_host`, default the page's `host`): see
 `install_ice_binding`.
+
+Tokens (`auth_tokens`, rtmedia.protocol.tokens): while the table has tokens, the `authenticate`
+middleware wants `Authorization: Bearer TOKEN` on every route but the page (`GET /`,
+`/static/*`) and `GET /healthz`; a WebSocket handshake may offer the subprotocol
+`rtmedia.bearer.TOKEN` instead (browsers cannot set headers on one). Anything else gets 401
+with `WWW-Authenticate: Bearer` and says no more. The token's NAME goes to the peer's log lines
+and statistics, never the token.
+
+Toward the server: TLS (`server_tls`, `server_ca`), a client certificate (`server_cert`,
+`server_key`), and per call `authorization: Bearer TOKEN` metadata: the token the browser
+presented, else `server_token`. In plaintext a token goes only to a loopback or unix-socket
+target. The server's refusals become HTTP: UNAUTHENTICATED 401, QUOTA 429 with Retry-After,
+MAX_SESSIONS and DRAINING 503.
+
+`reload()` (SIGHUP) re-reads the page's TLS certificate into the live SSL context and swaps the
+token table; `drain(grace_s)` (SIGTERM) refuses new offers with 503 while the peers live on
+until their sessions end or the grace runs out, then stops.
 """
 
 from __future__ import annotations
@@ -39,6 +56,7 @@ import random
 import secrets
 import socket
 import ssl
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +71,14 @@ from aiortc.exceptions import InternalError, InvalidAccessError, InvalidStateErr
 from aiortc.rtcrtpsender import RTCRtpSender
 from aiortc.sdp import SessionDescription
 from rtmedia.clients.client import CHANNEL_OPTIONS
+from rtmedia.protocol.tokens import (
+    WEBSOCKET_PROTOCOL_PREFIX,
+    Token,
+    TokenTable,
+    bearer,
+    is_loopback,
+    target_host,
+)
 from rtmedia.web.peer import OfferError, Peer, VideoDefaults
 from rtmedia.web.tracks import set_audio_prefetch
 
@@ -74,6 +100,14 @@ NEGOTIATION_ERRORS = (ValueError, TypeError, KeyError, IndexError, InternalError
 # datagrams are dropped on such paths and aiortc has no path-MTU discovery, so an
 # ordered channel would stall for good. (aiortc >= 1.14 already caps it at 1160.)
 SCTP_MAX_USER_DATA = 1100
+DRAIN_RETRY_AFTER_S = 5  # Retry-After of an offer refused while draining: another replica, or this one restarted
+AUTH_MESSAGE = "authentication required: send Authorization: Bearer TOKEN"
+# What the authenticate middleware leaves on the request (aiohttp's typed request keys).
+TOKEN_KEY = web.RequestKey("rtmedia_token", Token)  # the bridge's token that matched (its name is loggable)
+BEARER_KEY = web.RequestKey("rtmedia_bearer", str)  # the presented secret: forwarded to the server, never logged
+# The subprotocol that carried the token, for a WebSocket route to select (a browser drops a
+# handshake whose answer selects none of the subprotocols it offered).
+WS_PROTOCOL_KEY = web.RequestKey("rtmedia_ws_protocol", str)
 
 
 def cap_sctp_chunk_size(limit: int = SCTP_MAX_USER_DATA) -> int:
@@ -105,6 +139,15 @@ class BridgeConfig:
     media_host: str | None = None
     session: dict[str, Any] = field(default_factory=dict)  # session.update fields every session starts with
     video: VideoDefaults = field(default_factory=VideoDefaults)
+    # The web port's token file (rtmedia.protocol.tokens; None: the table the Bridge is given, or none).
+    auth_tokens: str | None = None
+    # Toward the server: TLS (server_ca: PEM roots, implies it; default the system's), a client
+    # certificate (mutual TLS, implies it), and the token calls carry when the browser gave none.
+    server_tls: bool = False
+    server_ca: str | None = None
+    server_cert: str | None = None
+    server_key: str | None = None
+    server_token: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.audio_prefetch <= 16:
@@ -126,10 +169,61 @@ class BridgeConfig:
         for url in self.ice_servers:
             if not url.startswith(("stun:", "turn:", "turns:")):
                 raise ValueError(f"ICE server {url!r} must be a stun:, turn: or turns: URL")
+        if bool(self.server_cert) != bool(self.server_key):
+            raise ValueError("a client certificate needs its key and a key its certificate "
+                             "(--server-cert and --server-key)")
+        if self.server_ca or self.server_cert:
+            self.server_tls = True
+        if self.server_token is not None:
+            self.server_token = self.server_token.strip() or None
+        if self.server_token and not is_metadata_value(self.server_token):
+            raise ValueError("--server-token: a token is printable ASCII without spaces")
+        if self.server_token and not self.server_tls and not is_local_target(self.target):
+            raise ValueError(f"refusing to send --server-token in plaintext to {self.target}; "
+                             "use --server-tls (or a loopback or unix: target)")
 
     @property
     def media_bind_host(self) -> str:
         return self.host if self.media_host is None else self.media_host
+
+    @property
+    def forwards_tokens(self) -> bool:
+        """Whether tokens may travel to the server: over TLS, or to this machine."""
+        return self.server_tls or is_local_target(self.target)
+
+
+def is_metadata_value(text: str) -> bool:
+    """Printable ASCII without spaces: what a bearer token is and a gRPC metadata value may carry."""
+    return bool(text) and all("!" <= c <= "~" for c in text)
+
+
+def is_local_target(target: str) -> bool:
+    """A gRPC target on this machine (unix:, a loopback address, localhost)."""
+    return is_loopback(target_host(target))
+
+
+def _read_pem(flag: str, path: str, kind: bytes) -> bytes:
+    """A PEM file's bytes; ValueError naming the file when it cannot be read or holds no `kind`
+    (gRPC would only fail later, at the handshake, without saying which file)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {flag} {path}: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in data or kind not in data:
+        raise ValueError(f"{flag} {path}: not a PEM file holding a {kind.decode().lower()}")
+    return data
+
+
+def server_credentials(config: BridgeConfig) -> grpc.ChannelCredentials | None:
+    """The channel credentials toward the server (files read now, so a bad one fails at start);
+    None: plaintext."""
+    if not config.server_tls:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_pem("--server-ca", config.server_ca, b"CERTIFICATE") if config.server_ca else None,
+        private_key=_read_pem("--server-key", config.server_key, b"PRIVATE KEY") if config.server_key else None,
+        certificate_chain=(_read_pem("--server-cert", config.server_cert, b"CERTIFICATE")
+                           if config.server_cert else None))
 
 
 def parse_udp_ports(text: str) -> tuple[int, int]:
@@ -227,8 +321,18 @@ def _check_sections(parsed: SessionDescription) -> None:
 
 
 class Bridge:
-    def __init__(self, config: BridgeConfig) -> None:
+    def __init__(self, config: BridgeConfig, tokens: TokenTable | None = None) -> None:
+        """`tokens`: the web port's token table (shared with the server beside it); None: read
+        `config.auth_tokens`, or none (authentication off)."""
         self.config = config
+        if tokens is None:
+            tokens = TokenTable.load(config.auth_tokens) if config.auth_tokens else TokenTable()
+        self.tokens = tokens
+        self.ssl_context: ssl.SSLContext | None = None
+        self.draining = False
+        self.stopped = asyncio.Event()  # set once stop() has finished
+        self._stopping = False
+        self._open_resources: set[Any] = set()  # filled by app()
         self.peers: dict[str, Peer] = {}
         self._opening = 0  # offers being answered (they count against max_peers)
         self.refused = 0
@@ -241,10 +345,14 @@ class Bridge:
 
     # ---- the app --------------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[json_errors])
-        app.router.add_get("/", self.index)
-        app.router.add_static("/static/", STATIC)
-        app.router.add_get("/healthz", self.health)
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[json_errors, self.authenticate])
+        # Open without a token: the page (so a user can give one) and the probes' /healthz.
+        self._open_resources = {
+            app.router.add_get("/", self.index).resource,
+            app.router.add_static("/static/", STATIC),
+            app.router.add_get("/healthz", self.health).resource,
+        }
         app.router.add_get("/config", self.page_config)
         app.router.add_post("/offer", self.offer)
         app.router.add_get("/peers/{peer_id}", self.peer_stats)
@@ -259,11 +367,16 @@ class Bridge:
         loop = asyncio.get_running_loop()
         self.ice = await ice_binding(self.config.media_bind_host, self.config.udp_ports)
         install_ice_binding(loop)
-        self.channel = grpc.aio.insecure_channel(self.config.target, options=CHANNEL_OPTIONS)
+        credentials = server_credentials(self.config)
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(self.config.target, options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.aio.secure_channel(self.config.target, credentials, options=CHANNEL_OPTIONS)
         ssl_context = None
         if self.config.tls_cert:
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+        self.ssl_context = ssl_context
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, ssl_context=ssl_context)
@@ -273,16 +386,76 @@ class Bridge:
         self.url = f"{scheme}://{self.config.host}:{self.port}/"
         log.info("web bridge listening", extra={"url": self.url, "target": self.config.target,
                                                 "max_peers": self.config.max_peers, "sctp_chunk": self.sctp_chunk,
-                                                "media_addresses": ",".join(self.ice.addresses or ("*",))})
+                                                "media_addresses": ",".join(self.ice.addresses or ("*",)),
+                                                "auth": self.tokens.enabled,
+                                                "server_tls": self.config.server_tls})
+        if not self.config.forwards_tokens:
+            log.warning("tokens the browsers present are not forwarded to the server: it is not on this machine "
+                        "and the channel has no TLS (--server-tls)", extra={"target": self.config.target})
         return self.port
 
     async def stop(self) -> None:
-        await asyncio.gather(*(peer.close("bridge shutting down") for peer in list(self.peers.values())),
-                             return_exceptions=True)
-        if self._runner is not None:
-            await self._runner.cleanup()
-        if self.channel is not None:
-            await self.channel.close()
+        """Close every peer and the listener now; idempotent."""
+        if self._stopping:
+            await self.stopped.wait()
+            return
+        self._stopping = True
+        try:
+            await asyncio.gather(*(peer.close("bridge shutting down") for peer in list(self.peers.values())),
+                                 return_exceptions=True)
+            if self._runner is not None:
+                await self._runner.cleanup()
+            if self.channel is not None:
+                await self.channel.close()
+        finally:
+            self.stopped.set()
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new offers from now on (503, Retry-After, reason `draining`); let the live peers
+        go on until their sessions end (a draining server closes each one after the turn in
+        flight with session.closed{server_shutdown}) or `grace_s` has passed; then stop."""
+        if not self.draining:
+            self.draining = True
+            log.info("web bridge draining", extra={"peers": len(self.peers), "grace_s": grace_s})
+        deadline = time.monotonic() + max(0.0, grace_s)
+        while (self.peers or self._opening) and (left := deadline - time.monotonic()) > 0:
+            # Offers already being answered become peers (or fail); every peer is waited for.
+            closing = [asyncio.ensure_future(p.closed.wait()) for p in list(self.peers.values())]
+            try:
+                if closing:
+                    await asyncio.wait(closing, timeout=min(0.25, left), return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    await asyncio.sleep(min(0.05, left))
+            finally:
+                for waiter in closing:
+                    waiter.cancel()
+        if self.peers:
+            log.info("drain grace over: closing the remaining peers", extra={"peers": len(self.peers)})
+        await asyncio.shield(self.stop())  # a cancelled drain still stops whole (stop() waits for it)
+
+    def reload(self, tokens: TokenTable | None = None) -> None:
+        """SIGHUP: re-read the page's TLS certificate and key into the live SSL context (new
+        handshakes get the new certificate; live peers are untouched), and swap the token table:
+        to `tokens` (the server's, beside it), else this one re-read from its file. A file that
+        does not load leaves the old in force and is named in one log line."""
+        if self.ssl_context is not None and self.config.tls_cert:
+            cert, key = self.config.tls_cert, self.config.tls_key
+            try:
+                # Into a scratch context first: a failed load_cert_chain may leave a context half changed.
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+                self.ssl_context.load_cert_chain(cert, key)
+            except (OSError, ssl.SSLError) as exc:
+                log.warning(f"reload: the TLS certificate {cert} (key {key}) did not load; the old one stays: "
+                            f"{getattr(exc, 'strerror', None) or exc}")
+            else:
+                log.info("reload: TLS certificate re-read", extra={"cert": cert})
+        try:
+            table = tokens if tokens is not None else self.tokens.reloaded()
+        except ValueError as exc:  # names the file and line, never a token
+            log.warning(f"reload: the token file did not load; the old tokens stay: {exc}")
+            return
+        self.tokens = table
+        log.info("reload: tokens in force", extra={"tokens": len(table.tokens), "auth": table.enabled})
 
     # ---- handlers ---------------------------------------------------------------------------------------
     async def index(self, request: web.Request) -> web.FileResponse:
@@ -292,6 +465,7 @@ class Bridge:
         """Counts only: a peer id is its owner's capability, so none is listed here."""
         peers = list(self.peers.values())
         return web.json_response({"target": self.config.target, "max_peers": self.config.max_peers,
+                                  "draining": self.draining,
                                   "peers": len(peers), "opening": self._opening, "refused": self.refused,
                                   "connected": sum(p.pc.connectionState == "connected" for p in peers),
                                   "late_mic_packets": sum(p.late_mic_packets for p in peers)})
@@ -323,7 +497,7 @@ class Bridge:
                 raise OfferError(400, "the body must be a JSON object with 'sdp' and 'type'")
             if body.get("type") != "offer":
                 raise OfferError(400, f"'type' must be \"offer\", got {str(body.get('type'))[:32]!r}")
-            peer, answer = await self.answer(body.get("sdp"))
+            peer, answer = await self.answer(body.get("sdp"), request)
         except OfferError as exc:
             return self._refuse(request, exc)
         return web.json_response({"sdp": answer, "type": "answer", "id": peer.id})
@@ -332,7 +506,7 @@ class Bridge:
         try:
             if request.content_type != "application/sdp":
                 raise OfferError(415, f"POST /whip takes application/sdp, not {request.content_type or 'nothing'}")
-            peer, answer = await self.answer(await self._body_text(request))
+            peer, answer = await self.answer(await self._body_text(request), request)
         except OfferError as exc:
             return self._refuse(request, exc)
         return web.Response(status=201, text=answer, content_type="application/sdp",
@@ -380,24 +554,62 @@ class Bridge:
                                   f"{exc.reason} at byte {exc.start}") from None
 
     def _refuse(self, request: web.Request, exc: OfferError) -> web.Response:
-        log.info("offer refused", extra={"path": request.path, "status": exc.status, "error": exc.message[:300]})
-        return error_response(exc.status, exc.message)
+        token = request.get(TOKEN_KEY)
+        log.info("offer refused", extra={"path": request.path, "status": exc.status, "error": exc.message[:300],
+                                         **({"token_name": token.name} if token else {})})
+        return error_response(exc.status, exc.message, exc.headers, exc.reason)
+
+    # ---- authentication ---------------------------------------------------------------------------------
+    @web.middleware
+    async def authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """While the token table has tokens: `Authorization: Bearer TOKEN` (or, on a WebSocket
+        handshake, the subprotocol `rtmedia.bearer.TOKEN`) on every route but the page's and
+        /healthz, else 401. A presented token is kept on the request (BEARER_KEY) to be forwarded
+        to the server, the matched token (TOKEN_KEY) for its name."""
+        presented, protocol = presented_token(request)
+        tokens = self.tokens  # one table for the whole request, whatever a reload does meanwhile
+        if tokens.enabled:
+            token = tokens.match(presented)
+            if token is None:
+                if request.method in ("GET", "HEAD") and request.match_info.route.resource in self._open_resources:
+                    return await handler(request)
+                log.info("request refused: no valid token", extra={"method": request.method,
+                                                                   "path": request.path[:200],
+                                                                   "presented": presented is not None})
+                return error_response(401, AUTH_MESSAGE, {"WWW-Authenticate": "Bearer"}, "unauthenticated")
+            request[TOKEN_KEY] = token
+            if protocol:
+                request[WS_PROTOCOL_KEY] = protocol
+        if presented is not None and is_metadata_value(presented):
+            request[BEARER_KEY] = presented
+        return await handler(request)
 
     # ---- peers ----------------------------------------------------------------------------------------------
-    async def answer(self, sdp: Any) -> tuple[Peer, str]:
-        """Validate the offer, open a session, answer; raises OfferError."""
+    async def answer(self, sdp: Any, request: web.Request | None = None) -> tuple[Peer, str]:
+        """Validate the offer, open a session, answer; raises OfferError. `request`: the offer's
+        (its token goes on the session's calls, its token's name to the peer's logs)."""
+        if self.draining:
+            self.refused += 1
+            raise OfferError(503, "the bridge is shutting down (draining); connect again shortly",
+                             {"Retry-After": str(DRAIN_RETRY_AFTER_S)}, "draining")
         offer = validate_offer(sdp, self.config.max_body_bytes, self.config.max_media_sections)
         if len(self.peers) + self._opening >= self.config.max_peers:
             self.refused += 1
             raise OfferError(503, f"the bridge is full: it serves at most {self.config.max_peers} peers at once "
                                   "(--max-peers); try again when one has ended")
+        presented = request.get(BEARER_KEY) if request is not None else None
+        token = request.get(TOKEN_KEY) if request is not None else None
+        secret = presented if presented and self.config.forwards_tokens else self.config.server_token
+        metadata = (("authorization", f"Bearer {secret}"),) if secret else ()
         self._opening += 1
         try:
-            return await self._answer(sdp, any(m.kind == "video" and m.port != 0 for m in offer.media))
+            return await self._answer(sdp, any(m.kind == "video" and m.port != 0 for m in offer.media), metadata,
+                                      token.name if token else None)
         finally:
             self._opening -= 1
 
-    async def _answer(self, sdp: str, video: bool) -> tuple[Peer, str]:
+    async def _answer(self, sdp: str, video: bool, metadata: tuple[tuple[str, str], ...] = (),
+                      token_name: str | None = None) -> tuple[Peer, str]:
         servers = [ice_server(url) for url in self.config.ice_servers]
         # Every socket aioice opens for this peer (in this task and the tasks it starts) binds per self.ice.
         binding = _ICE_BINDING.set(self.ice)
@@ -405,7 +617,8 @@ class Bridge:
             pc = RTCPeerConnection(RTCConfiguration(iceServers=servers or None))
             peer_id = secrets.token_urlsafe(PEER_ID_BYTES)
             assert self.channel is not None, "start() the bridge first"
-            peer = Peer(peer_id, pc, self.channel, self.config.input_rate, self.config.video, self._forget)
+            peer = Peer(peer_id, pc, self.channel, self.config.input_rate, self.config.video, self._forget,
+                        metadata, token_name)
             try:
                 try:
                     await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
@@ -427,7 +640,7 @@ class Bridge:
             _ICE_BINDING.reset(binding)
         self.peers[peer_id] = peer
         asyncio.get_running_loop().create_task(self._expect_connection(peer), name=f"peer-{peer.tag}-connect")
-        log.info("peer answered", extra={"peer": peer.tag, "session_id": peer.session_id, "video": video})
+        log.info("peer answered", extra={**peer.log_fields, "session_id": peer.session_id, "video": video})
         return peer, pc.localDescription.sdp
 
     async def _expect_connection(self, peer: Peer) -> None:
@@ -442,9 +655,26 @@ class Bridge:
         self.peers.pop(peer.id, None)
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    """The one shape of every error answer: `{"error": "..."}`."""
-    return web.json_response({"error": message}, status=status, headers=headers)
+def error_response(status: int, message: str, headers: dict[str, str] | None = None,
+                   reason: str | None = None) -> web.Response:
+    """The one shape of every error answer: `{"error": "..."}`, with `"reason"` (a stable word:
+    unauthenticated, quota, draining, ...) where a client acts on it."""
+    body = {"error": message, **({"reason": reason} if reason else {})}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def presented_token(request: web.Request) -> tuple[str | None, str | None]:
+    """The token a request presents, and the WebSocket subprotocol that carried it (None when the
+    Authorization header did): `Authorization: Bearer TOKEN`, else, on a WebSocket handshake,
+    the first offered subprotocol `rtmedia.bearer.TOKEN`."""
+    token = bearer(request.headers.get("Authorization"))
+    if token is not None or request.headers.get("Upgrade", "").lower() != "websocket":
+        return token, None
+    for header in request.headers.getall("Sec-WebSocket-Protocol", ()):
+        for protocol in (p.strip() for p in header.split(",")):
+            if protocol.startswith(WEBSOCKET_PROTOCOL_PREFIX) and len(protocol) > len(WEBSOCKET_PROTOCOL_PREFIX):
+                return protocol[len(WEBSOCKET_PROTOCOL_PREFIX):], protocol
+    return None, None
 
 
 @web.middleware
@@ -455,7 +685,7 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after", "www-authenticate")}
         return error_response(exc.status, f"{exc.reason}: {request.method} {request.path[:200]}", headers)
 
 
@@ -579,13 +809,14 @@ def install_ice_binding(loop: asyncio.AbstractEventLoop) -> None:
     loop._rtmedia_ice_binding = True  # type: ignore[attr-defined]
 
 
-async def start_beside(server_config: Any, grpc_port: int) -> Bridge:
-    """`rtmedia serve --web`: the bridge on the server's host, bridging to its gRPC port."""
-    host = server_config.host
-    target_host = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
-    target = f"[{target_host}]:{grpc_port}" if ":" in target_host else f"{target_host}:{grpc_port}"
-    bridge = Bridge(BridgeConfig(target=target, host=host, port=server_config.web_port,
+async def start_beside(server_config: Any, target: str, tokens: TokenTable) -> Bridge:
+    """`rtmedia serve --web`: the bridge on the server's host, bridging to `target` (the server's
+    private plaintext address, e.g. `unix:/path`, that only this bridge dials) and checking the
+    web port against `tokens`, the server's own table (the server calls `bridge.reload(tokens)`
+    with the new one on SIGHUP, and `bridge.drain(grace_s)` on SIGTERM). The tokens browsers
+    present go on to the server with their sessions."""
+    bridge = Bridge(BridgeConfig(target=target, host=server_config.host, port=server_config.web_port,
                                  tls_cert=server_config.web_tls_cert, tls_key=server_config.web_tls_key,
-                                 max_peers=server_config.web_max_peers))
+                                 max_peers=server_config.web_max_peers), tokens)
     await bridge.start()
     return bridge

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 
@@ -20,7 +21,18 @@ Signalling: POST /offer (JSON {sdp, type}) as aiortc's examples do, or WHIP
 transceivers are send-receive, so the reply comes back on the same connection).
 A peer's id (in its answer or Location) is its credential: only it ends or
 shows that peer. GET /healthz counts the peers and names none.
+
+Tokens: with --auth-tokens FILE (else $RTMEDIA_AUTH_TOKENS) every route but the
+page and /healthz wants `Authorization: Bearer TOKEN` (a WebSocket may offer the
+subprotocol rtmedia.bearer.TOKEN instead); the page asks for one when it needs it.
+Each session's calls to the server carry the browser's token, else --server-token.
+
+Signals: SIGHUP re-reads --tls-cert/--tls-key and --auth-tokens (a file that does
+not load leaves the old in force); SIGTERM drains: new offers get 503, live calls
+go on until their sessions end or --grace runs out. SIGINT (or a second SIGTERM)
+stops at once.
 """
+TOKEN_ENV = "RTMEDIA_TOKEN"
 
 
 def add_web_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +64,23 @@ def add_web_parser(sub: argparse._SubParsersAction) -> None:
                    help="most m= sections (media sections) an offer may have (default 4: audio, video and the "
                         "data channel fit); more is refused with 400")
     p.add_argument("--responder", default=None, help="responder of the sessions, e.g. echo (default: the server's)")
+    p.add_argument("--grace", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, how long live calls may go on while new offers are refused (default 30)")
+    g = p.add_argument_group("tokens on the web port")
+    g.add_argument("--auth-tokens", default=None, metavar="FILE",
+                   help="token file (TOKEN [NAME] [limits] per line; default $RTMEDIA_AUTH_TOKENS, else no "
+                        "authentication): every route but the page and /healthz wants Authorization: Bearer TOKEN")
+    g = p.add_argument_group("toward the rtmedia server")
+    g.add_argument("--server-tls", action="store_true",
+                   help="connect with TLS, checking the server's certificate against the system's roots (or --server-ca)")
+    g.add_argument("--server-ca", default=None, metavar="FILE",
+                   help="PEM root certificates to check the server's certificate with (implies --server-tls)")
+    g.add_argument("--server-cert", default=None, metavar="FILE",
+                   help="PEM client certificate for mutual TLS, with --server-key (implies --server-tls)")
+    g.add_argument("--server-key", default=None, metavar="FILE", help="PEM private key of --server-cert")
+    g.add_argument("--server-token", default=None, metavar="TOKEN",
+                   help=f"bearer token of the sessions whose browser presented none (default ${TOKEN_ENV}); "
+                        "without TLS only to a loopback or unix: target")
     p.set_defaults(func=cmd_web)
 
 
@@ -59,34 +88,62 @@ def bridge_config(args: argparse.Namespace) -> object:
     from rtmedia.web.bridge import BridgeConfig, parse_udp_ports
 
     session = {"responder": args.responder} if args.responder else {}
+    server_token = args.server_token if args.server_token is not None else os.environ.get(TOKEN_ENV)
     return BridgeConfig(target=args.target, host=args.host, port=args.port, tls_cert=args.tls_cert,
                         tls_key=args.tls_key, ice_servers=args.ice_servers,
                         udp_ports=parse_udp_ports(args.udp_ports) if args.udp_ports else None,
                         max_peers=args.max_peers, input_rate=args.input_rate, session=session,
                         audio_prefetch=args.audio_prefetch, media_host=args.media_host,
-                        max_body_bytes=args.max_body_bytes, max_media_sections=args.max_media_sections)
+                        max_body_bytes=args.max_body_bytes, max_media_sections=args.max_media_sections,
+                        auth_tokens=args.auth_tokens, server_tls=args.server_tls, server_ca=args.server_ca,
+                        server_cert=args.server_cert, server_key=args.server_key, server_token=server_token)
 
 
 def cmd_web(args: argparse.Namespace) -> None:
     from rtmedia.protocol import logs
+    from rtmedia.protocol.tokens import TokenTable
 
+    if args.grace < 0:
+        raise ValueError(f"--grace must be at least 0, got {args.grace:g}")
+    config = bridge_config(args)
+    tokens = TokenTable.load(args.auth_tokens)  # the file, else $RTMEDIA_AUTH_TOKENS; ValueError names it
     logs.configure("INFO", "text")
-    asyncio.run(run_bridge(bridge_config(args)))
+    asyncio.run(run_bridge(config, tokens, args.grace))
 
 
-async def run_bridge(config: object) -> None:
-    """Serve until SIGINT/SIGTERM."""
+async def run_bridge(config: object, tokens: object = None, grace_s: float = 30.0) -> None:
+    """Serve until a signal: SIGTERM drains (`grace_s`), SIGINT or a second SIGTERM stops at
+    once, SIGHUP reloads the TLS certificate and the tokens."""
     from rtmedia.web.bridge import Bridge
 
-    bridge = Bridge(config)  # type: ignore[arg-type]
-    stop = asyncio.Event()
+    bridge = Bridge(config, tokens)  # type: ignore[arg-type]
+    drain, stop = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await bridge.start()
-    print(f"rtmedia web: open {bridge.url} (bridging to {bridge.config.target})", file=sys.stderr, flush=True)
+
+    def on_term() -> None:
+        (stop if drain.is_set() else drain).set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, bridge.reload)
     try:
-        await stop.wait()
+        await bridge.start()
+        print(f"rtmedia web: open {bridge.url} (bridging to {bridge.config.target})", file=sys.stderr, flush=True)
+        draining = asyncio.create_task(drain.wait())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({draining, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if drain.is_set() and not stop.is_set():
+            print(f"rtmedia web: draining (at most {grace_s:g} s)", file=sys.stderr, flush=True)
+            drained = asyncio.create_task(bridge.drain(grace_s))
+            await asyncio.wait({drained, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if drained.done():
+                drained.result()
+            else:
+                drained.cancel()
+        for task in (draining, stopping):
+            task.cancel()
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
         with contextlib.suppress(Exception):
             await bridge.stop()

@@ -12,6 +12,11 @@ The peer owns its tasks and ends them all in `close()`:
 - `acks`: `playback.ack` from what the outgoing audio track has actually played out;
 - `video`: a demo `DecodeVideo` whose frames go out on the video track.
 
+Every call the peer makes to the server carries `metadata` (`authorization: Bearer TOKEN`:
+the token its browser presented, else the bridge's --server-token); `token_name` is the NAME
+of the bridge's token the browser presented (web/bridge.py), for its logs and statistics:
+never the token.
+
 The page speaks canonical JSON (docs/protocol.md#events) on the `events` channel. Messages whose
 type starts with `bridge.` are the bridge's own (docs/protocol.md#events):
 `bridge.video.request` from the page; `bridge.peer`, `bridge.playback.cleared`,
@@ -24,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,7 +42,7 @@ from aiortc import RTCPeerConnection
 from aiortc.jitterbuffer import JitterBuffer
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from rtmedia.engines.resample import Resampler, float_to_pcm16, make_resampler, pcm16_to_float
-from rtmedia.protocol.errors import error_reason
+from rtmedia.protocol.errors import error_metadata, error_reason
 from rtmedia.protocol.events import EventError, client_event, event_type, from_json, to_json
 from rtmedia.v1 import realtime_pb2, video_pb2
 from rtmedia.v1.realtime_pb2_grpc import RealtimeServiceStub
@@ -62,12 +68,17 @@ BRIDGE_OWNED = ("input_audio_format", "output_sample_rate")
 
 
 class OfferError(Exception):
-    """An offer the bridge does not answer; `status` is the HTTP status to answer with."""
+    """An offer the bridge does not answer; `status` is the HTTP status to answer with, `headers`
+    extra response headers (Retry-After, WWW-Authenticate), `reason` a machine-readable word
+    for the JSON body (None: none)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None,
+                 reason: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers or {}
+        self.reason = reason
 
 
 class SessionRefused(OfferError):
@@ -107,9 +118,12 @@ class PeerStats:
 
 class Peer:
     def __init__(self, peer_id: str, pc: RTCPeerConnection, channel: grpc.aio.Channel, input_rate: int,
-                 video: VideoDefaults, on_closed: Callable[[Peer], None]) -> None:
+                 video: VideoDefaults, on_closed: Callable[[Peer], None],
+                 metadata: tuple[tuple[str, str], ...] = (), token_name: str | None = None) -> None:
         self.id = peer_id  # the peer's capability: only its own client knows it (web/bridge.py)
         self.tag = peer_id[:8]  # what logs and task names call it
+        self.metadata = metadata  # sent on every call to the server (the bearer token: never logged)
+        self.token_name = token_name  # the NAME of the web token its client presented, None without one
         self.pc = pc
         self.grpc_channel = channel
         self.input_rate = input_rate
@@ -130,6 +144,7 @@ class Peer:
         self._channel: Any = None  # the `events` RTCDataChannel
         self._pending: deque[str] = deque()
         self._session_open = asyncio.Event()
+        self._server_closed = False  # session.closed (the session's last event) came
         self._tasks: dict[str, asyncio.Task[None]] = {}
         pc.on("track", self._on_track)
         pc.on("datachannel", self._on_datachannel)
@@ -140,7 +155,7 @@ class Peer:
     async def open_session(self, settings: dict[str, Any]) -> None:
         """Open the Converse stream, configure it and wait for session.created.
         Raises SessionRefused when the server does not take the session."""
-        self.call = RealtimeServiceStub(self.grpc_channel).Converse()
+        self.call = RealtimeServiceStub(self.grpc_channel).Converse(metadata=self.metadata or None)
         session = {**settings, "input_audio_format": {"encoding": "pcm16", "sample_rate": self.input_rate,
                                                      "channels": 1},
                    "output_sample_rate": PLAYOUT_RATE}
@@ -174,7 +189,7 @@ class Peer:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("peer task failed", extra={"peer": self.tag, "task": name})
+            log.exception("peer task failed", extra={**self.log_fields, "task": name})
             self.send_bridge("bridge.error", code="internal_error", message=f"{name}: {type(exc).__name__}: {exc}")
             self.schedule_close(f"{name} failed")
 
@@ -189,7 +204,7 @@ class Peer:
             return
         self._closing = True
         self.close_reason = reason
-        log.info("peer closing", extra={"peer": self.tag, "session_id": self.session_id, "reason": reason})
+        log.info("peer closing", extra={**self.log_fields, "session_id": self.session_id, "reason": reason})
         current = asyncio.current_task()
         tasks = [t for t in self._tasks.values() if t is not current]
         for task in tasks:
@@ -203,6 +218,11 @@ class Peer:
             await asyncio.wait_for(self.pc.close(), 5)
         self.closed.set()
         self._on_closed(self)
+
+    @property
+    def log_fields(self) -> dict[str, str]:
+        """What every log line about this peer carries: its tag, and its token's name if any."""
+        return {"peer": self.tag, **({"token_name": self.token_name} if self.token_name else {})}
 
     def _on_connection_state(self) -> None:
         state = self.pc.connectionState
@@ -234,7 +254,14 @@ class Peer:
 
     async def _write(self) -> None:
         while (request := await self._outgoing.get()) is not None:
-            await self.call.write(request)
+            if self._server_closed:
+                continue  # nothing more goes to a session the server has closed (see _read)
+            try:
+                await self.call.write(request)
+            except grpc.aio.AioRpcError:
+                # The server ended the stream (session.closed, e.g. server_shutdown while draining) while
+                # the microphone still had frames on the way: the reader reports how, and closes the peer.
+                return
 
     def _on_datachannel(self, channel: Any) -> None:
         if channel.label != "events":
@@ -307,6 +334,11 @@ class Peer:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED and self._closing:
                 return
+            if self._server_closed and exc.code() == grpc.StatusCode.INTERNAL:
+                # After session.closed (the session's last event) the stream only ends. grpc.aio may turn
+                # that end into INTERNAL when a write raced it (grpc/grpc#36066): it ended as the server said.
+                self.schedule_close("session ended")
+                return
             reason = error_reason(exc)
             self.send_bridge("bridge.error", code=exc.code().name.lower(),
                              message=f"the rtmedia session ended: {exc.details()}" + (f" ({reason})" if reason else ""))
@@ -336,6 +368,7 @@ class Peer:
                 reply.done = True
         elif name == "session.closed":
             self.close_reason = msg.session_closed.reason
+            self._server_closed = True
         self.to_page(to_json(msg))
 
     def _on_audio(self, msg: realtime_pb2.ConverseResponse) -> None:
@@ -432,7 +465,8 @@ class Peer:
         frames = 0
         started = time.perf_counter()
         try:
-            async for chunk in VideoServiceStub(self.grpc_channel).DecodeVideo(request):
+            async for chunk in VideoServiceStub(self.grpc_channel).DecodeVideo(request,
+                                                                               metadata=self.metadata or None):
                 count = chunk.part_frame_count or chunk.frame_count
                 size = count * chunk.height * chunk.width * 3
                 if chunk.format not in (video_pb2.VIDEO_FORMAT_UNSPECIFIED, video_pb2.VIDEO_FORMAT_RAW_RGB24) \
@@ -464,7 +498,8 @@ class Peer:
 
     def describe(self) -> dict[str, Any]:
         """The peer's statistics, for its own client (GET /peers/{id})."""
-        return {"session_id": self.session_id, "connection_state": self.pc.connectionState,
+        return {"session_id": self.session_id, "token_name": self.token_name,
+                "connection_state": self.pc.connectionState,
                 "playout": vars(self.buffer.stats) | {"queued_ms": round(self.buffer.queued_ms)},
                 "stats": {k: v for k, v in vars(self.stats).items() if k != "opened_at"},
                 "late_mic_packets": self.late_mic_packets,
@@ -478,9 +513,29 @@ def _latent_request(shape: list[int], fps: float, seed: int) -> video_pb2.Decode
     return video_pb2.DecodeVideoRequest(latent=tensor, fps=fps, format=video_pb2.VIDEO_FORMAT_RAW_RGB24)
 
 
+def retry_after(value: str | None) -> dict[str, str]:
+    """A Retry-After header (whole seconds, rounded up) from ErrorInfo's retry_after_s; {} without one."""
+    try:
+        seconds = math.ceil(float(value)) if value is not None else None
+    except (ValueError, OverflowError):
+        seconds = None
+    return {"Retry-After": str(max(1, seconds))} if seconds is not None and seconds < 10**9 else {}
+
+
 def _refusal(exc: grpc.aio.AioRpcError) -> SessionRefused:
     reason = error_reason(exc)
     detail = f"{exc.code().name}: {exc.details()}" + (f" ({reason})" if reason else "")
+    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+        # What the server said stays in the bridge's log ("offer refused"); the client is told no more
+        # than that a valid token is wanted.
+        log.info("the rtmedia server refused the credentials", extra={"error": detail[:300]})
+        return SessionRefused(401, "authentication required: send Authorization: Bearer TOKEN",
+                              {"WWW-Authenticate": "Bearer"}, "unauthenticated")
+    if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+        return SessionRefused(403, f"the rtmedia server does not allow this session: {detail}", reason="forbidden")
+    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and reason == "QUOTA":
+        return SessionRefused(429, f"over the token's quota: {detail}",
+                              retry_after(error_metadata(exc).get("retry_after_s")), "quota")
     if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) and reason:
         return SessionRefused(503, f"the rtmedia server refused the session: {detail}")
     if exc.code() == grpc.StatusCode.UNAVAILABLE:

@@ -11,11 +11,9 @@ import time
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from rtmedia.protocol.errors import error_reason
+from rtmedia.protocol.errors import error_metadata, error_reason
 from rtmedia.v1 import speech_pb2, speech_pb2_grpc
 
 from tests.support.certs import make_certs
@@ -45,16 +43,6 @@ async def health(target: str, creds: grpc.ChannelCredentials | None) -> int:
     async with (grpc.aio.secure_channel(target, creds) if creds else grpc.aio.insecure_channel(target)) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         return reply.status
-
-
-def error_metadata(error: grpc.RpcError) -> dict[str, str]:
-    """The ErrorInfo metadata of a failed call."""
-    for detail in rpc_status.from_call(error).details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            return dict(info.metadata)
-    return {}
 
 
 def served_certificate(target: str) -> bytes:
@@ -138,7 +126,7 @@ async def test_sighup_swaps_certificate_and_tokens_under_a_live_session(tls_serv
         tokens.write_text(f"{CAROL} carol\n{ALICE} alice max_sessions=1\n")
         process.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 10
-        while served_certificate(target) == before and time.monotonic() < deadline:
+        while served_certificate(target) == before and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.2)
         assert served_certificate(target) != before
         # the live session goes on talking over its old connection

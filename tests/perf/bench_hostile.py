@@ -92,7 +92,7 @@ async def watch(pid: int, metrics_port: int, attack, *args) -> dict:
         await asyncio.sleep(0.05)
     detail = task.result()
     ended = time.perf_counter()
-    while counts(pid, metrics_port).get("sessions_active") and time.perf_counter() - ended < 120:
+    while counts(pid, metrics_port).get("sessions_active") and time.perf_counter() - ended < 120:  # noqa: ASYNC110
         await asyncio.sleep(0.1)
     detail["sessions_released_s"] = round(time.perf_counter() - ended, 1)
     await asyncio.sleep(2)

@@ -17,10 +17,10 @@ from rtmedia.clients.credentials import (
     Credentials,
     CredentialsError,
     from_args,
-    host_of,
-    is_loopback,
 )
 from rtmedia.protocol.errors import rich_status
+from rtmedia.protocol.tokens import is_loopback
+from rtmedia.protocol.tokens import target_host as host_of
 from rtmedia.v1 import speech_pb2
 
 from tests.support.certs import Certs, make_certs

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import base64
+import contextlib
 import json
 import logging
 import re

@@ -4,11 +4,55 @@
 //
 // For automation: window.rtmedia.events holds every event received, in order, with
 // `t_ms` (page clock) added; <body data-state> is idle | connecting | connected |
-// closed | failed | error.
+// closed | failed | error | token (the bridge wants an access token).
+//
+// Tokens: a bridge started with --auth-tokens answers 401 without one. The page then asks
+// for it (the token form), keeps it in localStorage and sends it as `Authorization: Bearer`
+// on /config, /offer and /peers/...; "Forget token" removes it.
 "use strict";
 
 const VOICED_RMS = 0.006; // about -45 dBFS: the same threshold `rtmedia talk` uses
+const TOKEN_STORE = "rtmedia.token"; // localStorage key of the access token
 const $ = (id) => document.getElementById(id);
+let pageToken = ""; // the access token in use ("" without one)
+
+function storedToken() {
+  try { return localStorage.getItem(TOKEN_STORE) || ""; } catch { return ""; }
+}
+
+function storeToken(token) {
+  try {
+    if (token) localStorage.setItem(TOKEN_STORE, token);
+    else localStorage.removeItem(TOKEN_STORE);
+  } catch { /* storage disabled: the token lasts as long as the page */ }
+  pageToken = token;
+  $("forget-token").hidden = !token;
+}
+
+function authHeaders(headers = {}) {
+  return pageToken ? { ...headers, Authorization: `Bearer ${pageToken}` } : headers;
+}
+
+class NeedToken extends Error {}
+
+// fetch() with the token; a 401 asks for a (new) token and throws NeedToken.
+async function bridgeFetch(path, options = {}) {
+  const res = await fetch(path, { ...options, headers: authHeaders(options.headers || {}) });
+  if (res.status === 401) {
+    const rejected = Boolean(pageToken);
+    if (rejected) storeToken("");
+    askForToken(rejected ? "The bridge did not accept that token: enter another." : "This bridge needs an access token.");
+    throw new NeedToken("an access token is needed");
+  }
+  return res;
+}
+
+function askForToken(message) {
+  $("token-prompt").textContent = message;
+  $("token-form").hidden = false;
+  $("token").value = "";
+  $("token").focus();
+}
 
 const rtmedia = {
   events: [],
@@ -20,6 +64,12 @@ const rtmedia = {
   send(event) {
     if (!this.channel || this.channel.readyState !== "open") throw new Error("not connected");
     this.channel.send(JSON.stringify(event));
+  },
+  async peerStats() {
+    // GET /peers/{id}: this peer's statistics, as the bridge counts them.
+    if (!this.peerId) return null;
+    const res = await bridgeFetch(`/peers/${this.peerId}`);
+    return res.ok ? res.json() : null;
   },
   async inboundAudio() {
     // Bytes and level of the reply audio as the browser received it (getStats inbound-rtp).
@@ -208,7 +258,7 @@ async function start() {
   showError("");
   setState("connecting");
   try {
-    const config = await (await fetch("/config")).json();
+    const config = await (await bridgeFetch("/config")).json();
     // ?processing=off turns the browser's echo cancellation, noise suppression and gain
     // control off (for a headset, or a test's fake microphone playing a file).
     const processing = new URLSearchParams(location.search).get("processing") !== "off";
@@ -243,7 +293,7 @@ async function start() {
     });
     await pc.setLocalDescription(await pc.createOffer());
     await waitForIce(pc);
-    const res = await fetch("/offer", {
+    const res = await bridgeFetch("/offer", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ sdp: pc.localDescription.sdp, type: "offer" }),
@@ -253,14 +303,36 @@ async function start() {
     rtmedia.peerId = body.id;
     await pc.setRemoteDescription({ sdp: body.sdp, type: "answer" });
   } catch (err) {
+    if (err instanceof NeedToken) {
+      await stop("token");
+      return;
+    }
     showError(err.message || String(err));
     await stop("error");
   }
 }
 
+function useToken(event) {
+  event.preventDefault();
+  const token = $("token").value.trim();
+  if (!token) return;
+  storeToken(token);
+  $("token-form").hidden = true;
+  $("token").value = "";
+  start(); // the call the token was asked for
+}
+
+function forgetToken() {
+  storeToken("");
+  $("token-form").hidden = true;
+  showError("");
+}
+
 async function stop(state = "closed") {
   const peerId = rtmedia.peerId;
-  if (peerId) fetch(`/peers/${peerId}`, { method: "DELETE", keepalive: true }).catch(() => {});
+  if (peerId) {
+    fetch(`/peers/${peerId}`, { method: "DELETE", keepalive: true, headers: authHeaders() }).catch(() => {});
+  }
   clearInterval(meterTimer);
   if (audioCtx) audioCtx.close();
   if (rtmedia.pc) rtmedia.pc.close();
@@ -288,6 +360,9 @@ function pushToTalk(down) {
 }
 
 document.addEventListener("DOMContentLoaded", () => {
+  storeToken(storedToken());
+  $("token-form").addEventListener("submit", useToken);
+  $("forget-token").addEventListener("click", forgetToken);
   $("start").addEventListener("click", start);
   $("stop").addEventListener("click", () => stop());
   $("mute").addEventListener("click", () => {

@@ -37,3 +37,14 @@ def error_reason(error: grpc.RpcError) -> str | None:
             detail.Unpack(info)
             return info.reason
     return None
+
+
+def error_metadata(error: grpc.RpcError) -> dict[str, str]:
+    """The ErrorInfo metadata of a failed call ({} when it has none)."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return dict(info.metadata)
+    return {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import re
 from collections.abc import Iterable
@@ -130,3 +131,29 @@ def bearer(header: str | None) -> str | None:
     if header is None or not header[: len(BEARER)].lower() == BEARER:
         return None
     return header[len(BEARER):].strip() or None
+
+
+def target_host(target: str) -> str:
+    """The host of a gRPC target: HOST:PORT, [V6]:PORT, dns:[//AUTH/]HOST:PORT, ipv4:/ipv6:ADDR,
+    unix:PATH (this machine: "localhost")."""
+    scheme, sep, rest = target.partition(":")
+    if sep and scheme in ("unix", "unix-abstract"):
+        return "localhost"
+    if sep and scheme in ("dns", "ipv4", "ipv6"):
+        target = rest.split("/")[-1] if rest.startswith("//") else rest
+        target = target.split(",")[0]
+    if target.startswith("["):
+        return target[1:].partition("]")[0]
+    if target.count(":") == 1:
+        return target.rsplit(":", 1)[0]
+    return target  # a bare name, or a bare IPv6 address
+
+
+def is_loopback(host: str) -> bool:
+    """localhost or a loopback address: where a token may travel in plaintext."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
