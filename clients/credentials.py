@@ -102,9 +102,9 @@ def from_args(args: argparse.Namespace) -> Credentials:
         raise CredentialsError("--token: a token is printable ASCII without spaces")
     creds = Credentials(
         tls=bool(getattr(args, "tls", False) or ca or cert),
-        root_certificates=_read_pem("--ca", ca, b"CERTIFICATE"),
-        private_key=_read_pem("--key", key, b"PRIVATE KEY"),
-        certificate_chain=_read_pem("--cert", cert, b"CERTIFICATE"),
+        root_certificates=read_pem("--ca", ca, b"CERTIFICATE"),
+        private_key=read_pem("--key", key, b"PRIVATE KEY"),
+        certificate_chain=read_pem("--cert", cert, b"CERTIFICATE"),
         token=token,
     )
     creds.check(args.target)
@@ -119,7 +119,7 @@ def token_of(args: argparse.Namespace) -> str | None:
     return token.strip() or None
 
 
-def _read_pem(flag: str, path: Path | None, kind: bytes) -> bytes | None:
+def read_pem(flag: str, path: str | Path | None, kind: bytes) -> bytes | None:
     """A PEM file's bytes; an unreadable or non-PEM file is a CredentialsError naming it
     (gRPC itself would only fail later, at the handshake, without saying which file)."""
     if path is None:

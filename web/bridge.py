@@ -71,6 +71,7 @@ from aiortc.exceptions import InternalError, InvalidAccessError, InvalidStateErr
 from aiortc.rtcrtpsender import RTCRtpSender
 from aiortc.sdp import SessionDescription
 from rtmedia.clients.client import CHANNEL_OPTIONS
+from rtmedia.clients.credentials import read_pem
 from rtmedia.protocol.tokens import (
     WEBSOCKET_PROTOCOL_PREFIX,
     Token,
@@ -202,28 +203,14 @@ def is_local_target(target: str) -> bool:
     return is_loopback(target_host(target))
 
 
-def _read_pem(flag: str, path: str, kind: bytes) -> bytes:
-    """A PEM file's bytes; ValueError naming the file when it cannot be read or holds no `kind`
-    (gRPC would only fail later, at the handshake, without saying which file)."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"cannot read {flag} {path}: {exc.strerror or exc}") from None
-    if b"-----BEGIN " not in data or kind not in data:
-        raise ValueError(f"{flag} {path}: not a PEM file holding a {kind.decode().lower()}")
-    return data
-
-
 def server_credentials(config: BridgeConfig) -> grpc.ChannelCredentials | None:
     """The channel credentials toward the server (files read now, so a bad one fails at start);
     None: plaintext."""
     if not config.server_tls:
         return None
-    return grpc.ssl_channel_credentials(
-        root_certificates=_read_pem("--server-ca", config.server_ca, b"CERTIFICATE") if config.server_ca else None,
-        private_key=_read_pem("--server-key", config.server_key, b"PRIVATE KEY") if config.server_key else None,
-        certificate_chain=(_read_pem("--server-cert", config.server_cert, b"CERTIFICATE")
-                           if config.server_cert else None))
+    return grpc.ssl_channel_credentials(root_certificates=read_pem("--server-ca", config.server_ca, b"CERTIFICATE"),
+                                        private_key=read_pem("--server-key", config.server_key, b"PRIVATE KEY"),
+                                        certificate_chain=read_pem("--server-cert", config.server_cert, b"CERTIFICATE"))
 
 
 def parse_udp_ports(text: str) -> tuple[int, int]:
