@@ -1,14 +1,12 @@
 """The client commands against the real `rtmedia serve` over mutual TLS with bearer tokens:
 `voices` and `loadtest` with a token, one-line errors for a missing client certificate, a
-wrong or missing token, and a token over its quota. Skipped until `rtmedia serve` has
---tls-cert, --tls-client-ca and --auth-tokens (the server side of the same feature)."""
+wrong or missing token, and a token over its quota."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,64 +14,25 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rtmedia.clients.client import write_wav
-from rtmedia.clients.credentials import TOKEN_ENV, Credentials
+from rtmedia.clients.credentials import TOKEN_ENV
 
 from tests.support.certs import Certs, make_certs
-from tests.support.serve import RTMEDIA, free_port
+from tests.support.serve import RTMEDIA, running_server
 
 pytestmark = pytest.mark.e2e
 TOKEN = "alice-token-0123456789"
 QUOTA_TOKEN = "bob-token-0123456789ab"  # one session a minute
-SERVER_FLAGS = ("--tls-cert", "--tls-client-ca", "--auth-tokens")
-
-
-def serve_has_tls() -> bool:
-    help_text = subprocess.run([RTMEDIA, "serve", "--help"], capture_output=True, text=True, timeout=120).stdout
-    return all(flag in help_text for flag in SERVER_FLAGS)
-
-
-def wait_serving(target: str, creds: Credentials, process: subprocess.Popen, timeout: float = 120) -> None:
-    """Block until health says SERVING over `creds` (tests/support/serve.py's own wait speaks
-    plaintext; health needs no token)."""
-    deadline = time.monotonic() + timeout
-    with creds.channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"rtmedia serve exited with {process.returncode}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError("rtmedia serve did not become SERVING")
 
 
 @contextmanager
 def tls_server(certs: Certs, *args: str, log: Path) -> Iterator[str]:
     """`rtmedia serve` with TLS requiring a client certificate from certs.ca, once SERVING: its target."""
-    port = free_port()
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            [RTMEDIA, "serve", "--port", str(port), "--tls-cert", str(certs.server_cert), "--tls-key",
-             str(certs.server_key), "--tls-client-ca", str(certs.ca), *args], stdout=out, stderr=subprocess.STDOUT)
-    target = f"127.0.0.1:{port}"
-    try:
-        wait_serving(target, Credentials(tls=True, root_certificates=certs.ca.read_bytes(),
-                                         private_key=certs.client_key.read_bytes(),
-                                         certificate_chain=certs.client_cert.read_bytes()), process)
+    credentials = grpc.ssl_channel_credentials(certs.ca.read_bytes(), certs.client_key.read_bytes(),
+                                               certs.client_cert.read_bytes())
+    with running_server("--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+                        "--tls-client-ca", str(certs.ca), *args, log=log, credentials=credentials) as (target, _):
         yield target
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +42,6 @@ def certs(tmp_path_factory) -> Certs:
 
 @pytest.fixture(scope="module")
 def target(certs, tmp_path_factory):
-    if not serve_has_tls():
-        pytest.skip(f"`rtmedia serve --help` lists no {', '.join(SERVER_FLAGS)} yet: the server side of TLS and "
-                    "tokens has not landed")
     folder = tmp_path_factory.mktemp("serve")
     tokens = folder / "tokens"
     tokens.write_text(f"{TOKEN} alice\n{QUOTA_TOKEN} bob sessions_per_minute=1\n")

@@ -32,16 +32,6 @@ TOKENS = f"{ALICE} alice\n{BOB} bob\n{QUOTA} quota sessions_per_minute=1\n"
 CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("RTMEDIA_TOKEN", "RTMEDIA_AUTH_TOKENS")}
 
 
-def serve_checks_tokens() -> bool:
-    out = subprocess.run([RTMEDIA, "serve", "--help"], capture_output=True, text=True, timeout=60).stdout
-    return "--auth-tokens" in out
-
-
-SERVER_AUTH = serve_checks_tokens()
-needs_server_auth = pytest.mark.skipif(not SERVER_AUTH, reason="`rtmedia serve --help` has no --auth-tokens: "
-                                                               "this server does not check tokens yet")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """One `rtmedia serve --no-llm --responder echo`; where it can, with the token file and the
@@ -50,14 +40,11 @@ def server(tmp_path_factory):
     tokens = directory / "tokens.txt"
     tokens.write_text(TOKENS)
     web_port = free_port()
-    extra = ["--auth-tokens", str(tokens), "--web", "--web-port", str(web_port)] if SERVER_AUTH else []
     log = directory / "serve.log"
-    with running_server("--no-llm", "--responder", "echo", "--metrics-port", "0", "--grace", "2", *extra,
-                        log=log) as (target, process):
-        if SERVER_AUTH:
-            wait_http(f"http://127.0.0.1:{web_port}/healthz", process)
-        yield {"target": target, "tokens": tokens, "log": log, "dir": directory,
-               "web": f"http://127.0.0.1:{web_port}" if SERVER_AUTH else None}
+    with running_server("--no-llm", "--responder", "echo", "--metrics-port", "0", "--grace", "2", "--auth-tokens",
+                        str(tokens), "--web", "--web-port", str(web_port), log=log) as (target, process):
+        wait_http(f"http://127.0.0.1:{web_port}/healthz", process)
+        yield {"target": target, "tokens": tokens, "log": log, "dir": directory, "web": f"http://127.0.0.1:{web_port}"}
     assert_no_secret(log.read_text(errors="replace"))
 
 
@@ -216,7 +203,6 @@ def test_sigterm_drains_the_bridge(server, tmp_path):
     assert "draining" in log.read_text()
 
 
-@needs_server_auth
 def test_the_servers_tokens_reach_it_through_the_bridge(server, tmp_path):
     """The server checks tokens: the browser's token goes on (and a wrong one comes back as 401),
     --server-token stands in for a browser that has none, and a token over its quota is 429."""
@@ -244,7 +230,6 @@ def test_the_servers_tokens_reach_it_through_the_bridge(server, tmp_path):
         assert status == 429 and body["reason"] == "quota" and int(headers["Retry-After"]) >= 1, (body, headers)
 
 
-@needs_server_auth
 def test_the_bridge_beside_the_server_checks_its_tokens(server):
     async def check(url: str) -> None:
         async with aiohttp.ClientSession() as http:
