@@ -8,6 +8,7 @@ A real LmEngine on a tiny random Llama saved to a temp dir."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -49,6 +50,23 @@ async def generate(lane: LmLane, prompt: list[int], n: int = 6, key: str | None 
 
 
 PROMPT = [5, 17, 33, 8, 41, 12, 9, 27]
+
+
+@contextlib.contextmanager
+def slow_prefills(lane: LmLane, seconds: float):
+    """Each prefill of the lane's engine takes `seconds` longer; the event is set when one starts."""
+    prefill, started, loop = lane.engine.prefill, asyncio.Event(), asyncio.get_running_loop()
+
+    def slow(slot: int, ids: list[int]):
+        loop.call_soon_threadsafe(started.set)
+        time.sleep(seconds)
+        return prefill(slot, ids)
+
+    lane.engine.prefill = slow  # type: ignore[method-assign]
+    try:
+        yield started
+    finally:
+        lane.engine.prefill = prefill  # type: ignore[method-assign]
 
 
 async def test_kept_conversation_prefills_only_the_new_tokens(lane: LmLane) -> None:
@@ -143,17 +161,7 @@ def test_common_prefix() -> None:
 async def test_a_conversation_forgotten_while_its_prompt_is_prefilled_keeps_no_slot(lane: LmLane) -> None:
     """A session that ends while its prompt (or its ahead-of-time prefix) is being prefilled
     leaves no kept slot behind."""
-    prefill = lane.engine.prefill
-    started = asyncio.Event()
-
-    def slow_prefill(slot: int, ids: list[int]):
-        lane_loop.call_soon_threadsafe(started.set)
-        time.sleep(0.2)
-        return prefill(slot, ids)
-
-    lane_loop = asyncio.get_running_loop()
-    lane.engine.prefill = slow_prefill  # type: ignore[method-assign]
-    try:
+    with slow_prefills(lane, 0.2) as started:
         lane.prepare("gone", PROMPT)
         await asyncio.wait_for(started.wait(), 5)
         lane.forget("gone")  # the session closed meanwhile
@@ -162,8 +170,6 @@ async def test_a_conversation_forgotten_while_its_prompt_is_prefilled_keeps_no_s
         await asyncio.wait_for(started.wait(), 5)
         lane.forget("gone too")
         await consumer
-    finally:
-        lane.engine.prefill = prefill  # type: ignore[method-assign]
     await asyncio.sleep(0.05)
     assert lane.kept == 0 and lane.engine.slots_free == lane.engine.slots_total
 
@@ -171,24 +177,12 @@ async def test_a_conversation_forgotten_while_its_prompt_is_prefilled_keeps_no_s
 async def test_consumers_gone_before_their_prefill_free_their_slots_unprefilled(lane: LmLane) -> None:
     """Two generations admitted together, the second's consumer gone while the first is
     prefilled: the second is never prefilled and its slot is free at once."""
-    prefill = lane.engine.prefill
-    started = asyncio.Event()
-
-    def slow_prefill(slot: int, ids: list[int]):
-        lane_loop.call_soon_threadsafe(started.set)
-        time.sleep(0.3)
-        return prefill(slot, ids)
-
-    lane_loop = asyncio.get_running_loop()
-    lane.engine.prefill = slow_prefill  # type: ignore[method-assign]
-    try:
+    with slow_prefills(lane, 0.3) as started:
         first = asyncio.create_task(generate(lane, PROMPT, n=2))
         second = asyncio.create_task(generate(lane, PROMPT[:5], n=2))
         await asyncio.wait_for(started.wait(), 5)
         second.cancel()  # its session vanished
         await asyncio.gather(second, return_exceptions=True)
         await first
-    finally:
-        lane.engine.prefill = prefill  # type: ignore[method-assign]
     assert lane.prefills == [len(PROMPT)]
     assert lane.engine.slots_free == lane.engine.slots_total

@@ -42,7 +42,6 @@ from rtmedia.web.bridge import (
     start_beside,
 )
 from rtmedia.web.cli import add_web_parser, bridge_config
-from rtmedia.web.peer import Peer
 
 from tests.support.webrtc import BridgePeer
 
@@ -56,16 +55,6 @@ SECRETS = (ALICE, BOB, WRONG, SERVER, QUOTA)
 
 def table(*lines: str, path: str = "test") -> TokenTable:
     return TokenTable(parse_tokens("\n".join(lines), path))
-
-
-async def _no_session(self: Peer, settings: dict) -> None:
-    self.session_id = "test-session"
-    self._session_open.set()
-
-
-@pytest.fixture
-def sessionless(monkeypatch):
-    monkeypatch.setattr(Peer, "open_session", _no_session)
 
 
 @contextlib.asynccontextmanager

@@ -28,16 +28,6 @@ from rtmedia.web.peer import Peer
 from tests.support.webrtc import BridgePeer, hostile_requests, repeat_audio
 
 
-async def _no_session(self: Peer, settings: dict) -> None:
-    self.session_id = "test-session"
-    self._session_open.set()
-
-
-@pytest.fixture
-def sessionless(monkeypatch):
-    monkeypatch.setattr(Peer, "open_session", _no_session)
-
-
 async def started(config: BridgeConfig) -> Bridge:
     bridge = Bridge(config)
     await bridge.start()
