@@ -203,6 +203,12 @@ def is_local_target(target: str) -> bool:
     return is_loopback(target_host(target))
 
 
+def server_channel(target: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+
+
 def server_credentials(config: BridgeConfig) -> grpc.ChannelCredentials | None:
     """The channel credentials toward the server (files read now, so a bad one fails at start);
     None: plaintext."""
@@ -323,7 +329,9 @@ class Bridge:
         self.peers: dict[str, Peer] = {}
         self._opening = 0  # offers being answered (they count against max_peers)
         self.refused = 0
-        self.channel: grpc.aio.Channel | None = None
+        self.channel: grpc.aio.Channel | None = None  # what new peers call the server on
+        self._retired: list[grpc.aio.Channel] = []  # replaced by a reload; closed once no peer uses them
+        self._closing_channels: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self.port = 0
         self.url = ""
@@ -354,11 +362,7 @@ class Bridge:
         loop = asyncio.get_running_loop()
         self.ice = await ice_binding(self.config.media_bind_host, self.config.udp_ports)
         install_ice_binding(loop)
-        credentials = server_credentials(self.config)
-        if credentials is None:
-            self.channel = grpc.aio.insecure_channel(self.config.target, options=CHANNEL_OPTIONS)
-        else:
-            self.channel = grpc.aio.secure_channel(self.config.target, credentials, options=CHANNEL_OPTIONS)
+        self.channel = server_channel(self.config.target, server_credentials(self.config))
         ssl_context = None
         if self.config.tls_cert:
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -392,8 +396,9 @@ class Bridge:
                                  return_exceptions=True)
             if self._runner is not None:
                 await self._runner.cleanup()
-            if self.channel is not None:
-                await self.channel.close()
+            for channel in [*self._retired, *([self.channel] if self.channel else [])]:
+                await channel.close()
+            self._retired.clear()
         finally:
             self.stopped.set()
 
@@ -423,8 +428,11 @@ class Bridge:
     def reload(self, tokens: TokenTable | None = None) -> None:
         """SIGHUP: re-read the page's TLS certificate and key into the live SSL context (new
         handshakes get the new certificate; live peers are untouched), and swap the token table:
-        to `tokens` (the server's, beside it), else this one re-read from its file. A file that
-        does not load leaves the old in force and is named in one log line."""
+        to `tokens` (the server's, beside it), else this one re-read from its file. With
+        --server-tls, re-read the CA, certificate and key toward the server: new peers dial on a
+        new channel, live peers keep theirs until they close. A file that does not load leaves
+        the old in force and is named in one log line."""
+        self._reload_server_credentials()
         if self.ssl_context is not None and self.config.tls_cert:
             cert, key = self.config.tls_cert, self.config.tls_key
             try:
@@ -506,16 +514,26 @@ class Bridge:
         return error_response(405, "trickle ICE is not supported: the answer already carries every candidate",
                               headers={"Allow": "DELETE"})
 
-    async def delete(self, request: web.Request) -> web.Response:
-        """Ends the peer whose id is in the URL: the id is the credential."""
+    def _own_peer(self, request: web.Request) -> Peer | None:
+        """The peer whose id is in the URL (the id is the credential); with tokens on, only for a
+        request carrying the same token's name that made it: another token's holder who learnt
+        an id sees no peer there."""
         peer = self.peers.get(request.match_info["peer_id"])
+        token = request.get(TOKEN_KEY)
+        if peer is None or (token is not None and peer.token_name != token.name):
+            return None
+        return peer
+
+    async def delete(self, request: web.Request) -> web.Response:
+        """Ends the peer whose id is in the URL."""
+        peer = self._own_peer(request)
         if peer is None:
             return error_response(404, "no such peer (it may have closed already)")
         await peer.close("ended by the client")
         return web.Response(status=200, text="closed\n")
 
     async def peer_stats(self, request: web.Request) -> web.Response:
-        peer = self.peers.get(request.match_info["peer_id"])
+        peer = self._own_peer(request)
         if peer is None:
             return error_response(404, "no such peer (it may have closed already)")
         return web.json_response(peer.describe())
@@ -638,8 +656,32 @@ class Bridge:
         if peer.pc.connectionState != "connected":
             await peer.close(f"not connected within {self.config.connect_timeout_s:g} s")
 
+    def _reload_server_credentials(self) -> None:
+        if not self.config.server_tls or self.channel is None or self._stopping:
+            return
+        try:
+            credentials = server_credentials(self.config)
+        except ValueError as exc:  # read_pem names the flag and the file
+            log.warning(f"reload: the credentials toward the server did not load; the old ones stay: {exc}")
+            return
+        self._retired.append(self.channel)
+        self.channel = server_channel(self.config.target, credentials)
+        log.info("reload: credentials toward the server re-read", extra={"target": self.config.target})
+        self._close_unused_channels()
+
+    def _close_unused_channels(self) -> None:
+        """Close the channels a reload replaced once no live peer calls the server on them."""
+        used = {id(peer.grpc_channel) for peer in self.peers.values()}
+        for channel in [c for c in self._retired if id(c) not in used]:
+            self._retired.remove(channel)
+            task = asyncio.get_running_loop().create_task(channel.close())
+            self._closing_channels.add(task)
+            task.add_done_callback(self._closing_channels.discard)
+
     def _forget(self, peer: Peer) -> None:
         self.peers.pop(peer.id, None)
+        if self._retired:
+            self._close_unused_channels()
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None,

@@ -27,8 +27,8 @@ page and /healthz wants `Authorization: Bearer TOKEN` (a WebSocket may offer the
 subprotocol rtmedia.bearer.TOKEN instead); the page asks for one when it needs it.
 Each session's calls to the server carry the browser's token, else --server-token.
 
-Signals: SIGHUP re-reads --tls-cert/--tls-key and --auth-tokens (a file that does
-not load leaves the old in force); SIGTERM drains: new offers get 503, live calls
+Signals: SIGHUP re-reads --tls-cert/--tls-key, --auth-tokens and the --server-*
+files (a file that does not load leaves the old in force; live calls keep theirs); SIGTERM drains: new offers get 503, live calls
 go on until their sessions end or --grace runs out. SIGINT (or a second SIGTERM)
 stops at once.
 """
@@ -66,6 +66,8 @@ def add_web_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--responder", default=None, help="responder of the sessions, e.g. echo (default: the server's)")
     p.add_argument("--grace", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, how long live calls may go on while new offers are refused (default 30)")
+    p.add_argument("--log-format", choices=["json", "text"], default="text",
+                   help="log line format (text: for people; json: one object per line)")
     g = p.add_argument_group("tokens on the web port")
     g.add_argument("--auth-tokens", default=None, metavar="FILE",
                    help="token file (TOKEN [NAME] [limits] per line; default $RTMEDIA_AUTH_TOKENS, else no "
@@ -107,7 +109,7 @@ def cmd_web(args: argparse.Namespace) -> None:
         raise ValueError(f"--grace must be at least 0, got {args.grace:g}")
     config = bridge_config(args)
     tokens = TokenTable.load(args.auth_tokens)  # the file, else $RTMEDIA_AUTH_TOKENS; ValueError names it
-    logs.configure("INFO", "text")
+    logs.configure("INFO", args.log_format)
     asyncio.run(run_bridge(config, tokens, args.grace))
 
 

@@ -151,10 +151,13 @@ async def test_tokens_guard_every_route_but_the_page_and_healthz(sessionless, ca
             status, body, _ = await connect(peer, http, bearer(ALICE))
             assert status == 200, body
             seen.append(json.dumps(body))
-            status, text, _ = await call("GET", f"/peers/{peer.peer_id}", bearer(BOB))
+            status, text, _ = await call("GET", f"/peers/{peer.peer_id}", bearer(ALICE))
             assert status == 200 and json.loads(text)["token_name"] == "alice"
             assert (await call("GET", f"/peers/{peer.peer_id}"))[0] == 401  # the id alone is not enough now
             assert (await call("DELETE", f"/peers/{peer.peer_id}"))[0] == 401
+            # Another token's holder who learnt the id sees no peer there.
+            assert (await call("GET", f"/peers/{peer.peer_id}", bearer(BOB)))[0] == 404
+            assert (await call("DELETE", f"/peers/{peer.peer_id}", bearer(BOB)))[0] == 404
             assert peer.peer_id in bridge.peers
             assert (await call("DELETE", f"/peers/{peer.peer_id}", bearer(ALICE)))[0] == 200
         finally:
@@ -453,7 +456,7 @@ async def test_sessions_carry_the_browsers_token_else_the_bridges(caplog):
     assert_no_secret(seen, caplog)
 
 
-def ca_and_certs(directory: Path) -> dict[str, Path]:
+def ca_and_certs(directory: Path, ca_subject: str = "test CA") -> dict[str, Path]:
     """A CA, a server certificate for 127.0.0.1 and a client certificate, signed by it."""
     def issue(subject: str, key, issuer: x509.Name, issuer_key, *, ca: bool = False, sans=None, usage=None):
         now = datetime.datetime.now(datetime.UTC)
@@ -474,8 +477,8 @@ def ca_and_certs(directory: Path) -> dict[str, Path]:
                                  serialization.NoEncryption())
 
     ca_key, server_key, client_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test CA")])
-    ca = issue("test CA", ca_key, ca_name, ca_key, ca=True)
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_subject)])
+    ca = issue(ca_subject, ca_key, ca_name, ca_key, ca=True)
     server = issue("localhost", server_key, ca_name, ca_key,
                    sans=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
                    usage=[ExtendedKeyUsageOID.SERVER_AUTH])
@@ -519,6 +522,56 @@ async def test_the_bridge_dials_the_server_over_mutual_tls(tmp_path):
                 assert status in (502, 504) and len(servicer.seen) == 1, body
             finally:
                 await peer.close()
+
+
+async def test_reload_rereads_the_credentials_toward_the_server(tmp_path, caplog):
+    """SIGHUP with --server-tls: new peers dial with the re-read client certificate, a live peer
+    keeps its channel until it closes, and a bad file leaves the old credentials in force."""
+    caplog.set_level(logging.INFO)
+    (tmp_path / "first").mkdir(), (tmp_path / "second").mkdir()
+    first, second = ca_and_certs(tmp_path / "first"), ca_and_certs(tmp_path / "second", "second CA")
+    credentials = grpc.ssl_server_credentials([(first["server.key"].read_bytes(), first["server.pem"].read_bytes())],
+                                              root_certificates=first["ca"].read_bytes() + second["ca"].read_bytes(),
+                                              require_client_auth=True)
+    live_cert, live_key = tmp_path / "client.pem", tmp_path / "client.key"
+    live_cert.write_bytes(second["client.pem"].read_bytes())
+    live_key.write_bytes(second["client.key"].read_bytes())
+    servicer = StandIn(set())
+    async with stand_in(servicer, credentials) as port, aiohttp.ClientSession() as http:
+        config = BridgeConfig(port=0, target=f"127.0.0.1:{port}", server_ca=str(first["ca"]),
+                              server_cert=str(live_cert), server_key=str(live_key))
+        async with running(config, TokenTable()) as bridge:
+            url = f"http://127.0.0.1:{bridge.port}"
+            before, after = BridgePeer(url), BridgePeer(url)
+            try:
+                assert (await connect(before, http, {}))[0] == 200
+                await before.wait_for("session.created")
+                live_cert.write_bytes(first["client.pem"].read_bytes())
+                live_key.write_bytes(first["client.key"].read_bytes())
+                old = bridge.channel
+                bridge.reload()
+                assert bridge.channel is not old and bridge._retired == [old]  # the live peer still uses it
+                assert (await connect(after, http, {}))[0] == 200
+                await after.wait_for("session.created")
+                presented = [p["x509_pem_cert"][0] for p in servicer.peers]
+                assert presented == [second["client.pem"].read_bytes(), first["client.pem"].read_bytes()]
+                assert bridge.peers[before.peer_id].grpc_channel is old
+            finally:
+                await before.close()
+            for _ in range(100):  # the peer's DELETE closes it; then its retired channel goes
+                if not bridge._retired:
+                    break
+                await asyncio.sleep(0.05)
+            assert bridge._retired == [] and after.peer_id in bridge.peers
+            # A bad file: one line names it, and the channel stays.
+            caplog.clear()
+            live_key.write_text("not a key\n")
+            channel = bridge.channel
+            bridge.reload()
+            assert bridge.channel is channel
+            warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+            assert len(warnings) == 1 and str(live_key) in warnings[0].getMessage(), warnings
+            await after.close()
 
 
 def test_server_flags_reach_the_config(tmp_path, monkeypatch):
