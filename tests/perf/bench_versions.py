@@ -9,10 +9,26 @@ per tree and load: runs held, and the median and spread of CPU per session. The 
 generator is the current tree's client in every run, so only the server differs.
 
     .venv/bin/python tests/perf/bench_versions.py (--before ../before | --tls) [--rounds 4]
-        [--listen-duration 30] [--talk-duration 45] [--out results.json]
+        [--listen-duration 30] [--talk-duration 45] [--side-by-side | --ping [--pings 2000]]
+        [--side-sessions 8]
+        [--out results.json]
 
 `--tls` compares this tree's server in plaintext with the same server over TLS (a
 throwaway CA and certificate; the load generator verifies it with `--ca`).
+
+`--tls --side-by-side` measures TLS's latency under the noise of this machine: in each
+round a plaintext and a TLS server run at once, each with half the `talk` load (8
+sessions) from its own load generator, so both see the same moment's machine; control
+rounds run two plaintext servers the same way, to show what the probe cannot tell apart.
+`--side-sessions N` sets the sessions per side (default 8: half the `talk` load).
+
+`--tls --ping` isolates what TLS adds to the path every reply takes: a plaintext and a TLS
+server at once, each under `--side-sessions` talk sessions of load, and one more session on
+each that sends an event the server answers at once with an `error` event (a
+`response.cancel` with nothing to cancel), alternating between the two servers, `--pings`
+times each; reported: each side's round-trip p50/p95 and the p50 of the paired
+differences (TLS minus the plaintext ping just before or after it).
+Reported per round: each side's response p50/p95 and the p50 difference.
 
 `--before DIR` is a checkout of the other version (e.g. `git worktree add ../before HEAD~3`);
 its server runs from that tree's sources through a package directory that maps the
@@ -38,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.perf.bench_loadtest import loadtest, tree_cpu_s  # noqa: E402
 from tests.perf.bench_speech import machine  # noqa: E402
-from tests.support.serve import free_port, wait_serving  # noqa: E402
+from tests.support.serve import RTMEDIA, free_port, wait_serving  # noqa: E402
 
 # import name -> folder of a source tree (pyproject.toml's package-dir)
 PACKAGES = {"v1": "proto/rtmedia/v1", "protocol": "proto/rtmedia/protocol", "server": "server",
@@ -119,6 +135,109 @@ def run(setting: Setting, profile: str, duration: float) -> dict:
             "server_cpu_ms_per_session_s": round(cpu / wall / sessions * 1000, 2)}
 
 
+def side_by_side(pair: tuple[Setting, Setting], duration: float, sessions: int) -> dict:
+    """Both settings' servers at once, each under `sessions` talk sessions from its own load
+    generator: the response p50 of each, measured over the same seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    servers = []
+    try:
+        for setting in pair:
+            credentials = grpc.ssl_channel_credentials(setting.ca.read_bytes()) if setting.ca else None
+            servers.append(start_server(setting.pythonpath, setting.serve, credentials))
+        with ThreadPoolExecutor(2) as pool:
+            reports = list(pool.map(
+                lambda i: loadtest(servers[i][1], ["--profile", "talk", "--sessions", str(sessions), "--chunk-ms",
+                                                   "20", "--duration", str(duration), "--ramp-per-s", "50",
+                                                   *pair[i].client]), range(2)))
+    finally:
+        for server, _ in servers:
+            stop_server(server)
+    sides = [{"version": s.name, "p50_ms": r["response_latency_ms"]["p50"], "p95_ms": r["response_latency_ms"]["p95"],
+              "turns": r["response_latency_ms"].get("count"), "underruns": r.get("underruns"),
+              "errors": r.get("errors")} for s, r in zip(pair, reports, strict=True)]
+    return {"pair": f"{pair[0].name}/{pair[1].name}", "sides": sides,
+            "p50_difference_ms": round(sides[1]["p50_ms"] - sides[0]["p50_ms"], 2)}
+
+
+async def _pings(targets: list[tuple[str, Any]], count: int) -> list[list[float]]:
+    """Round trips (ms) of an event the server answers at once, on one session per target,
+    alternating targets (and which goes first) so that both see the same moments."""
+    import grpc
+    from rtmedia.protocol.events import client_event, event_type
+    from rtmedia.v1 import realtime_pb2_grpc
+
+    calls, channels = [], []
+    for target, credentials in targets:
+        channel = (grpc.aio.secure_channel(target, credentials) if credentials
+                   else grpc.aio.insecure_channel(target))
+        channels.append(channel)
+        call = realtime_pb2_grpc.RealtimeServiceStub(channel).Converse()
+        await call.write(client_event("session.update", session={}))
+        while event_type(await call.read()) != "session.created":
+            pass
+        calls.append(call)
+    cancel = client_event("response.cancel")
+    times: list[list[float]] = [[] for _ in targets]
+    try:
+        for n in range(count + 20):  # the first 20 warm the path up
+            for i in (range(len(calls)) if n % 2 == 0 else reversed(range(len(calls)))):
+                started = time.perf_counter()
+                await calls[i].write(cancel)
+                while event_type(await calls[i].read()) != "error":
+                    pass
+                if n >= 20:
+                    times[i].append((time.perf_counter() - started) * 1000)
+    finally:
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            await channel.close()
+    return times
+
+
+def ping(pair: tuple[Setting, Setting], count: int, load_sessions: int) -> dict:
+    """Both servers at once under `load_sessions` talk sessions each; `count` pings each."""
+    import asyncio
+
+    import grpc
+
+    servers, loads = [], []
+    targets = []
+    try:
+        for setting in pair:
+            credentials = grpc.ssl_channel_credentials(setting.ca.read_bytes()) if setting.ca else None
+            servers.append(start_server(setting.pythonpath, setting.serve, credentials))
+            targets.append((servers[-1][1], credentials))
+        for setting, (_, target) in zip(pair, servers, strict=True):
+            if load_sessions:
+                loads.append(subprocess.Popen(
+                    [RTMEDIA, "loadtest", "--target", target, "--json", "--quiet",
+                     "--profile", "talk", "--sessions", str(load_sessions), "--chunk-ms", "20",
+                     "--duration", "3600", "--ramp-per-s", "50", *setting.client],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(5 if load_sessions else 0)  # the load's sessions open and start talking
+        times = asyncio.run(_pings(targets, count))
+    finally:
+        for load in loads:
+            load.kill()
+            load.wait()
+        for server, _ in servers:
+            stop_server(server)
+    paired = [b - a for a, b in zip(times[0], times[1], strict=True)]
+
+    def pct(values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+    return {"pair": f"{pair[0].name}/{pair[1].name}", "pings": count, "load_sessions_each": load_sessions,
+            "sides": [{"version": s.name, "p50_ms": pct(t, 0.5), "p95_ms": pct(t, 0.95)}
+                      for s, t in zip(pair, times, strict=True)],
+            "paired_difference_p50_ms": pct(paired, 0.5)}
+
+
 def summary(runs: list[dict]) -> dict:
     out: dict = {}
     for run_ in runs:
@@ -140,8 +259,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--listen-duration", type=float, default=30.0)
     parser.add_argument("--talk-duration", type=float, default=45.0)
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="with --tls: plaintext and TLS servers at once, each under half the talk load")
+    parser.add_argument("--side-sessions", type=int, default=LOADS["talk"][0] // 2,
+                        help="with --side-by-side: talk sessions per server (default 8)")
+    parser.add_argument("--ping", action="store_true",
+                        help="with --tls: round trips of an event on a plaintext and a TLS server at once")
+    parser.add_argument("--pings", type=int, default=2000, help="with --ping: round trips per server")
+    parser.add_argument("--control-every", type=int, default=3,
+                        help="with --side-by-side: every Nth round is plaintext/plaintext (default 3)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if (args.side_by_side or args.ping) and not args.tls:
+        parser.error("--side-by-side and --ping need --tls")
     if args.before and not (args.before / "server" / "cli.py").is_file():
         parser.error(f"--before {args.before}: not an rtmedia checkout (no server/cli.py)")
     runs: list[dict] = []
@@ -155,6 +285,33 @@ def main() -> None:
                              client=("--ca", str(certs.ca)), ca=certs.ca)]
         else:
             order = [Setting("before", package_dir(args.before, Path(tmp))), Setting("after")]
+        if args.ping:
+            rounds = []
+            for n in range(args.rounds):
+                pair = (order[0], order[0]) if (n + 1) % args.control_every == 0 else (order[0], order[1])
+                rounds.append(ping(pair, args.pings, args.side_sessions))
+                print(json.dumps(rounds[-1]), file=sys.stderr, flush=True)
+            result = {"machine": machine(), "rounds": rounds}
+            print(json.dumps(result, indent=1))
+            if args.out:
+                args.out.write_text(json.dumps(result, indent=1))
+            return
+        if args.side_by_side:
+            rounds = []
+            for n in range(args.rounds):
+                pair = (order[0], order[0]) if (n + 1) % args.control_every == 0 else (order[0], order[1])
+                rounds.append(side_by_side(pair, args.talk_duration, args.side_sessions))
+                print(json.dumps(rounds[-1]), file=sys.stderr, flush=True)
+            tls = [r["p50_difference_ms"] for r in rounds if r["pair"] == "plaintext/tls"]
+            control = [r["p50_difference_ms"] for r in rounds if r["pair"] == "plaintext/plaintext"]
+            result = {"machine": machine(), "rounds": rounds,
+                      "tls_minus_plaintext_p50_ms": {"each": tls, "median": statistics.median(tls) if tls else None},
+                      "control_p50_difference_ms": {"each": control,
+                                                    "median": statistics.median(control) if control else None}}
+            print(json.dumps(result, indent=1))
+            if args.out:
+                args.out.write_text(json.dumps(result, indent=1))
+            return
         for n in range(args.rounds):
             for setting in order if n % 2 == 0 else order[::-1]:
                 for profile in LOADS:
