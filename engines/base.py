@@ -6,6 +6,11 @@ hand out per-stream state handles with `open_stream()` / `close_stream()`;
 items carry the handle. Engines know nothing about gRPC or sessions, and
 `step` is always called off the event loop (a worker thread); engines that
 hold the GIL keep their compute in worker processes behind `step`.
+
+An engine may also have `fault() -> str | None`: why it cannot serve now and
+could not recover by itself (a worker process that could not be restarted), or
+None. The scheduler's health watch calls it several times a second, so it
+is cheap, and it may start a recovery (another restart attempt) when it is due.
 """
 
 from __future__ import annotations
@@ -16,6 +21,11 @@ from typing import Any, Protocol, runtime_checkable
 
 class EngineError(RuntimeError):
     """An engine could not do a piece of work; the message says why."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine cannot take this work now (its worker process is being restarted, its lane is
+    stalled); the same request may succeed shortly. Clients see UNAVAILABLE."""
 
 
 @runtime_checkable

@@ -1,4 +1,9 @@
-"""The rtmedia server process: gRPC services, health, reflection, metrics, drain."""
+"""The rtmedia server process: gRPC services, health, reflection, metrics, drain.
+
+Health says SERVING only while the server serves (not while it starts or drains) and, for the
+server ("") and each service, only while every lane it needs is healthy (the scheduler's health
+watch, server/scheduler.py): a lane that cannot recover takes the services that use it out of
+a load balancer's rotation until it recovers."""
 
 from __future__ import annotations
 
@@ -86,27 +91,37 @@ class RtmediaServer:
         self.tokens = TokenTable.load(config.auth_tokens)
         self.auth = AuthInterceptor(self.tokens, lambda reason: self.metrics.auth_refused.labels(reason).inc())
         self.placement = placement(config)  # device, precision, CUDA graphs (server/placement.py)
-        self.scheduler = scheduler = Scheduler(self.metrics)
+        self.scheduler = scheduler = Scheduler(self.metrics, unhealthy_after_s=config.lane_unhealthy_after_s)
+        deadline = config.step_deadline
         voices = default_voices() + [voice_from_path(p) for p in config.voices]
         # One clause per step (Piper synthesises one text at a time, and a batch would hold every
         # result until its last one is done), two steps at once on the two cores.
         scheduler.add(TTS, TtsEngine(voices, intra_op_threads=config.tts_threads, precision=config.tts_precision),
-                      LanePolicy(max_batch=1, concurrency=config.tts_concurrency))
+                      LanePolicy(max_batch=1, concurrency=config.tts_concurrency, step_deadline_s=deadline(TTS)))
         # One runner per PocketSphinx worker, each stepping only its own streams' items; an item
         # that only ends an utterance goes through the `asr_final` lane, which each worker
-        # answers mid-step (its urgent pipe).
-        asr = AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders)
-        for name, step in ((ASR, None), (ASR_FINAL, functools.partial(asr.step, urgent=True))):
+        # answers mid-step (its urgent pipe). A worker silent past the lanes' step deadline is
+        # killed and restarted, so a hung worker's lane recovers at its deadline.
+        silent = max(deadline(ASR) or 0, deadline(ASR_FINAL) or 0) or None
+        asr = AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders,
+                        on_restart=lambda worker: self.metrics.asr_worker_restarts.labels(str(worker)).inc(),
+                        **({"reply_timeout_s": silent} if silent else {}))
+        for worker in range(config.asr_workers):  # read when scraped
+            self.metrics.asr_streams.labels(str(worker)).set_function(functools.partial(asr.streams_on, worker))
+            self.metrics.asr_decoders.labels(str(worker)).set_function(functools.partial(asr.decoders_on, worker))
+        for name, step in ((ASR, None), (ASR_FINAL, lambda items: asr.step(items, urgent=True))):
             scheduler.add(name, asr, LanePolicy(Priority.REALTIME, max_batch=64, concurrency=config.asr_workers,
-                                                shard=lambda item: item.stream.worker), step)
+                                                shard=lambda item: item.stream.worker,
+                                                step_deadline_s=deadline(name)), step)
         # Video decode: one latent step per work item, BULK, so speech runs between any two steps.
         scheduler.add(VIDEO, build_video_engine(config, self.placement, self.metrics),
-                      LanePolicy(Priority.BULK, max_batch=1, concurrency=1))
+                      LanePolicy(Priority.BULK, max_batch=1, concurrency=1, step_deadline_s=deadline(VIDEO)))
         # The VAD tick: every window, one batched step over every session's new audio.
         vad = VadEngine(parallel_runs=config.vad_threads)
         vad_tick = VadTick(vad)
-        scheduler.add_tick(VAD, vad, WINDOW_MS, vad_tick.collect, vad_tick.process, vad_tick.deliver)
-        lanes = {name: scheduler.add_lm(name, engine)
+        scheduler.add_tick(VAD, vad, WINDOW_MS, vad_tick.collect, vad_tick.process, vad_tick.deliver,
+                           step_deadline_s=deadline(VAD))
+        lanes = {name: scheduler.add_lm(name, engine, deadline(name))
                  for name, engine in build_lm_engines(config, self.placement, self.metrics).items()}
         extra = {}
         if config.openai_url:
@@ -133,6 +148,21 @@ class RtmediaServer:
         self.private_target: str | None = None  # the in-process web front's own socket (start(private=True))
         self._private_dir: str | None = None
         self.services = SERVICE_NAMES + (RIVA_SERVICE_NAMES if config.riva else [])
+        # The lanes each service needs ("": what any service needs; a responder other than the
+        # default is not among them): a lane that cannot recover makes those NOT_SERVING.
+        reply_lane = config.default_responder if config.default_responder in lanes else \
+            f"reply-{config.default_responder}"
+        speech_service, realtime_service, video_service = SERVICE_NAMES
+        riva_asr, riva_tts = RIVA_SERVICE_NAMES
+        self.lanes_needed: dict[str, set[str]] = {
+            speech_service: {TTS, ASR, ASR_FINAL},
+            realtime_service: {VAD, ASR, ASR_FINAL, TTS, reply_lane},
+            video_service: {VIDEO},
+            riva_asr: {VAD, ASR, ASR_FINAL},
+            riva_tts: {TTS},
+        }
+        self.lanes_needed[""] = set().union(*(self.lanes_needed[name] for name in self.services))
+        scheduler.on_health(self._lanes_changed)
         self.health = health.aio.HealthServicer()
         self.state = "starting"
         self.port = 0
@@ -148,6 +178,22 @@ class RtmediaServer:
     async def _set_health(self, status: int) -> None:
         for name in ["", *self.services]:
             await self.health.set(name, status)
+
+    def health_of(self, name: str) -> int:
+        """What health says for `name` ("" or a service) now: SERVING only while serving and every
+        lane the service needs is healthy."""
+        if self.state != "serving" or self.lanes_needed.get(name, set()) & self.scheduler.unhealthy.keys():
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse.SERVING
+
+    async def _publish_health(self) -> None:
+        for name in ["", *self.services]:
+            await self.health.set(name, self.health_of(name))
+
+    async def _lanes_changed(self, unhealthy: dict[str, str]) -> None:
+        """The scheduler's health watch: the set of unhealthy lanes changed (it logged which)."""
+        if self.state == "serving":  # starting and draining say NOT_SERVING whatever the lanes
+            await self._publish_health()
 
     def reload(self) -> TokenTable:
         """SIGHUP: read the TLS certificate and the token file again (a bad file keeps the old one,
@@ -208,7 +254,7 @@ class RtmediaServer:
         self.scheduler.start()
         self.realtime.start()
         self.state = "serving"
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        await self._publish_health()
         log.info("serving", extra={"port": self.port, "services": self.services})
         return self.port
 

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import os
 import sys
+from typing import Any
 
 from rtmedia.clients import cli as client_cli
 from rtmedia.server.config import ServerConfig
@@ -125,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
             ("max-duration-s", "14400", "seconds of max_session_s a client may ask for"),
             ("max-idle-s", "1800", "seconds of idle_timeout_s a client may ask for")):
         p.add_argument(f"--session-{flag}", type=_positive, default=None, metavar="N", help=f"most {what} ({default})")
+    p.add_argument("--lane-deadline", dest="lane_step_deadlines_s", action=_LaneDeadline, default=None,
+                   metavar="LANE=SECONDS",
+                   help="step deadline of one lane (repeatable; 0: none): vad 5, asr 30, asr_final 30, tts 30, "
+                        "video 300, llm 60, transformers 120")
+    p.add_argument("--lane-unhealthy-after", dest="lane_unhealthy_after_s", type=float, default=None,
+                   metavar="SECONDS",
+                   help="how long a lane may stay stalled past a deadline, or fail every step, before health "
+                        "says NOT_SERVING (10)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
     p.add_argument("--log-format", choices=["json", "text"], default=None, help="log line format (json)")
     p.set_defaults(func=cmd_serve)
@@ -132,6 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_web_parser(sub)
     add_doctor_parser(sub)
     return parser
+
+
+class _LaneDeadline(argparse.Action):
+    """`--lane-deadline LANE=SECONDS`, repeatable: a mapping of lane names to seconds."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        lane, _, seconds = str(values).partition("=")
+        try:
+            value = float(seconds)
+        except ValueError:
+            raise argparse.ArgumentError(self, f"expected LANE=SECONDS, got {values!r}") from None
+        deadlines = dict(getattr(namespace, self.dest) or {})
+        deadlines[lane.strip()] = value
+        setattr(namespace, self.dest, deadlines)
 
 
 def _positive(text: str) -> int:

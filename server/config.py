@@ -11,6 +11,15 @@ from rtmedia.engines.piper_bf16 import PRECISIONS
 
 MiB = 1024 * 1024
 
+# The longest one engine step of each lane may run, in seconds (docs/operations.md#engine-faults-and-health):
+# far above a step's usual time on a loaded CPU, so only a stuck step reaches it. `lane_step_deadlines_s`
+# overrides them per lane (0: no deadline). An LM lane's step is a prefill (of up to lm_context tokens: a
+# local `transformers` model may be large for a CPU) or one decode step; a video step decodes one latent
+# frame, which at the largest frame the limits admit takes long on a CPU.
+STEP_DEADLINES_S: dict[str, float] = {
+    "vad": 5.0, "asr": 30.0, "asr_final": 30.0, "tts": 30.0, "video": 300.0, "llm": 60.0, "transformers": 120.0,
+}
+
 
 @dataclass
 class ServerConfig:
@@ -137,9 +146,18 @@ class ServerConfig:
     video_max_total_pixels: int = 1280 * 720 * 192
     # Wan VAE decoder fast path: "off" (diffusers' reference) or "fused" (Triton kernels, kernels/wan.py).
     video_fast_path: str = "off"
+    # Step deadlines by lane name, over STEP_DEADLINES_S (0: none for that lane), and how long a lane
+    # may stay stalled past a deadline, or fail every step, before health says NOT_SERVING.
+    lane_step_deadlines_s: dict[str, float] = field(default_factory=dict)
+    lane_unhealthy_after_s: float = 10.0
     log_level: str = "INFO"
     # "json" (one object per line) or "text".
     log_format: str = "json"
+
+    def step_deadline(self, lane: str) -> float | None:
+        """The step deadline of `lane` in seconds, or None for no deadline."""
+        seconds = self.lane_step_deadlines_s.get(lane, STEP_DEADLINES_S.get(lane, 0.0))
+        return float(seconds) if seconds else None
 
     def __post_init__(self) -> None:
         if self.vad_threads < 1:
@@ -157,6 +175,17 @@ class ServerConfig:
             raise ValueError(f"tts_threads must be at least 0, got {self.tts_threads}")
         if self.tts_precision not in PRECISIONS:
             raise ValueError(f"tts_precision must be one of {', '.join(PRECISIONS)}, got {self.tts_precision!r}")
+        if not isinstance(self.lane_step_deadlines_s, dict):
+            raise ValueError(f"lane_step_deadlines_s must map lane names to seconds, got {self.lane_step_deadlines_s!r}")
+        for lane, seconds in self.lane_step_deadlines_s.items():
+            if lane not in STEP_DEADLINES_S:
+                raise ValueError(f"lane_step_deadlines_s: unknown lane {lane!r}; lanes: {', '.join(STEP_DEADLINES_S)}")
+            if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < float("inf"):
+                raise ValueError(f"lane_step_deadlines_s: {lane}={seconds!r} must be a number of seconds >= 0 "
+                                 "(0: no deadline)")
+        if not 0 < self.lane_unhealthy_after_s < float("inf"):
+            raise ValueError(f"lane_unhealthy_after_s must be a positive number of seconds, got "
+                             f"{self.lane_unhealthy_after_s!r}")
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: object) -> ServerConfig:

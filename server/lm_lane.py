@@ -22,6 +22,15 @@ prefills a prompt's known prefix ahead of time (the session calls it when the
 user starts speaking) when a slot is free. Kept slots are given up, least
 recently used first, whenever a generation would otherwise wait, and when
 their session ends (`forget`).
+
+Faults (the scheduler's rules, server/scheduler.py). A prefill or decode step
+that raises fails the generations of that step only, with a `StepFailed` naming
+the lane (an out-of-memory decode included: the next step has fewer to do, and a
+generation that fails leaves its slot). A step past `step_deadline_s` fails its
+generations at the deadline; the engine takes no other step until it returns,
+so meanwhile every other generation fails and a new one is refused at once
+(`LaneStalled`, retryable); kept slots stay kept. When the step returns, the lane
+takes work again.
 """
 
 from __future__ import annotations
@@ -37,8 +46,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rtmedia.engines.responder import Waiting
+from rtmedia.server.faults import LaneStalled, StepDeadlineExceeded, step_failed
 from rtmedia.server.metrics import Metrics
-from rtmedia.server.scheduler import Priority
+from rtmedia.server.scheduler import LaneHealth, Priority, wait_step
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +68,7 @@ class Generation:
     prepare_only: bool = False  # prefill the prompt and keep it; never waits
     cached: list[int] = field(default_factory=list)  # the tokens the slot holds
     conversation: Hashable | None = None  # whom a pause applies to (kept when `key` is dropped)
+    finished: bool = False  # its consumer has been told the end (tokens got None)
 
 
 @dataclass
@@ -80,10 +91,14 @@ class LmLane:
 
     priority = Priority.INTERACTIVE
 
-    def __init__(self, name: str, engine: Any, metrics: Metrics) -> None:
+    def __init__(self, name: str, engine: Any, metrics: Metrics, step_deadline_s: float | None = None) -> None:
         self.engine = engine
         self.name = name
         self._metrics = metrics
+        self.step_deadline_s = step_deadline_s
+        self.health = LaneHealth()
+        self._hung: asyncio.Future[Any] | None = None  # a step past its deadline, until it returns
+        self._step_started = 0.0
         self._paused: set[Hashable] = set()
         self._admitted: list[Generation] = []  # admitted this iteration (being prefilled)
         self._waiting: deque[Generation] = deque()
@@ -136,6 +151,8 @@ class LmLane:
         """Stream generated token ids, first a `Waiting(queue position)` when no slot is free.
         With a `key`, the slot is kept for the key's next generation (see the module docstring),
         and `pause(key)` holds the generation back."""
+        if self._hung is not None:
+            raise self._stalled_error()
         generation = Generation(list(prompt), max_new_tokens, frozenset(stop_ids), key=key, conversation=key)
         self.prompts.append(generation.prompt)
         if len(self._waiting) >= self.engine.slots_free + len(self._kept):  # no slot it could take
@@ -160,6 +177,9 @@ class LmLane:
         self._metrics.lm_slots.labels("waiting").set(len(self._waiting))
 
     def _finish(self, generation: Generation, error: BaseException | None = None) -> None:
+        if generation.finished:
+            return
+        generation.finished = True
         if generation.slot is not None:
             if generation.key is not None and error is None:
                 if (older := self._kept.pop(generation.key, None)) is not None:
@@ -183,8 +203,9 @@ class LmLane:
             self._finish(generation)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
+            if self._hung is not None:
+                await self._wait_hung()
             # Drop consumers that went away, admit waiting generations into free slots.
             for generation in [g for g in self._active if g.cancelled]:
                 self._finish(generation)
@@ -210,13 +231,22 @@ class LmLane:
                 if generation.cancelled:  # its consumer left while others were prefilled
                     self._finish(generation)
                     continue
+                if self._hung is not None:  # an earlier prefill of this iteration is past its deadline
+                    self._finish(generation, self._stalled_error())
+                    continue
                 new = generation.prompt[len(generation.cached):]
                 try:
-                    logits = await loop.run_in_executor(self._executor, self.engine.prefill, generation.slot, new)
-                except Exception as exc:
-                    log.exception("LM prefill failed")
+                    logits = await self._timed("prefill", self.engine.prefill, generation.slot, new)
+                except StepDeadlineExceeded as exc:
                     self._finish(generation, exc)
                     continue
+                except Exception as exc:
+                    log.exception("lane %s: prefill failed", self.name)
+                    self.health.step_done(False)
+                    self._metrics.lane_step_failures.labels(self.name).inc()
+                    self._finish(generation, step_failed(self.name, exc, "prefill"))
+                    continue
+                self.health.step_done(True)
                 generation.cached += new
                 if generation.prepare_only:
                     self._finish(generation)
@@ -225,27 +255,72 @@ class LmLane:
                 self._emit(generation, logits)
             decoding = [g for g in self._active if g.slot is not None and g.last is not None and not g.cancelled]
             decoding = [g for g in decoding if g not in admitted and g.conversation not in self._paused]
-            if decoding:
+            if decoding and self._hung is None:
                 tokens = {g.slot: g.last for g in decoding}
                 try:
-                    results = await loop.run_in_executor(self._executor, self.engine.decode, tokens)
-                except Exception as exc:
-                    log.exception("LM decode step failed")
-                    self._metrics.lane_step_failures.labels(self.name).inc()
+                    results = await self._timed("decode", self.engine.decode, tokens)
+                except StepDeadlineExceeded as exc:
                     for generation in decoding:
                         self._finish(generation, exc)
+                except Exception as exc:
+                    log.exception("lane %s: decode step failed (%d generations)", self.name, len(decoding))
+                    self.health.step_done(False)
+                    self._metrics.lane_step_failures.labels(self.name).inc()
+                    fault = step_failed(self.name, exc, "decode step")
+                    for generation in decoding:
+                        self._finish(generation, fault)
                 else:
+                    self.health.step_done(True)
                     for generation, token in zip(decoding, tokens.values(), strict=True):
                         generation.cached.append(token)  # its K/V is in the slot now
                         if generation.slot is not None and not generation.cancelled:
                             self._emit(generation, results[generation.slot])
                 self._metrics.lane_batch_size.labels(self.name).observe(len(tokens))
+            if self._hung is not None:
+                continue
             if not admitted and not decoding:  # every active generation is paused: wait for a resume
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             self._metrics.lane_step_seconds.labels(self.name).observe(time.perf_counter() - started)
             await asyncio.sleep(0)  # let consumers run between steps
+
+    async def _timed(self, what: str, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in the lane's thread, within the step deadline."""
+        self._step_started = time.monotonic()
+        future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await wait_step(future, self.step_deadline_s, lambda: self._late(what, future))
+
+    def _late(self, what: str, future: asyncio.Future[Any]) -> StepDeadlineExceeded:
+        self._hung = future
+        self.health.hung[0] = time.monotonic()
+        self._metrics.lane_deadline_misses.labels(self.name).inc()
+        log.error("lane %s: a %s step ran past its %g s deadline; its generations failed, and the lane takes no "
+                  "other step until it returns", self.name, what, self.step_deadline_s)
+        return StepDeadlineExceeded(self.name, f"the {self.name} lane's {what} step ran past its "
+                                               f"{self.step_deadline_s:g} s deadline; this reply failed")
+
+    def _stalled_error(self) -> LaneStalled:
+        return LaneStalled(self.name, f"the {self.name} lane is stalled: a step has run "
+                                      f"{time.monotonic() - self._step_started:.1f} s, past its "
+                                      f"{self.step_deadline_s:g} s deadline, and the model takes no other step "
+                                      "until it returns; retry shortly")
+
+    async def _wait_hung(self) -> None:
+        """A step is past its deadline: fail every generation (none can step until it returns), wait
+        for it, then take work again. Kept slots stay kept."""
+        assert self._hung is not None
+        error = self._stalled_error()
+        for generation in [*self._active, *self._waiting, *self._admitted]:
+            self._finish(generation, error)
+        self._active, self._admitted = [], []
+        self._waiting.clear()
+        self._update_gauges()
+        await asyncio.wait({self._hung})
+        self._hung = None
+        self.health.hung.pop(0, None)
+        log.warning("lane %s: the step past its deadline ended after %.1f s; the lane takes work again",
+                    self.name, time.monotonic() - self._step_started)
 
     def _slot_for(self, generation: Generation) -> int | None:
         """A slot for the generation, with `cached` set to the tokens of its prompt the slot already holds:
@@ -275,4 +350,4 @@ class LmLane:
         for kept in self._kept.values():
             self.engine.release(kept.slot)
         self._kept.clear()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._executor.shutdown(wait=self._hung is None, cancel_futures=True)  # a hung step is not waited for

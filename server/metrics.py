@@ -27,7 +27,24 @@ class Metrics:
             "rtmedia_lane_step_seconds", "Engine step latency", ["lane"], buckets=STEP_BUCKETS, registry=r
         )
         self.lane_deadline_misses = Counter(
-            "rtmedia_lane_deadline_misses_total", "Ticks whose step outlasted the tick period", ["lane"], registry=r
+            "rtmedia_lane_deadline_misses_total",
+            "Steps that outlasted their deadline (tick lanes: the tick period; others: the lane's step deadline)",
+            ["lane"], registry=r,
+        )
+        self.lane_healthy = Gauge(
+            "rtmedia_lane_healthy", "1 while the lane serves, 0 while it is unhealthy (stalled, failing, or its "
+            "engine cannot recover)", ["lane"], registry=r,
+        )
+        self.asr_streams = Gauge(
+            "rtmedia_asr_streams", "Recognition streams open on each ASR worker process", ["worker"], registry=r
+        )
+        self.asr_decoders = Gauge(
+            "rtmedia_asr_decoders", "PocketSphinx decoders each ASR worker holds (idle and lent), as of its last "
+            "reply", ["worker"], registry=r,
+        )
+        self.asr_worker_restarts = Counter(
+            "rtmedia_asr_worker_restarts_total", "ASR worker processes restarted after they died or hung",
+            ["worker"], registry=r,
         )
         self.lane_step_failures = Counter(
             "rtmedia_lane_step_failures_total", "Engine steps that raised", ["lane"], registry=r

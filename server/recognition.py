@@ -14,6 +14,11 @@ far, so a server_vad turn's final is ready by speech_stopped); each segment's fi
 and the turn's transcript joins them. Partials and the words a final adds become deltas
 that concatenate into the text. Each user keeps only how it reports what comes back
 (`on_delta`, `on_event`, `on_complete`): Converse events, or Riva results.
+
+An engine fault (the ASR lane's step failed, ran past its deadline, or its worker process
+was restarted) ends the feed for a user without `on_error` (Riva: the call ends with a
+status). With `on_error` (the sessions) it is reported there and the feed goes on: the
+recogniser stream is replaced by a fresh one, and the turn keeps what was recognised before.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from rtmedia.engines.asr import AsrEvent, AsrItem
+from rtmedia.engines.base import EngineError
 from rtmedia.server.scheduler import Priority
 
 if TYPE_CHECKING:
@@ -87,13 +93,15 @@ class Recognizer:
                  priority: Priority = Priority.REALTIME,
                  on_event: Callable[[Turn, AsrEvent], None] | None = None,
                  on_delta: Callable[[Turn, str], None] | None = None,
-                 on_complete: Callable[[Turn], None] | None = None) -> None:
+                 on_complete: Callable[[Turn], None] | None = None,
+                 on_error: Callable[[Turn, EngineError], None] | None = None) -> None:
         self._asr = asr
         self.fast_final = fast_final
         self.priority = priority
         self._on_event = on_event
         self._on_delta = on_delta
         self._on_complete = on_complete
+        self._on_error = on_error
         self._queue: deque[tuple[str, Turn, bytes]] = deque()
         self._ready = asyncio.Event()
         self._stream: Any = None  # opened with the first submission
@@ -139,17 +147,34 @@ class Recognizer:
                 kind, _, more = queue.popleft()
                 pcm += more
             if pcm or turn.segment_open:  # else nothing to send: a pause cut the segment already
-                if self._stream is None:
-                    self._stream = self._asr.open(segment=False, fast_final=self.fast_final)
-                item = AsrItem(self._stream, pcm, end=kind != "audio")
-                turn.segment_open = kind == "audio"
-                events = await self._asr.recognize(item, self.priority)
+                try:
+                    if self._stream is None:
+                        self._stream = self._asr.open(segment=False, fast_final=self.fast_final)
+                    item = AsrItem(self._stream, pcm, end=kind != "audio")
+                    turn.segment_open = kind == "audio"
+                    events = await self._asr.recognize(item, self.priority)
+                except EngineError as exc:
+                    if self._on_error is None:
+                        raise
+                    await self._replace_stream(turn, exc)
+                    events = []
                 if kind == "abort":  # an aborted (cleared) turn's transcript is dropped
                     continue
                 for event in events:
                     self._transcribed(turn, event)
             if kind == "end":
                 self._complete(turn)
+
+    async def _replace_stream(self, turn: Turn, exc: EngineError) -> None:
+        """An engine fault: report it, and give up the stream (whatever state it had is suspect);
+        the next submission opens a fresh one."""
+        assert self._on_error is not None
+        self._on_error(turn, exc)
+        turn.segment_open = False
+        stream, self._stream = self._stream, None
+        if stream is not None:  # a close may wait on a stuck worker: it goes on without us after a moment
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._asr.close(stream), 1.0)
 
     def _transcribed(self, turn: Turn, event: AsrEvent) -> None:
         """A partial becomes a delta; a segment's final is kept for the turn's transcript, and

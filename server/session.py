@@ -95,7 +95,7 @@ class Session:
         )
         self.recognizer = Recognizer(
             access.asr, fast_final=True, priority=Priority.REALTIME,
-            on_delta=self._on_transcript_delta, on_complete=self._complete,
+            on_delta=self._on_transcript_delta, on_complete=self._complete, on_error=self._on_recognition_error,
         )
         self.input = AudioInput(settings, self.limits.inbox_ms, self.on_audio, access.vad.open())
         access.vad.attach(self.input)
@@ -423,6 +423,12 @@ class Session:
     # ---- recognition results (server/recognition.py) ---------------------------
     def _on_transcript_delta(self, turn: Turn, delta: str) -> None:
         self.send("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, delta=delta)
+
+    def _on_recognition_error(self, turn: Turn, exc: Exception) -> None:
+        """An engine fault while transcribing (server/recognition.py): the client is told, the session goes on."""
+        log.warning("transcription failed: %s", exc, extra={"session_id": self.id})
+        self.error("server_error", f"transcribing {turn.item_id or 'the turn'} failed: {exc}; the turn keeps "
+                   "what was recognised before, and the session goes on")
 
     def _complete(self, turn: Turn) -> None:
         """The turn's transcript, its segments' finals joined, with word timings in the input."""

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 from rtmedia.engines.asr import AsrEvent, AsrItem
+from rtmedia.engines.base import EngineError
 from rtmedia.engines.resample import (
     float_to_pcm16,
     make_resampler,
@@ -18,6 +19,7 @@ from rtmedia.protocol.errors import abort
 from rtmedia.protocol.wav import wav_stream_header
 from rtmedia.server.audio_input import DECODERS
 from rtmedia.server.engine_access import EngineAccess
+from rtmedia.server.faults import abort_fault
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -90,7 +92,10 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         index = samples_sent = 0
         try:
             for n, chunk in enumerate(chunks):
-                audio = await pending
+                try:
+                    audio = await pending
+                except EngineError as exc:  # an engine fault, never the client's (server/faults.py)
+                    await abort_fault(context, exc, "synthesis failed")
                 if n < last:
                     pending = synthesize(n + 1)
                 if not audio:  # resampled to nothing: skipped, nothing to frame
@@ -117,7 +122,10 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         if first.WhichOneof("request") != "config":
             await abort(context, INVALID, "CONFIG_FIRST", "the first TranscribeRequest must carry config")
         decode, resampler, partials = await self._transcribe_setup(first.config, context)
-        stream = self.asr.open()
+        try:
+            stream = self.asr.open()
+        except EngineError as exc:  # no recogniser worker is up
+            await abort_fault(context, exc, "transcription failed")
         try:
             chunk_no = 0
             async for request in request_iterator:
@@ -131,18 +139,21 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
                 except ValueError as exc:
                     await abort(context, INVALID, "BAD_AUDIO", f"audio in request {chunk_no}: {exc}")
                 if len(samples):
-                    for event in await self._asr(stream, float_to_pcm16(samples), end=False):
+                    for event in await self._asr(stream, float_to_pcm16(samples), False, context):
                         if event.is_final or partials:
                             yield _transcript(event)
             tail = float_to_pcm16(resampler.flush())
-            for event in await self._asr(stream, tail, end=True):
+            for event in await self._asr(stream, tail, True, context):
                 if event.is_final or partials:
                     yield _transcript(event)
         finally:
             await self.asr.close(stream)
 
-    async def _asr(self, stream, pcm: bytes, end: bool) -> list[AsrEvent]:
-        return await self.asr.recognize(AsrItem(stream, pcm, end))
+    async def _asr(self, stream, pcm: bytes, end: bool, context) -> list[AsrEvent]:
+        try:
+            return await self.asr.recognize(AsrItem(stream, pcm, end))
+        except EngineError as exc:  # an engine fault, never the client's (server/faults.py)
+            await abort_fault(context, exc, "transcription failed")
 
     async def _transcribe_setup(self, config, context):
         fmt = config.audio_format

@@ -32,6 +32,7 @@ from rtmedia.engines.video_plan import Assembler, ChunkFrames, FramePlan, Latent
 from rtmedia.protocol.errors import abort
 from rtmedia.protocol.video_mp4 import Fmp4Writer
 from rtmedia.server.engine_access import EngineAccess
+from rtmedia.server.faults import is_out_of_memory
 from rtmedia.v1 import video_pb2, video_pb2_grpc
 
 if TYPE_CHECKING:
@@ -248,7 +249,7 @@ class VideoService(video_pb2_grpc.VideoServiceServicer):
 
     async def _fail(self, context, exc: BaseException, stream: VideoStream) -> None:
         step = f"step {stream.steps_done + 1} of {len(stream.plan.steps)}"
-        if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        if is_out_of_memory(exc):
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "OUT_OF_MEMORY",
                         f"video decode ran out of memory at {step}; discard the chunks received")
         log.error("video decode failed", exc_info=exc, extra={"stream": stream.id, "step": step})

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from rtmedia.engines.base import EngineError
 from rtmedia.server.metrics import Metrics
 from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler
 
@@ -320,3 +321,305 @@ async def test_stream_lane_cancels_a_call_whose_caller_leaves_and_raises_its_err
         [v async for v in lane.stream(lambda: _call(["x"], fail=RuntimeError("upstream broke")))]
     assert lane.waiting == 0 and [v async for v in lane.stream(lambda: _call(["y"]))] == ["y"], \
         "the lane's place was given back each time"
+
+
+# ---- faults: step deadlines, out of memory, health ------------------------------------------------
+
+class HangingEngine(FakeEngine):
+    """`step` blocks while `release` is clear for a batch holding "hang"; raises MemoryError for a
+    batch holding "oom" with more than one item (one item at a time fits), and for "oom-alone"."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.release = threading.Event()
+        self.hanging = threading.Event()
+
+    def step(self, items):
+        self.batches.append(list(items))
+        if "hang" in items:
+            self.hanging.set()
+            self.release.wait(10)
+        if "oom-alone" in items or ("oom" in items and len(items) > 1):
+            raise MemoryError()
+        return [f"{i}!" for i in items]
+
+
+async def test_a_step_past_its_deadline_fails_its_items_then_the_lane_refuses_until_it_returns(scheduler):
+    """The hung step's items fail at the deadline; items queued behind it fail then too, and new
+    ones are refused at once (LaneStalled, retryable) rather than queue behind a step that may
+    never end; no second step runs on the engine meanwhile; when the step returns, the lane serves."""
+    from rtmedia.engines.base import EngineUnavailable
+    from rtmedia.server.faults import LaneStalled, StepDeadlineExceeded
+
+    engine = HangingEngine("e")
+    scheduler.add("e", engine, LanePolicy(max_batch=1, step_deadline_s=0.2))
+    scheduler.start()
+    started = time.monotonic()
+    hung = asyncio.ensure_future(scheduler.submit("e", "hang"))
+    await asyncio.sleep(0.05)
+    queued = asyncio.ensure_future(scheduler.submit("e", "queued"))
+    with pytest.raises(StepDeadlineExceeded, match=r"the e lane's step ran past its 0\.2 s deadline"):
+        await hung
+    assert 0.15 < time.monotonic() - started < 1.0
+    with pytest.raises(LaneStalled, match="the e lane is stalled"):
+        await queued
+    refused = time.monotonic()
+    with pytest.raises(LaneStalled) as stalled:
+        await scheduler.submit("e", "new")
+    assert isinstance(stalled.value, EngineUnavailable) and time.monotonic() - refused < 0.05
+    assert engine.batches == [["hang"]], "nothing else ran on the engine while its step hung"
+    sample = scheduler.metrics.registry.get_sample_value
+    assert sample("rtmedia_lane_deadline_misses_total", {"lane": "e"}) == 1
+    engine.release.set()
+    for _ in range(100):  # the step's return reaches the loop a moment later
+        if not scheduler.lanes["e"].stalled():
+            break
+        await asyncio.sleep(0.01)
+    assert await asyncio.wait_for(scheduler.submit("e", "next"), 2) == "next!", "the lane recovered"
+
+
+async def test_a_hung_shard_holds_up_only_its_own_items(scheduler):
+    """A sharded lane (one recogniser worker per runner): the shard whose step hangs refuses its
+    items; the other shard goes on being served."""
+    from rtmedia.server.faults import LaneStalled, StepDeadlineExceeded
+
+    engine = HangingEngine("e")
+    shard = {"hang": 0, "a": 0, "b": 1, "c": 1}.__getitem__
+    scheduler.add("e", engine, LanePolicy(max_batch=4, concurrency=2, shard=shard, step_deadline_s=0.1))
+    scheduler.start()
+    with pytest.raises(StepDeadlineExceeded):
+        await scheduler.submit("e", "hang")
+    assert await scheduler.submit("e", "b") == "b!"
+    with pytest.raises(LaneStalled):
+        await scheduler.submit("e", "a")
+    assert await scheduler.submit("e", "c") == "c!"
+    engine.release.set()
+    await asyncio.sleep(0.05)
+    assert await scheduler.submit("e", "a") == "a!"
+
+
+async def test_out_of_memory_fails_only_its_batch_and_the_lane_stays_healthy(scheduler):
+    """A batch that runs out of memory is stepped one item at a time (a smaller step may fit); an
+    item that does not fit alone fails alone, with an error that names the lane and says out of
+    memory; the next request succeeds and the lane stays healthy."""
+    from rtmedia.server.faults import StepFailed, fault_status, is_out_of_memory
+
+    engine = HangingEngine("e")
+    scheduler.add("e", engine, LanePolicy(max_batch=8, max_wait_ms=30))
+    scheduler.start()
+    results = await asyncio.gather(scheduler.submit("e", "oom"), scheduler.submit("e", 1),
+                                   scheduler.submit("e", "oom-alone"), return_exceptions=True)
+    assert results[:2] == ["oom!", "1!"]
+    assert isinstance(results[2], StepFailed) and is_out_of_memory(results[2])
+    assert str(results[2]) == "the e lane's step failed: MemoryError (out of memory)"
+    assert fault_status(results[2])[1] == "OUT_OF_MEMORY"
+    assert engine.batches[0] == ["oom", 1, "oom-alone"] and engine.batches[1:] == [["oom"], [1], ["oom-alone"]]
+    assert await scheduler.submit("e", 2) == "2!"
+    assert await scheduler.check_health() == {}
+
+
+async def _eventually(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come true in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_health_watch_reports_a_stalled_lane_and_its_recovery(caplog):
+    """A step past its deadline for longer than `unhealthy_after_s` makes the lane unhealthy: the
+    gauge says 0, one line is logged, the listeners hear it; when the step returns, all back."""
+    scheduler = Scheduler(Metrics(), unhealthy_after_s=0.3)
+    heard: list[dict] = []
+
+    async def listener(unhealthy):
+        heard.append(unhealthy)
+
+    scheduler.on_health(listener)
+    engine = HangingEngine("e")
+    scheduler.add("e", engine, LanePolicy(max_batch=1, step_deadline_s=0.1))
+    scheduler.add("other", FakeEngine("other"), LanePolicy())
+    scheduler.start()
+    try:
+        def gauge(lane):
+            return scheduler.metrics.registry.get_sample_value("rtmedia_lane_healthy", {"lane": lane})
+
+        assert gauge("e") == gauge("other") == 1
+        with pytest.raises(EngineError):
+            await scheduler.submit("e", "hang")
+        assert await scheduler.check_health() == {}, "stalled, but not for long yet"
+        await _eventually(lambda: scheduler.unhealthy)
+        assert list(scheduler.unhealthy) == ["e"] and "past its deadline" in scheduler.unhealthy["e"]
+        assert gauge("e") == 0 and gauge("other") == 1 and heard == [scheduler.unhealthy]
+        engine.release.set()
+        await _eventually(lambda: not scheduler.unhealthy)
+        assert gauge("e") == 1 and heard[-1] == {} and len(heard) == 2
+        logged = [r.getMessage() for r in caplog.records if r.name == "rtmedia.server.scheduler"]
+        assert sum("is unhealthy" in m for m in logged) == 1 and sum("lane e recovered" in m for m in logged) == 1
+    finally:
+        await scheduler.close()
+
+
+async def test_a_lane_whose_every_step_fails_for_a_while_is_unhealthy_until_one_succeeds():
+    scheduler = Scheduler(Metrics(), unhealthy_after_s=0.2)
+    scheduler.add("e", FakeEngine("e"), LanePolicy(max_batch=1))
+    scheduler.start()
+    try:
+        started = time.monotonic()
+        while time.monotonic() - started < 0.25 or scheduler.lanes["e"].health.failures < 3:
+            with pytest.raises(RuntimeError, match="whole batch"):
+                await scheduler.submit("e", "fail-batch")
+            await asyncio.sleep(0.02)
+        assert "steps failed" in (await scheduler.check_health()).get("e", "")
+        assert await scheduler.submit("e", 1) == 2
+        assert await scheduler.check_health() == {}
+    finally:
+        await scheduler.close()
+
+
+async def test_an_engine_fault_makes_its_lanes_unhealthy(scheduler):
+    engine = FakeEngine("e")
+    engine.fault = lambda: "worker 0 could not be restarted"  # type: ignore[attr-defined]
+    scheduler.add("a", engine, LanePolicy())
+    scheduler.add("b", engine, LanePolicy())
+    scheduler.start()
+    assert await scheduler.check_health() == {"a": "worker 0 could not be restarted",
+                                              "b": "worker 0 could not be restarted"}
+    engine.fault = lambda: None  # type: ignore[attr-defined]
+    assert await scheduler.check_health() == {}
+
+
+async def test_a_hung_tick_is_watched_and_its_results_delivered_when_it_returns():
+    scheduler = Scheduler(Metrics(), unhealthy_after_s=0.2)
+    release, delivered, calls = threading.Event(), [], {"n": 0}
+
+    def collect():
+        calls["n"] += 1
+        return [calls["n"]] if calls["n"] <= 2 else []
+
+    def process(work):
+        if work == [1]:
+            release.wait(10)
+        return work
+
+    tick = scheduler.add_tick("vad", FakeEngine("vad"), 10, collect, process, delivered.append, step_deadline_s=0.1)
+    scheduler.start()
+    try:
+        await _eventually(lambda: "vad" in scheduler.unhealthy)
+        assert delivered == [] and "past its deadline" in scheduler.unhealthy["vad"]
+        release.set()
+        await _eventually(lambda: len(delivered) == 2)
+        assert delivered == [[1], [2]] and await scheduler.check_health() == {} and tick.ticks > 2
+    finally:
+        await scheduler.close()
+
+
+class FakeLm:
+    """Slots and next-token logits of a toy LM: after token t comes t + 1. `gate` clear: its next
+    step blocks until set; `fail`: its next decode raises that."""
+
+    VOCAB = 64
+
+    def __init__(self, slots: int = 2) -> None:
+        self.slots_total = slots
+        self.free = list(range(slots))
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail: BaseException | None = None
+        self.steps = 0
+
+    @property
+    def slots_free(self) -> int:
+        return len(self.free)
+
+    def acquire(self):
+        return self.free.pop(0) if self.free else None
+
+    def release(self, slot: int) -> None:
+        if slot not in self.free:
+            self.free.append(slot)
+
+    def truncate(self, slot: int, length: int) -> None: ...
+
+    def _logits(self, token: int):
+        import numpy as np
+
+        return np.eye(self.VOCAB)[(token + 1) % self.VOCAB]
+
+    def prefill(self, slot, ids):
+        self.steps += 1
+        self.gate.wait(10)
+        return self._logits(ids[-1])
+
+    def decode(self, tokens):
+        self.steps += 1
+        self.gate.wait(10)
+        if self.fail is not None:
+            fail, self.fail = self.fail, None
+            raise fail
+        return {slot: self._logits(token) for slot, token in tokens.items()}
+
+
+async def _tokens(lane, prompt, n=4):
+    return [t async for t in lane.generate(prompt, n)]
+
+
+async def test_lm_lane_out_of_memory_fails_that_step_only():
+    from rtmedia.server.faults import StepFailed, is_out_of_memory
+    from rtmedia.server.lm_lane import LmLane
+
+    engine = FakeLm()
+    lane = LmLane("llm", engine, Metrics(), step_deadline_s=1.0)
+    lane.start()
+    try:
+        engine.fail = MemoryError()
+        with pytest.raises(StepFailed, match="the llm lane's decode step failed: MemoryError") as failed:
+            await _tokens(lane, [1])
+        assert is_out_of_memory(failed.value) and engine.free == [1, 0], "its slot was given back"
+        assert await _tokens(lane, [1]) == [2, 3, 4, 5], "the next generation works"
+    finally:
+        await lane.close()
+
+
+async def test_lm_lane_step_past_its_deadline_fails_and_refuses_until_it_returns():
+    """A decode step past the deadline fails its generations then; one waiting for a slot fails
+    too (nothing can step), a new one is refused at once; when the step returns the lane works."""
+    from rtmedia.server.faults import LaneStalled, StepDeadlineExceeded
+    from rtmedia.server.lm_lane import LmLane
+
+    engine = FakeLm(slots=1)
+    lane = LmLane("llm", engine, Metrics(), step_deadline_s=0.2)
+    lane.start()
+    try:
+        first = lane.generate([1], 8)
+        assert await anext(first) == 2  # prefilled; its decode steps follow
+        engine.gate.clear()
+        waiting = asyncio.ensure_future(_tokens(lane, [9]))
+        got = []
+        with pytest.raises(StepDeadlineExceeded, match=r"the llm lane's decode step ran past its 0\.2 s deadline"):
+            async for token in first:
+                got.append(token)
+        with pytest.raises(LaneStalled):
+            await waiting
+        with pytest.raises(LaneStalled, match="the llm lane is stalled"):
+            await _tokens(lane, [5])
+        assert lane.health.hung
+        engine.gate.set()
+        await asyncio.sleep(0.05)
+        assert not lane.health.hung and await _tokens(lane, [5]) == [6, 7, 8, 9]
+    finally:
+        engine.gate.set()
+        await lane.close()
+
+
+def test_step_deadlines_come_from_the_config_and_bad_ones_are_refused():
+    from rtmedia.server.config import STEP_DEADLINES_S, ServerConfig
+
+    config = ServerConfig(lane_step_deadlines_s={"video": 600, "tts": 0})
+    assert config.step_deadline("video") == 600 and config.step_deadline("tts") is None
+    assert config.step_deadline("asr") == STEP_DEADLINES_S["asr"]
+    with pytest.raises(ValueError, match="unknown lane 'vidoe'; lanes: vad, asr"):
+        ServerConfig(lane_step_deadlines_s={"vidoe": 5})
+    with pytest.raises(ValueError, match=r"video=-1 must be a number of seconds >= 0"):
+        ServerConfig(lane_step_deadlines_s={"video": -1})
+    with pytest.raises(ValueError, match="lane_unhealthy_after_s must be a positive number"):
+        ServerConfig(lane_unhealthy_after_s=0)

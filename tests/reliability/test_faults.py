@@ -1,0 +1,319 @@
+"""Fault injection in the engines' lanes, on the in-process server with its real engines.
+
+A real engine's step is replaced (monkeypatched) for a moment to raise, to hang past a short
+step deadline, or to run out of memory: only that step's calls fail, each with a clear status
+or event naming the lane, the next request succeeds, and health goes NOT_SERVING for a lane
+that stays stalled, for the services that need it, and back to SERVING once it recovers. A
+real ASR worker process is SIGKILLed (what the kernel's OOM killer does): its stream ends with
+UNAVAILABLE, the worker is restarted, and the next Transcribe succeeds on it; a worker that
+cannot be restarted takes the speech services out of health until it can."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rtmedia.engines.asr import AsrEngine
+from rtmedia.protocol.errors import error_reason
+from rtmedia.server.app import RtmediaServer
+from rtmedia.server.config import ServerConfig
+from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
+
+from tests.support.converse import Conversation
+from tests.support.speech import transcribe
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+SPEECH, REALTIME, VIDEO = "rtmedia.v1.SpeechService", "rtmedia.v1.RealtimeService", "rtmedia.v1.VideoService"
+RIVA_ASR = "nvidia.riva.asr.RivaSpeechRecognition"
+SENTENCE = "the quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+async def server():
+    config = ServerConfig(port=0, metrics_port=0, grace_s=1, max_sessions=16, default_responder="echo",
+                          llm=True, synthetic_lm="tiny", lm_slots=2, lm_context=256, asr_workers=2,
+                          asr_decoders=2, lane_unhealthy_after_s=0.5)
+    srv = RtmediaServer(config)
+    await srv.start()
+    yield srv
+    await srv.stop(0)
+
+
+@pytest.fixture(scope="module")
+async def channel(server):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        yield ch
+
+
+async def synthesize(channel, text: str) -> bytes:
+    stub = speech_pb2_grpc.SpeechServiceStub(channel)
+    return b"".join([r.audio async for r in stub.Synthesize(speech_pb2.SynthesizeRequest(text=text))])
+
+
+async def health(channel) -> dict[str, int]:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return {name: (await stub.Check(health_pb2.HealthCheckRequest(service=name))).status
+            for name in ("", SPEECH, REALTIME, VIDEO, RIVA_ASR)}
+
+
+async def until(condition, timeout: float = 10.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        await asyncio.sleep(0.05)
+
+
+async def health_becomes(channel, expected: dict[str, int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (now := await health(channel)) != expected:
+        assert time.monotonic() < deadline, f"health is {now}, expected {expected}"
+        await asyncio.sleep(0.1)
+
+
+def all_serving() -> dict[str, int]:
+    return dict.fromkeys(("", SPEECH, REALTIME, VIDEO, RIVA_ASR), SERVING)
+
+
+def gauge(server, name: str, **labels: str) -> float | None:
+    return server.metrics.registry.get_sample_value(name, labels)
+
+
+def step_that(engine, fails_on: str, effect):
+    """The engine's real step, except for a batch holding an item whose text has `fails_on`."""
+    real = engine.step
+
+    def step(items, *args, **kwargs):
+        if any(fails_on in getattr(item, "text", "") for item in items):
+            return effect(items)
+        return real(items, *args, **kwargs)
+    return step
+
+
+async def test_a_tts_step_that_raises_fails_that_call_only(server, channel, monkeypatch):
+    engine = server.scheduler.lanes["tts"].engine
+
+    def boom(items):
+        raise RuntimeError("injected synthesis failure")
+
+    monkeypatch.setattr(engine, "step", step_that(engine, "poison", boom))
+    bad, good = await asyncio.gather(synthesize(channel, "A poison sentence."), synthesize(channel, "Hello there."),
+                                     return_exceptions=True)
+    assert isinstance(bad, grpc.aio.AioRpcError) and bad.code() == grpc.StatusCode.INTERNAL
+    assert error_reason(bad) == "ENGINE_FAILED"
+    assert "the tts lane's step failed: RuntimeError: injected synthesis failure" in bad.details()
+    assert "Traceback" not in bad.details()
+    assert isinstance(good, bytes) and len(good) > 1000, "the other call is untouched"
+    assert len(await synthesize(channel, "A plain sentence, again.")) > 1000, "the next request succeeds"
+    assert await server.scheduler.check_health() == {}
+
+
+async def test_out_of_memory_in_a_step_is_resource_exhausted_and_the_lane_stays_healthy(server, channel, monkeypatch):
+    engine = server.scheduler.lanes["tts"].engine
+
+    def oom(items):
+        raise MemoryError()
+
+    monkeypatch.setattr(engine, "step", step_that(engine, "huge", oom))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await synthesize(channel, "A huge sentence.")
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and error_reason(err.value) == "OUT_OF_MEMORY"
+    assert "tts lane" in err.value.details() and "out of memory" in err.value.details()
+    assert len(await synthesize(channel, "A small sentence.")) > 1000, "the next request succeeds"
+    assert await server.scheduler.check_health() == {} and await health(channel) == all_serving()
+
+
+async def test_a_hung_tts_step_fails_at_its_deadline_stalls_then_recovers_with_health(server, channel, monkeypatch):
+    """Both TTS runners hang past a short deadline: their calls fail at the deadline, a new call
+    is refused at once (UNAVAILABLE), health goes NOT_SERVING for the server and the services
+    that synthesise (not VideoService) once the stall outlasts lane_unhealthy_after_s, and every
+    one of those is back when the steps return; the next call succeeds."""
+    lane = server.scheduler.lanes["tts"]
+    engine = lane.engine
+    release = threading.Event()
+    monkeypatch.setattr(lane, "policy", dataclasses.replace(lane.policy, step_deadline_s=0.3))
+
+    def hang(items):
+        release.wait(20)
+        return [b""] * len(items)
+
+    monkeypatch.setattr(engine, "step", step_that(engine, "hang", hang))
+    misses = gauge(server, "rtmedia_lane_deadline_misses_total", lane="tts") or 0
+    try:
+        started = time.monotonic()
+        hung = await asyncio.gather(*(synthesize(channel, f"Please hang here {n}.") for n in range(2)),
+                                    return_exceptions=True)
+        assert time.monotonic() - started < 3
+        for err in hung:
+            assert isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.INTERNAL, err
+            assert "the tts lane's step ran past its 0.3 s deadline" in err.details()
+        refused = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await synthesize(channel, "Hello there.")
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and error_reason(err.value) == "ENGINE_UNAVAILABLE"
+        assert "the tts lane is stalled" in err.value.details() and time.monotonic() - refused < 1
+        assert gauge(server, "rtmedia_lane_deadline_misses_total", lane="tts") == misses + 2
+        await health_becomes(channel, {"": NOT_SERVING, SPEECH: NOT_SERVING, REALTIME: NOT_SERVING,
+                                       VIDEO: SERVING, RIVA_ASR: SERVING})
+        assert gauge(server, "rtmedia_lane_healthy", lane="tts") == 0
+    finally:
+        release.set()
+    await health_becomes(channel, all_serving())
+    assert gauge(server, "rtmedia_lane_healthy", lane="tts") == 1
+    monkeypatch.undo()  # the real step and deadline again: a busy machine's real step may take a while
+    assert len(await synthesize(channel, "Hello again.")) > 1000
+
+
+async def reply(c: Conversation, n: int) -> dict:
+    c.send("conversation.item.create", item={"text": f"Say something, number {n}."})
+    c.send("response.create")
+    return await c.wait_for("response.done", count=n, timeout=30)
+
+
+async def test_an_lm_decode_step_that_fails_or_hangs_fails_that_reply_and_the_session_goes_on(server, channel,
+                                                                                             monkeypatch):
+    lane = server.scheduler.lanes["llm"]
+    real, release = lane.engine.decode, threading.Event()
+    effects: list = []
+
+    def decode(tokens):
+        if effects:
+            effects.pop(0)()
+        return real(tokens)
+
+    def hang():
+        release.wait(20)
+
+    def oom():
+        raise MemoryError()
+
+    monkeypatch.setattr(lane.engine, "decode", decode)
+    monkeypatch.setattr(lane, "step_deadline_s", 1.0)
+    async with Conversation(channel) as c:
+        c.send("session.update", session={"responder": "llm", "max_output_tokens": 8})
+        await c.wait_for("session.updated")
+        effects.append(oom)
+        done = await reply(c, 1)
+        assert done["status"] == "failed" and "the llm lane's decode step failed: MemoryError" in done["status_reason"]
+        assert (await reply(c, 2))["status"] == "completed", "the next reply of the same session works"
+        effects.append(hang)
+        try:
+            done = await reply(c, 3)
+            assert done["status"] == "failed" and "ran past its 1 s deadline" in done["status_reason"]
+            done = await reply(c, 4)  # refused at once while the step still hangs
+            assert done["status"] == "failed" and "the llm lane is stalled" in done["status_reason"]
+        finally:
+            release.set()
+        await until(lambda: not lane.health.hung, what="the lm lane's recovery")
+        monkeypatch.undo()
+        assert (await reply(c, 5))["status"] == "completed"
+    assert await server.scheduler.check_health() == {}
+
+
+async def test_an_asr_step_that_fails_is_an_error_event_and_the_next_turn_is_transcribed(server, channel, speaker,
+                                                                                        monkeypatch):
+    engine: AsrEngine = server.scheduler.lanes["asr"].engine
+    real, fail = engine.step, {"next": False}
+
+    def step(items, urgent=False):
+        if fail["next"] and not urgent:
+            fail["next"] = False
+            raise RuntimeError("injected recogniser failure")
+        return real(items, urgent)
+
+    monkeypatch.setattr(engine, "step", step)
+    rate = 16000
+    turn = np.concatenate([speaker.say(SENTENCE, rate), speaker.silence(0.3, rate)]).tobytes()
+    async with Conversation(channel) as c:
+        c.send("session.update", session={"turn_detection": {"type": "manual"},
+                                          "input_audio_format": {"sample_rate": rate}})
+        await c.wait_for("session.updated")
+        fail["next"] = True
+        await c.stream(turn, rate, speed=4)
+        c.send("input_audio_buffer.commit")
+        error = await c.wait_for("error", code="server_error")
+        assert "the asr lane's step failed: RuntimeError: injected recogniser failure" in error["message"]
+        await c.wait_for("conversation.item.input_audio_transcription.completed")
+        await c.stream(turn, rate, speed=4)
+        c.send("input_audio_buffer.commit")
+        done = await c.wait_for("conversation.item.input_audio_transcription.completed", count=2)
+        assert "quick brown fox" in done["transcript"], done
+
+
+async def test_a_killed_asr_worker_is_restarted_and_the_next_transcribe_succeeds(server, channel, speaker):
+    engine: AsrEngine = server.scheduler.lanes["asr"].engine
+    rate = 16000
+    pcm = speaker.say(SENTENCE, rate).tobytes()
+    stub = speech_pb2_grpc.SpeechServiceStub(channel)
+    opened, go, done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def requests():
+        yield speech_pb2.TranscribeRequest(config=speech_pb2.TranscribeConfig(
+            audio_format=common_pb2.AudioFormat(sample_rate=rate)))
+        yield speech_pb2.TranscribeRequest(audio=pcm[:rate])
+        opened.set()
+        await go.wait()
+        yield speech_pb2.TranscribeRequest(audio=pcm[rate:2 * rate])
+        await done.wait()  # no more: the server ends the call
+
+    restarts = list(engine.restarts)
+    call = stub.Transcribe(requests())
+
+    async def read_all() -> None:
+        while await call.read() != grpc.aio.EOF:
+            pass
+
+    reading = asyncio.ensure_future(read_all())
+    await asyncio.wait_for(opened.wait(), 10)
+    await until(lambda: engine.open_streams == 1, what="the stream opening")
+    [stream] = engine._open.values()
+    victim = engine._procs[stream.worker]
+    os.kill(victim.pid, signal.SIGKILL)  # what the kernel's OOM killer does
+    await until(lambda: not victim.is_alive(), what="the worker's death")
+    go.set()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await asyncio.wait_for(reading, 30)
+    done.set()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and error_reason(err.value) == "ENGINE_UNAVAILABLE"
+    assert f"ASR worker {stream.worker}" in err.value.details() and "Traceback" not in err.value.details()
+    assert SENTENCE.split()[1] in await transcribe(channel, pcm, rate), "the next Transcribe succeeds"
+    await until(lambda: engine.restarts[stream.worker] == restarts[stream.worker] + 1, timeout=60,
+                what="the worker's restart")
+    assert gauge(server, "rtmedia_asr_worker_restarts_total", worker=str(stream.worker)) >= 1
+    # Both workers serve again: two Transcribes at once take one each.
+    texts = await asyncio.gather(transcribe(channel, pcm, rate), transcribe(channel, pcm, rate))
+    assert all("quick brown fox" in text for text in texts), texts
+    await until(lambda: engine.open_streams == 0, what="the streams closing")
+    assert gauge(server, "rtmedia_asr_streams", worker=str(stream.worker)) == 0
+    assert gauge(server, "rtmedia_asr_decoders", worker=str(stream.worker)) == 3, "1 default + 2 fast, as warmed"
+    assert await server.scheduler.check_health() == {}
+
+
+async def test_a_worker_that_cannot_be_restarted_takes_the_speech_services_out_of_health(server, channel,
+                                                                                       monkeypatch):
+    engine: AsrEngine = server.scheduler.lanes["asr"].engine
+    real_spawn = engine._spawn
+
+    def cannot(i):
+        raise OSError("injected: cannot start a process")
+
+    monkeypatch.setattr(engine, "_spawn", cannot)
+    monkeypatch.setattr("rtmedia.engines.asr._RESTART_PAUSE_S", 0.05)
+    monkeypatch.setattr(engine, "restart_backoff_s", 0.5)
+    victim = engine._procs[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    await until(lambda: not victim.is_alive(), what="the worker's death")
+    engine._call_each({0: ("ping", None)})  # a call finds it dead (as the next step on it would)
+    await health_becomes(channel, {"": NOT_SERVING, SPEECH: NOT_SERVING, REALTIME: NOT_SERVING, VIDEO: SERVING,
+                                   RIVA_ASR: NOT_SERVING})
+    assert "ASR worker 0 could not be restarted" in server.scheduler.unhealthy["asr"]
+    monkeypatch.setattr(engine, "_spawn", real_spawn)
+    await health_becomes(channel, all_serving(), timeout=60)
+    assert engine.fault() is None and engine._procs[0].is_alive()
