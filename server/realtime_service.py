@@ -25,6 +25,26 @@ HOUSEKEEPING_S = 1.0
 TRIM_EVERY = 10  # housekeeping rounds between two heap trims
 
 
+async def to_the_end(coro: Any) -> None:
+    """Await `coro` to its end even when the awaiting task is cancelled meanwhile (the
+    cancellation is raised once it ended). A session's release must not stop half way: when a
+    client vanishes while the server is sending to it, the failed send may end the writer
+    before the call's cancellation arrives, which then lands in the release; cut there, the
+    session stayed in `sessions` for good, and its ASR stream open."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
 class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
     """Admits sessions, runs each stream's reader and writer, and closes sessions on
     idle timeout, max duration, disconnect and drain."""
@@ -86,10 +106,21 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
             outcome = "failed"  # the client kept not reading: its outbox let go of everything
             asyncio.current_task().uncancel()  # type: ignore[union-attr]  # the session's own cancel
         finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reader
+            await to_the_end(self._release(session, reader, outcome))
+        if outcome == "failed":  # the status goes out once the client reads what is in flight (or is gone)
+            limits = self.context.limits
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "CLIENT_TOO_SLOW",
+                        f"the client did not read its events: more than {limits.max_outbox_events} events or "
+                        f"{limits.max_outbox_bytes} bytes were waiting twice in a row")
+
+    async def _release(self, session: Session, reader: asyncio.Task[None], outcome: str) -> None:
+        """Free everything the session holds and forget it."""
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await reader
+        try:
             await session.close()
+        finally:
             del self.sessions[session.id]
             if not self.sessions:
                 self._all_closed.set()
@@ -99,11 +130,6 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
             self.metrics.sessions_total.labels(outcome).inc()
             log.info("session closed", extra={"session_id": session.id, "reason": session.closing_reason or outcome,
                                               "token": session.caller})
-        if outcome == "failed":  # the status goes out once the client reads what is in flight (or is gone)
-            limits = self.context.limits
-            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "CLIENT_TOO_SLOW",
-                        f"the client did not read its events: more than {limits.max_outbox_events} events or "
-                        f"{limits.max_outbox_bytes} bytes were waiting twice in a row")
 
     async def _read(self, session: Session, request_iterator: Any) -> None:
         """The reader: every client event goes to the session as it arrives."""

@@ -11,7 +11,8 @@ Attacks, one after the other on one server:
 - `vanishing`: rounds of 200 clients that open a session, speak, ask for a reply and vanish
   while it is answered (cancelling, closing their connection, or killed with SIGKILL). A
   first round warms the server up (its thread pools grow to their size on first use); the
-  baseline is taken after it.
+  baseline is taken after it. The vanishing clients and the /proc readings are shared with
+  tests/reliability/ (vanishing.py, resources.py).
 
     .venv/bin/python tests/perf/bench_hostile.py [--rounds 5] [--llm]
 
@@ -37,30 +38,12 @@ from rtmedia.protocol.events import client_event  # noqa: E402
 from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc  # noqa: E402
 
 from tests.perf.bench_speech import machine  # noqa: E402
+from tests.reliability.resources import rss_mib, tree  # noqa: E402
+from tests.reliability.vanishing import speech_audio, vanish_child, vanishing  # noqa: E402
 from tests.support.serve import free_port, running_server  # noqa: E402
 
 NON_READING = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024),
                ("grpc.max_send_message_length", 8 * 1024 * 1024)]
-
-
-def tree(pid: int) -> list[int]:
-    pids = [pid]
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            pids += tree(int(child))
-    return pids
-
-
-def rss_mib(pid: int, children_only: bool = False) -> float:
-    total = 0
-    for p in tree(pid)[1:] if children_only else tree(pid):
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except FileNotFoundError:
-            pass
-    return round(total / 1024, 1)
 
 
 METRICS = {"rtmedia_sessions_active": "sessions_active", 'rtmedia_sessions_total{outcome="failed"}': "sessions_failed",
@@ -137,87 +120,6 @@ async def empty(target: str) -> dict:
             if n % 500 == 0:
                 await asyncio.sleep(0)
     return {"events": 300_000, **await non_reading(target, requests(), limit_s=10)}
-
-
-SPOKEN = "The quick brown fox jumps over the lazy dog."
-
-
-def speech_audio() -> bytes:
-    """A spoken sentence (16 kHz PCM16): enough for the VAD to start a turn and the ASR to
-    lend its stream a decoder."""
-    from tests.support.speech import Speaker
-
-    return Speaker().say(SPOKEN).tobytes()
-
-
-async def vanishing_client(stub, audio: bytes, n: int, vanish) -> None:
-    """One session that speaks, asks for a reply (which takes an LM slot and a TTS stream)
-    and vanishes (`vanish(call)`) 0-1.6 s later: while it speaks or is answered."""
-    queue: asyncio.Queue = asyncio.Queue()
-    for at in range(0, len(audio), 3200):
-        queue.put_nowait(client_event("input_audio_buffer.append", audio=audio[at:at + 3200]))
-    queue.put_nowait(client_event("conversation.item.create", item={"text": "Tell me a story."}))
-    queue.put_nowait(client_event("response.create"))
-
-    async def requests():
-        while True:
-            yield await queue.get()
-
-    call = stub.Converse(requests())
-    await anext(aiter(call))  # session.created
-    await asyncio.sleep(0.4 * (n % 5))
-    await vanish(call)
-
-
-async def vanishing(target: str, audio: bytes, clients: int = 200) -> dict:
-    """`clients` sessions, vanishing in three ways: a third cancel their call, a third close
-    their own connection, a third are in a process killed with SIGKILL (the kernel closes
-    its sockets)."""
-    third = clients // 3
-    killed = await asyncio.create_subprocess_exec(sys.executable, __file__, "--vanish-child", target, str(third),
-                                                  stdout=asyncio.subprocess.PIPE)
-    async with grpc.aio.insecure_channel(target) as shared:
-        stub = realtime_pb2_grpc.RealtimeServiceStub(shared)
-
-        async def cancel(call) -> None:
-            call.cancel()
-
-        async def own_connection(n: int) -> None:
-            channel = grpc.aio.insecure_channel(target)
-
-            async def close(call) -> None:
-                await channel.close(grace=None)
-
-            await vanishing_client(realtime_pb2_grpc.RealtimeServiceStub(channel), audio, n, close)
-
-        ready = killed.stdout.readline()
-        outcomes = await asyncio.gather(*(vanishing_client(stub, audio, n, cancel) for n in range(third)),
-                                        *(own_connection(n) for n in range(clients - 2 * third)), ready,
-                                        return_exceptions=True)
-    killed.kill()
-    await killed.wait()
-    failed = [repr(o) for o in outcomes if isinstance(o, BaseException)]
-    if failed or outcomes[-1] != b"ready\n":
-        raise RuntimeError(f"{len(failed)} vanishing clients failed before vanishing: {failed[:3]}; "
-                           f"the killed process said {outcomes[-1]!r}")
-    return {"clients": clients}
-
-
-async def vanish_child(target: str, clients: int) -> None:
-    """The `--vanish-child` process: open the sessions, say so on stdout, wait to be killed."""
-    audio = speech_audio()
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = realtime_pb2_grpc.RealtimeServiceStub(channel)
-        opened = asyncio.Event()
-
-        async def never(call) -> None:
-            await opened.wait()
-            await asyncio.sleep(3600)
-
-        tasks = [asyncio.ensure_future(vanishing_client(stub, audio, n, never)) for n in range(clients)]
-        await asyncio.sleep(2)
-        print("ready", flush=True)
-        await asyncio.gather(*tasks)
 
 
 async def run(rounds: int, llm: bool, non_reading_attacks: bool) -> dict:
