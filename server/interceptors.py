@@ -1,5 +1,9 @@
 """Server interceptor: admission gate (warming up, draining), undecodable requests, gRPC metrics.
 
+A method a servicer leaves to its generated default (which raises NotImplementedError, as
+grpc_health's servicer does for Health/List) ends with UNIMPLEMENTED and the reason
+UNIMPLEMENTED, without the traceback grpc would log for it.
+
 A request message that does not decode ends its call with INVALID_ARGUMENT and the reason
 UNDECODABLE_REQUEST, on every method, wherever the servicer reads its requests (a reader
 task of a duplex stream included): the interceptor's deserializer hands the servicer a
@@ -89,6 +93,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         streaming_requests = handler.request_streaming
         behavior = _checked(behavior, streaming_requests, inspect.isasyncgenfunction(behavior), undecodable)
 
+        async def unimplemented(context) -> None:
+            await context.abort_with_status(rich_status(
+                grpc.StatusCode.UNIMPLEMENTED, "UNIMPLEMENTED", f"{method} is not implemented by this server"))
+
         if inspect.isasyncgenfunction(behavior):
             async def stream_behavior(request, context):
                 started, error = time.perf_counter(), None
@@ -96,6 +104,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                     await refuse(context)
                     async for response in behavior(request, context):
                         yield response
+                except NotImplementedError:  # a servicer's generated default: not a server failure
+                    await unimplemented(context)
                 except BaseException as exc:
                     error = exc
                     raise
@@ -108,6 +118,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     await refuse(context)
                     return await behavior(request, context)
+                except NotImplementedError:  # a servicer's generated default: not a server failure
+                    await unimplemented(context)
                 except BaseException as exc:
                     error = exc
                     raise

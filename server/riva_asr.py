@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_audio_pb2
 from rtmedia.engines.asr import AsrEvent
+from rtmedia.protocol.errors import shown
 from rtmedia.server.audio_input import WINDOW_MS, Action, AudioInput
 from rtmedia.server.endpointing import DEFAULTS, HistoryEndpointer, check_endpointing
 from rtmedia.server.engine_access import EngineAccess
@@ -43,6 +44,7 @@ from rtmedia.server.riva_common import (
     abort_rejected,
     check_custom_configuration,
     check_language,
+    listed,
 )
 from rtmedia.server.scheduler import Priority
 from rtmedia.server.session_config import ALAW, PCM16, ULAW, SessionSettings
@@ -91,7 +93,7 @@ class RecognitionOptions:
                            f"supported for {name}; supported: {', '.join(map(str, rates))}")
         check_language(config.language_code)
         if config.model not in ("", MODEL):
-            raise Rejected(INVALID, "UNKNOWN_MODEL", f"model={config.model!r} is not served; models: {MODEL}")
+            raise Rejected(INVALID, "UNKNOWN_MODEL", f"model={shown(config.model)} is not served; models: {MODEL}")
         if config.max_alternatives < 0:
             raise Rejected(INVALID, "BAD_OPTION", f"max_alternatives={config.max_alternatives} is negative")
         if config.audio_channel_count not in (0, 1):
@@ -138,8 +140,9 @@ def parse_wav(audio: bytes) -> tuple[bytes, int]:
         with wave.open(io.BytesIO(audio)) as w:
             channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
             samples = w.readframes(w.getnframes())
-    except (wave.Error, EOFError) as exc:
-        raise Rejected(INVALID, "BAD_AUDIO", f"audio is not a readable WAV file: {exc}") from None
+    except Exception as exc:  # the wave module raises whatever a malformed header provokes (RuntimeError, ...)
+        raise Rejected(INVALID, "BAD_AUDIO", f"audio is not a readable WAV file: "
+                                             f"{type(exc).__name__}: {exc}") from None
     if width != 2:
         raise Rejected(UNIMPLEMENTED, "UNSUPPORTED_ENCODING", f"WAV audio has {8 * width}-bit samples; only 16-bit")
     if channels != 1:
@@ -356,6 +359,6 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
 
 def _check_runtime_config(request: riva_asr_pb2.StreamingRecognizeRequest, number: int) -> None:
     if request.runtime_config:
-        keys = ", ".join(sorted(request.runtime_config))
+        keys = listed(sorted(request.runtime_config))
         raise Rejected(UNIMPLEMENTED, "UNSUPPORTED_OPTION",
                        f"runtime_config (request {number}: {keys}) is not supported by rtmedia")

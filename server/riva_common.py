@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import grpc
-from rtmedia.protocol.errors import abort
+from rtmedia.protocol.errors import abort, shown
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
@@ -29,12 +29,18 @@ def check_language(language_code: str, field: str = "language_code") -> None:
     """Empty means en-US; anything else but en-US (any case) is rejected."""
     if language_code and language_code.lower() not in (code.lower() for code in LANGUAGES):
         raise Rejected(INVALID, "UNSUPPORTED_LANGUAGE",
-                       f"{field}={language_code!r} is not served; languages: {', '.join(LANGUAGES)}")
+                       f"{field}={shown(language_code)} is not served; languages: {', '.join(LANGUAGES)}")
+
+
+def listed(names: list[str], most: int = 8, chars: int = 64) -> str:
+    """Client-chosen names (option keys) for a message: the first `most`, each cut after `chars`."""
+    shown_ = [name if len(name) <= chars else f"{name[:chars]}..." for name in names[:most]]
+    return ", ".join(shown_) + (f", ... ({len(names)} in all)" if len(names) > most else "")
 
 
 def check_custom_configuration(custom: Mapping[str, str]) -> None:
     """rtmedia's models take no custom configuration keys."""
     if custom:
-        keys = ", ".join(sorted(custom))
+        keys = listed(sorted(custom))
         raise Rejected(INVALID, "UNSUPPORTED_OPTION",
                        f"custom_configuration keys are not supported by rtmedia's models: {keys}")

@@ -34,7 +34,7 @@ from rtmedia.server.riva_common import (
     check_custom_configuration,
     check_language,
 )
-from rtmedia.server.speech_service import text_problem
+from rtmedia.server.speech_service import text_problem, unknown_voice
 
 ENCODINGS = (riva_audio_pb2.ENCODING_UNSPECIFIED, riva_audio_pb2.LINEAR_PCM)
 
@@ -165,8 +165,9 @@ class RivaTtsService(riva_tts_pb2_grpc.RivaSpeechSynthesisServicer):
         check_language(request.language_code)
         try:
             voice = self.tts.voice(request.voice_name)
-        except KeyError as exc:
-            raise Rejected(INVALID, "UNKNOWN_VOICE", f"voice_name: {exc.args[0]}") from None
+        except KeyError:
+            raise Rejected(INVALID, "UNKNOWN_VOICE",
+                           f"voice_name: {unknown_voice(request.voice_name, self.tts.voices)}") from None
         rate = request.sample_rate_hz
         if rate < 0 or (rate and rate not in voice.supported_rates):
             raise Rejected(INVALID, "UNSUPPORTED_SAMPLE_RATE",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 from rtmedia.engines.asr import AsrEvent, AsrItem
@@ -15,7 +15,7 @@ from rtmedia.engines.resample import (
 )
 from rtmedia.engines.text_chunks import is_speakable, split_text
 from rtmedia.engines.tts import TtsItem, unsupported_rate_message
-from rtmedia.protocol.errors import abort
+from rtmedia.protocol.errors import abort, shown
 from rtmedia.protocol.wav import wav_stream_header
 from rtmedia.server.audio_input import DECODERS
 from rtmedia.server.engine_access import EngineAccess
@@ -29,6 +29,11 @@ TRANSCRIBE_RATES = {
     common_pb2.AUDIO_ENCODING_G711_ULAW: (8000,),
     common_pb2.AUDIO_ENCODING_G711_ALAW: (8000,),
 }
+
+
+def unknown_voice(name: str, voices: Iterable[str]) -> str:
+    """The message for a voice name no voice has (the name shown cut short: clients choose it)."""
+    return f"voice {shown(name)} is not known; voices: {', '.join(sorted(voices))}"
 
 
 def text_problem(text: str, max_chars: int, complete: bool = True) -> tuple[str, str] | None:
@@ -72,8 +77,9 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
             await abort(context, INVALID, "BAD_FRAMING", f"framing={request.framing} is not an AudioFraming value")
         try:
             voice = self.tts.voice(request.voice)
-        except KeyError as exc:
-            await abort(context, INVALID, "UNKNOWN_VOICE", exc.args[0], voice=request.voice)
+        except KeyError:
+            await abort(context, INVALID, "UNKNOWN_VOICE", unknown_voice(request.voice, self.tts.voices),
+                        voice=request.voice)
         if request.sample_rate < 0 or (request.sample_rate and request.sample_rate not in voice.supported_rates):
             await abort(context, INVALID, "UNSUPPORTED_SAMPLE_RATE",
                         unsupported_rate_message(request.sample_rate, voice))
@@ -169,7 +175,7 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         if fmt.channels not in (0, 1):
             await abort(context, INVALID, "BAD_CHANNELS", f"audio_format.channels={fmt.channels}: only mono is accepted")
         if config.language not in ("", "en-US", "en-us", "en"):
-            await abort(context, INVALID, "BAD_LANGUAGE", f"language={config.language!r} is not served; only en-US")
+            await abort(context, INVALID, "BAD_LANGUAGE", f"language={shown(config.language)} is not served; only en-US")
         return DECODERS[encoding], make_resampler(rate, ASR_RATE), not config.disable_partial_results
 
 

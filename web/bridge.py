@@ -345,7 +345,7 @@ class Bridge:
         # Open without a token: the page (so a user can give one) and the probes' /healthz.
         self._open_resources = {
             app.router.add_get("/", self.index).resource,
-            app.router.add_static("/static/", STATIC),
+            app.router.add_get("/static/{name:.*}", self.static).resource,
             app.router.add_get("/healthz", self.health).resource,
         }
         app.router.add_get("/config", self.page_config)
@@ -455,6 +455,15 @@ class Bridge:
     # ---- handlers ---------------------------------------------------------------------------------------
     async def index(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def static(self, request: web.Request) -> web.StreamResponse:
+        """A file of the page's (`/static/NAME`). One that is not there is a 404 in the bridge's
+        JSON shape: aiohttp's own static route would answer it with an empty body."""
+        name = request.match_info["name"]
+        path = await asyncio.to_thread(static_file, name)
+        if path is None:
+            return error_response(404, f"no such file: /static/{name[:100]}")
+        return web.FileResponse(path)
 
     async def health(self, request: web.Request) -> web.Response:
         """Counts only: a peer id is its owner's capability, so none is listed here."""
@@ -682,6 +691,15 @@ class Bridge:
         self.peers.pop(peer.id, None)
         if self._retired:
             self._close_unused_channels()
+
+
+def static_file(name: str, root: Path = STATIC) -> Path | None:
+    """The file `name` names under `root`, or None: missing, a directory, or outside `root`."""
+    try:
+        path = (root / name).resolve()
+        return path if path.is_relative_to(root.resolve()) and path.is_file() else None
+    except (OSError, ValueError):  # an embedded NUL, a name too long for the file system
+        return None
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None,
