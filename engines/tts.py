@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,10 @@ from rtmedia.engines.piper_bf16 import PRECISIONS, Bf16Decoder, bf16_unavailable
 from rtmedia.engines.piper_graph import CONTEXT_FRAMES, PiperParts, split
 from rtmedia.engines.resample import float_to_pcm16, make_resampler
 from rtmedia.engines.text_chunks import split_text  # noqa: F401  (tests/perf/bench_speech.py imports it from here)
+
+# Control characters other than whitespace: espeak-ng's phonemizer refuses a NUL, and none of
+# them is spoken, so each becomes a space.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 # Output rates every voice offers on top of its native rate.
 STANDARD_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
@@ -249,6 +254,7 @@ class TtsEngine:
         """Each sentence's latent frames [1, channels, frames] (or, for a voice without a
         decoder graph, its audio)."""
         piper = voice.piper
+        text = _CONTROL.sub(" ", text)
         with self._phonemize_lock:  # espeak-ng keeps global state; the ONNX inference runs concurrently
             sentences = [p for p in piper.phonemize(text) if p]
         c = piper.config

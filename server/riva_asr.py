@@ -173,7 +173,10 @@ class Recognition:
             threshold=endpointer.threshold, prefix_padding_ms=endpointer.prefix_padding_ms,
             silence_duration_ms=endpointer.silence_duration_ms,
         )
-        self.piece = self.options.sample_rate * self.options.bytes_per_sample * PIECE_MS // 1000
+        # Whole samples: at a rate such as 11025 Hz half a second is not (the VAD tick decodes the
+        # inbox as samples).
+        width = self.options.bytes_per_sample
+        self.piece = self.options.sample_rate * PIECE_MS // 1000 * width
         self.input = AudioInput(settings, 4 * PIECE_MS, self._on_actions, self.access.vad.open(),
                                 make_detector=lambda _settings: endpointer)
         self._turn: Turn | None = None  # the utterance being spoken

@@ -153,15 +153,19 @@ class Peer:
 
     # ---- life cycle -------------------------------------------------------------------------------
     async def open_session(self, settings: dict[str, Any]) -> None:
-        """Open the Converse stream, configure it and wait for session.created.
+        """Open the Converse stream, wait for session.created, then configure it.
         Raises SessionRefused when the server does not take the session."""
         self.call = RealtimeServiceStub(self.grpc_channel).Converse(metadata=self.metadata or None)
         session = {**settings, "input_audio_format": {"encoding": "pcm16", "sample_rate": self.input_rate,
                                                      "channels": 1},
                    "output_sample_rate": PLAYOUT_RATE}
         try:
-            await self.call.write(client_event("session.update", event_id="bridge-config", session=session))
+            # Read first: a refusal (quota, capacity, draining) then arrives as the server's own
+            # status; a write racing it may get grpc's "Internal error from Core" instead
+            # (grpc/grpc#36066).
             first = await asyncio.wait_for(self.call.read(), OPEN_TIMEOUT_S)
+            if first is not grpc.aio.EOF and event_type(first) == "session.created":
+                await self.call.write(client_event("session.update", event_id="bridge-config", session=session))
         except TimeoutError:
             self.call.cancel()
             raise SessionRefused(504, f"the rtmedia server did not open a session within {OPEN_TIMEOUT_S:.0f} s")\

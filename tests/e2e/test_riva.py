@@ -109,6 +109,15 @@ def test_streaming_mulaw_8k_without_interim_results(served, speaker: Speaker) ->
     assert abs(words[0].start_time - 1000) < 400 and abs(words[-1].end_time - speech_end_ms) < 600, words
 
 
+
+def test_streaming_at_11025_hz(served, speaker: Speaker) -> None:
+    """Half a second at 11025 Hz is not whole samples: the recogniser's pieces are cut at whole
+    samples, so the VAD tick (shared by every session) decodes them."""
+    audio = np.concatenate([speaker.silence(0.5, 11025), speaker.say(FIRST, 11025), speaker.silence(1.2, 11025)])
+    texts = finals(stream(served["asr"], audio.tobytes(), config(sample_rate_hertz=11025), interim=False,
+                          chunk=22050))
+    assert len(texts) == 1 and wer(FIRST, texts[0]) < 0.5, texts
+
 def test_offline_recognize_raw_and_wav(served, speaker: Speaker, two_sentences) -> None:
     response = served["asr"].offline_recognize(two_sentences.tobytes(), config(enable_word_time_offsets=True))
     texts = [r.alternatives[0].transcript for r in response.results]

@@ -110,6 +110,12 @@ async def test_wav_framing_has_one_header_with_the_output_rate(stub):
         assert wav.getnframes() == (len(data) - 44) // 2
 
 
+async def test_control_characters_in_the_text_are_not_spoken(stub):
+    """A NUL (which espeak-ng's phonemizer refuses) or another control character is a space."""
+    plain = b"".join(r.audio for r in await synth(stub, "hello there world"))
+    odd = b"".join(r.audio for r in await synth(stub, "hello\x00 there\x07world\x1b"))
+    assert len(odd) > len(plain) // 2, (len(odd), len(plain))
+
 @pytest.mark.parametrize("out_rate,in_rate", [(16000, 16000), (24000, 24000), (48000, 48000)])
 async def test_synthesized_speech_transcribes_back(stub, out_rate, in_rate):
     """TTS at a resampled rate, streamed back through Transcribe: WER under 35 %."""

@@ -371,7 +371,7 @@ class StandIn(realtime_pb2_grpc.RealtimeServiceServicer):
                         "a valid bearer token is required (authorization metadata)")
         if self.full:
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "MAX_SESSIONS", "at the limit of 1 sessions")
-        await request_iterator.__anext__()  # the bridge's session.update
+        # As the real server: session.created on admission, before any client event.
         await context.write(server_event("session.created", session_id=f"sess_{len(self.seen)}"))
         reading = asyncio.ensure_future(self._drain(request_iterator))
         await self.end.wait()
