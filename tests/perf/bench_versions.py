@@ -285,29 +285,19 @@ def main() -> None:
                              client=("--ca", str(certs.ca)), ca=certs.ca)]
         else:
             order = [Setting("before", package_dir(args.before, Path(tmp))), Setting("after")]
-        if args.ping:
+        if args.ping or args.side_by_side:
             rounds = []
             for n in range(args.rounds):
                 pair = (order[0], order[0]) if (n + 1) % args.control_every == 0 else (order[0], order[1])
-                rounds.append(ping(pair, args.pings, args.side_sessions))
+                rounds.append(ping(pair, args.pings, args.side_sessions) if args.ping
+                              else side_by_side(pair, args.talk_duration, args.side_sessions))
                 print(json.dumps(rounds[-1]), file=sys.stderr, flush=True)
             result = {"machine": machine(), "rounds": rounds}
-            print(json.dumps(result, indent=1))
-            if args.out:
-                args.out.write_text(json.dumps(result, indent=1))
-            return
-        if args.side_by_side:
-            rounds = []
-            for n in range(args.rounds):
-                pair = (order[0], order[0]) if (n + 1) % args.control_every == 0 else (order[0], order[1])
-                rounds.append(side_by_side(pair, args.talk_duration, args.side_sessions))
-                print(json.dumps(rounds[-1]), file=sys.stderr, flush=True)
-            tls = [r["p50_difference_ms"] for r in rounds if r["pair"] == "plaintext/tls"]
-            control = [r["p50_difference_ms"] for r in rounds if r["pair"] == "plaintext/plaintext"]
-            result = {"machine": machine(), "rounds": rounds,
-                      "tls_minus_plaintext_p50_ms": {"each": tls, "median": statistics.median(tls) if tls else None},
-                      "control_p50_difference_ms": {"each": control,
-                                                    "median": statistics.median(control) if control else None}}
+            if args.side_by_side:
+                for key, pair_name in (("tls_minus_plaintext_p50_ms", "plaintext/tls"),
+                                       ("control_p50_difference_ms", "plaintext/plaintext")):
+                    each = [r["p50_difference_ms"] for r in rounds if r["pair"] == pair_name]
+                    result[key] = {"each": each, "median": statistics.median(each) if each else None}
             print(json.dumps(result, indent=1))
             if args.out:
                 args.out.write_text(json.dumps(result, indent=1))
