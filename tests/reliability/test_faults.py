@@ -264,6 +264,8 @@ async def test_a_killed_asr_worker_is_restarted_and_the_next_transcribe_succeeds
         await done.wait()  # no more: the server ends the call
 
     restarts = list(engine.restarts)
+    # The last test's session may still be closing its stream: the one to find must be this call's.
+    await until(lambda: engine.open_streams == 0, what="earlier streams closing")
     call = stub.Transcribe(requests())
 
     async def read_all() -> None:
