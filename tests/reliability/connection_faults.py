@@ -49,7 +49,16 @@ from rtmedia.protocol.events import client_event  # noqa: E402
 from rtmedia.v1 import realtime_pb2_grpc  # noqa: E402
 
 from tests.perf.bench_speech import machine  # noqa: E402
-from tests.reliability.resources import Snapshot, Tolerances, quiet, scrape, settle, snapshot  # noqa: E402
+from tests.reliability.resources import (  # noqa: E402
+    Snapshot,
+    Tolerances,
+    add_settle_flags,
+    quiet,
+    scrape,
+    settle,
+    snapshot,
+    tolerances_of,
+)
 from tests.reliability.vanishing import (  # noqa: E402
     CHUNK_BYTES,
     RATE,
@@ -247,13 +256,7 @@ def main() -> int:
     parser.add_argument("--idle-timeout-s", type=int, default=2,
                         help="the idle_timeout_s the silent clients ask for (default 2)")
     parser.add_argument("--llm", action="store_true", help="serve the embedded LM (KV slots); default: echo")
-    parser.add_argument("--settle-s", type=float, default=60.0,
-                        help="seconds the server gets after a round to return to the baseline (default 60)")
-    parser.add_argument("--rss-ratio", type=float, default=Tolerances.rss_ratio,
-                        help=f"largest RSS / baseline RSS of each process (default {Tolerances.rss_ratio:g})")
-    parser.add_argument("--thread-slack", type=int, default=Tolerances.thread_slack,
-                        help=f"main-process threads allowed off the baseline (default {Tolerances.thread_slack})")
-    parser.add_argument("--server-log", type=Path, default=None, help="write the server's log here")
+    add_settle_flags(parser, "a round")
     args = parser.parse_args()
     for name in ("clients", "slow_readers", "silent"):
         if getattr(args, name) < 0:
@@ -264,7 +267,7 @@ def main() -> int:
         parser.error(f"--idle-timeout-s must be at least 1, got {args.idle_timeout_s}")
     attack = Attack(args.clients, args.slow_readers, args.slow_read_s, args.silent, args.idle_timeout_s)
     result = asyncio.run(run(args.rounds, attack, args.llm, args.settle_s,
-                             Tolerances(args.rss_ratio, args.thread_slack), args.server_log))
+                             tolerances_of(args), args.server_log))
     print(json.dumps(result, indent=1))
     return 0 if result["ok"] else 1
 

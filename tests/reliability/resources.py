@@ -173,6 +173,22 @@ class Tolerances:
     fd_slack: int = 0  # each process's open fds within this of the baseline
 
 
+def add_settle_flags(parser: Any, after: str) -> None:
+    """The flags both long runs share: how long the server gets to settle `after` something,
+    the tolerances (`Tolerances`) and where its log goes; read back with `tolerances_of(args)`."""
+    parser.add_argument("--settle-s", type=float, default=60.0,
+                        help=f"seconds the server gets after {after} to return to the baseline (default 60)")
+    parser.add_argument("--rss-ratio", type=float, default=Tolerances.rss_ratio,
+                        help=f"largest RSS / baseline RSS of each process (default {Tolerances.rss_ratio:g})")
+    parser.add_argument("--thread-slack", type=int, default=Tolerances.thread_slack,
+                        help=f"main-process threads allowed off the baseline (default {Tolerances.thread_slack})")
+    parser.add_argument("--server-log", type=Path, default=None, help="write the server's log here")
+
+
+def tolerances_of(args: Any) -> Tolerances:
+    return Tolerances(args.rss_ratio, args.thread_slack)
+
+
 def compare(baseline: Snapshot, now: Snapshot, tolerances: Tolerances = Tolerances()) -> dict[str, dict[str, Any]]:
     """What did not return to the baseline, by name: {name: {baseline, now, allowed}}; empty when
     everything did."""

@@ -36,7 +36,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.perf.bench_speech import machine  # noqa: E402
-from tests.reliability.resources import Snapshot, Tolerances, quiet, settle, snapshot  # noqa: E402
+from tests.reliability.resources import (  # noqa: E402
+    Snapshot,
+    add_settle_flags,
+    quiet,
+    settle,
+    snapshot,
+    tolerances_of,
+)
 from tests.support.serve import RTMEDIA, free_port, running_server  # noqa: E402
 
 REPORTED = ("response_latency_ms", "voice_to_voice_ms", "jitter_ms")
@@ -97,7 +104,7 @@ def spread(windows: list[dict[str, Any]], metric: str) -> dict[str, list[float] 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     metrics_port = free_port()
     responder = () if args.llm else ("--no-llm", "--responder", "echo")
-    tolerances = Tolerances(args.rss_ratio, args.thread_slack)
+    tolerances = tolerances_of(args)
     result: dict[str, Any] = {"machine": machine(), "settings": {
         "profile": args.profile, "sessions": args.sessions, "chunk_ms": args.chunk_ms, "minutes": args.minutes,
         "window_min": args.window_min, "warmup_min": args.warmup_min, "primer_s": args.primer_s,
@@ -199,13 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1, help="loadtest seed of the first window (default 1)")
     parser.add_argument("--llm", action="store_true",
                         help="serve the embedded LM (for --profile llm); default: --no-llm, echo responder")
-    parser.add_argument("--settle-s", type=float, default=60.0,
-                        help="seconds the server gets after the load to return to the baseline (default 60)")
-    parser.add_argument("--rss-ratio", type=float, default=Tolerances.rss_ratio,
-                        help=f"largest RSS / baseline RSS of each process (default {Tolerances.rss_ratio:g})")
-    parser.add_argument("--thread-slack", type=int, default=Tolerances.thread_slack,
-                        help=f"main-process threads allowed off the baseline (default {Tolerances.thread_slack})")
-    parser.add_argument("--server-log", type=Path, default=None, help="write the server's log here")
+    add_settle_flags(parser, "the load")
     args = parser.parse_args(argv)
     for name in ("minutes", "window_min", "sample_s"):
         if getattr(args, name) <= 0:
