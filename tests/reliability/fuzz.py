@@ -5,7 +5,7 @@ process of its own) keeps talking with the right token.
 
     .venv/bin/python tests/reliability/fuzz.py [--door NAME ...] [--cases 10000] [--seed 0]
 
-Prints one JSON object: per door the cases run, crashes (the server exited or stopped answering
+Prints one JSON object, and exits 1 when a case broke a rule or the server died: per door the cases run, crashes (the server exited or stopped answering
 health), leaked sessions and bridge peers, the statuses by code and ErrorInfo reason (HTTP
 statuses by code and reason for the web doors), how many were UNKNOWN or INTERNAL, the error
 events by code, the cases that broke a rule (a few, with the problems and the case), cases per
@@ -256,7 +256,7 @@ async def fuzz(args: argparse.Namespace, address: str, process: subprocess.Popen
         return report
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description="Fuzz every door of a real `rtmedia serve` (see the module "
                                                  "docstring); prints one JSON object.")
     parser.add_argument("--door", action="append", default=None, choices=list(DOORS), metavar="NAME",
@@ -311,7 +311,10 @@ def main() -> None:
         "server_exit_code": exit_code, **({"server_log_tail": tail} if tail else {}),
         "doors": doors,
     }, indent=1))
+    broken = exit_code is not None or any(totals[key] for key in ("crashes", "leaked_sessions", "leaked_peers",
+                                                                   "unknown_internal", "failing_cases"))
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
