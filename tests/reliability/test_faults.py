@@ -23,8 +23,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rtmedia.engines.asr import AsrEngine
 from rtmedia.protocol.errors import error_reason
-from rtmedia.server.app import RtmediaServer
-from rtmedia.server.config import ServerConfig
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 
 from tests.support.converse import Conversation
@@ -36,21 +34,10 @@ RIVA_ASR = "nvidia.riva.asr.RivaSpeechRecognition"
 SENTENCE = "the quick brown fox jumps over the lazy dog"
 
 
-@pytest.fixture(scope="module")
-async def server():
-    config = ServerConfig(port=0, metrics_port=0, grace_s=1, max_sessions=16, default_responder="echo",
-                          llm=True, synthetic_lm="tiny", lm_slots=2, lm_context=256, asr_workers=2,
-                          asr_decoders=2, lane_unhealthy_after_s=0.5)
-    srv = RtmediaServer(config)
-    await srv.start()
-    yield srv
-    await srv.stop(0)
-
-
-@pytest.fixture(scope="module")
-async def channel(server):
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
-        yield ch
+# The module's server (tests/reliability/conftest.py): the synthetic LM, two slots, two ASR
+# workers, and lanes that turn unhealthy quickly.
+SERVER_OPTIONS = {"max_sessions": 16, "llm": True, "synthetic_lm": "tiny", "lm_slots": 2, "lm_context": 256,
+                  "asr_workers": 2, "asr_decoders": 2, "lane_unhealthy_after_s": 0.5}
 
 
 async def synthesize(channel, text: str) -> bytes:
