@@ -126,7 +126,11 @@ class AudioInput:
     # ---- loop side -------------------------------------------------------
     def append(self, data: bytes) -> int:
         """Queue input; returns the ms discarded when the inbox overflowed, else 0. The
-        queued audio is discarded and the new chunk kept, unless it alone is too big."""
+        queued audio is discarded and the new chunk kept, unless it alone is too big. Only whole
+        samples: the VAD tick decodes every input's inbox in one step, so a broken one would fail
+        the tick for all (callers check a client's audio first and name its mistake)."""
+        if len(data) % BYTES_PER_SAMPLE[self._settings.input_encoding]:
+            raise ValueError(f"{len(data)} bytes of {self._settings.input_encoding} audio are not whole samples")
         limit = self.inbox_ms * self.bytes_per_ms
         if len(self.inbox) + len(data) <= limit:
             self.inbox += data

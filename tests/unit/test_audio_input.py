@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 from rtmedia.server.audio_input import AudioInput
 from rtmedia.server.session_config import SessionSettings
 
@@ -100,3 +101,13 @@ def test_tick_results_do_not_depend_on_chunking(speaker):
     assert _tick_run(engine, pcm, 3200) == per_window
     events = [(kind, value) for kind, value in per_window if kind not in ("audio", "pause")]
     assert _tick_run(engine, pcm, 3200, transcription=False) == events
+
+
+def test_audio_that_is_not_whole_samples_is_refused_at_the_inbox():
+    """The shared VAD tick decodes every inbox: a caller's odd PCM16 byte count is refused where
+    it is appended, so it cannot fail the tick for the other sessions."""
+    audio = AudioInput(SessionSettings(), 2000, lambda actions: None, VadRow())
+    with pytest.raises(ValueError, match="not whole samples"):
+        audio.append(bytes(11025))
+    assert not audio.inbox
+    assert audio.append(bytes(11026)) == 0 and len(audio.inbox) == 11026
