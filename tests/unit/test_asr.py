@@ -539,7 +539,8 @@ def test_a_close_does_not_wait_for_a_running_step(speech: dict[str, np.ndarray])
         time.sleep(0.3)
         started = time.perf_counter()
         eng.close_stream(other)
-        assert time.perf_counter() - started < 0.2
+        # Answered between two 300 ms pieces of the busy step, which goes on decoding.
+        assert time.perf_counter() - started < 1.0 and stepping.is_alive()
         started = time.perf_counter()
         eng.close_stream(busy)
         stepping.join(timeout=30)
