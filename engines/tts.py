@@ -60,6 +60,8 @@ from rtmedia.engines.text_chunks import split_text  # noqa: F401  (tests/perf/be
 # them is spoken, so each becomes a space.
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
+# Speaking rates a stream may ask for (1.0: the voice's own pace).
+MIN_SPEED, MAX_SPEED = 0.25, 4.0
 # Output rates every voice offers on top of its native rate.
 STANDARD_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
 # Piper normalises each sentence to full scale; chunked speech would then jump
@@ -132,6 +134,7 @@ class TtsStream:
     output_rate: int
     resampler: object = field(repr=False)
     window_frames: int = 0
+    speed: float = 1.0  # the voice model's length scale is divided by it
     # per sentence: (latent [1, channels, frames], next frame to decode, next window's size)
     queued: list[tuple[np.ndarray, int, int]] = field(default_factory=list, repr=False)
 
@@ -232,16 +235,20 @@ class TtsEngine:
             raise KeyError(f"voice {name!r} is not known; voices: {', '.join(sorted(self.voices))}")
         return spec
 
-    def open_stream(self, voice: str = "", output_rate: int = 0, window_frames: int = 0) -> TtsStream:
+    def open_stream(self, voice: str = "", output_rate: int = 0, window_frames: int = 0,
+                    speed: float = 1.0) -> TtsStream:
         """A stream of the voice at `output_rate`; with `window_frames`, sentences are decoded
-        in windows of that many latent frames, then twice as many each time."""
+        in windows of that many latent frames, then twice as many each time. `speed`
+        (MIN_SPEED..MAX_SPEED) scales the speaking rate through the model's length scale."""
         spec = self.voice(voice)
         rate = output_rate or spec.native_rate
         if rate not in spec.supported_rates:
             raise ValueError(unsupported_rate_message(rate, spec))
         if window_frames < 0:
             raise ValueError(f"window_frames must be >= 0, got {window_frames}")
-        return TtsStream(spec, rate, make_resampler(spec.native_rate, rate), window_frames)
+        if not MIN_SPEED <= speed <= MAX_SPEED:  # NaN fails too
+            raise ValueError(f"speed must be {MIN_SPEED:g} to {MAX_SPEED:g}, got {speed:g}")
+        return TtsStream(spec, rate, make_resampler(spec.native_rate, rate), window_frames, speed)
 
     def _loaded(self, name: str, crowded: bool) -> _Voice:
         """The voice's graphs for a step that starts alone, or beside another (`crowded`)."""
@@ -250,15 +257,15 @@ class TtsEngine:
             raise EngineError(f"voice {name} is not loaded")
         return voices[-1] if crowded else voices[0]
 
-    def _latents(self, voice: _Voice, text: str) -> list[np.ndarray]:
+    def _latents(self, voice: _Voice, text: str, speed: float = 1.0) -> list[np.ndarray]:
         """Each sentence's latent frames [1, channels, frames] (or, for a voice without a
-        decoder graph, its audio)."""
+        decoder graph, its audio), spoken at `speed`."""
         piper = voice.piper
         text = _CONTROL.sub(" ", text)
         with self._phonemize_lock:  # espeak-ng keeps global state; the ONNX inference runs concurrently
             sentences = [p for p in piper.phonemize(text) if p]
         c = piper.config
-        scales = np.array([c.noise_scale, c.length_scale, c.noise_w_scale], np.float32)
+        scales = np.array([c.noise_scale, c.length_scale / speed, c.noise_w_scale], np.float32)
         out = []
         for phonemes in sentences:
             ids = np.array([piper.phonemes_to_ids(phonemes)], np.int64)
@@ -286,7 +293,7 @@ class TtsEngine:
         queued = stream.queued
         if text:
             first = stream.window_frames or 1 << 30
-            queued += [(latent, 0, first) for latent in self._latents(voice, text)]
+            queued += [(latent, 0, first) for latent in self._latents(voice, text, stream.speed)]
         parts = []
         while queued:
             latent, start, size = queued[0]

@@ -58,8 +58,8 @@ class Tts:
         """The voice called `name` (the default for ""); KeyError names the known ones."""
         return self._engine.voice(name)
 
-    def open(self, voice: str = "", output_rate: int = 0, window_frames: int = 0) -> TtsStream:
-        return self._engine.open_stream(voice, output_rate, window_frames)
+    def open(self, voice: str = "", output_rate: int = 0, window_frames: int = 0, speed: float = 1.0) -> TtsStream:
+        return self._engine.open_stream(voice, output_rate, window_frames, speed)
 
     async def synthesize(self, item: TtsItem, priority: Priority | None = None, due: float | None = None) -> bytes:
         audio: bytes = await self._scheduler.submit(TTS, item, priority, due)

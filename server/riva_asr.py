@@ -1,14 +1,9 @@
 """NVIDIA Riva's `nvidia.riva.asr.RivaSpeechRecognition` on rtmedia's engines.
 
-A recognition (streaming or offline) is the duplex sessions' input path: its
-audio goes through an `AudioInput` on the shared VAD tick lane (decode,
-resample to 16 kHz, batched Silero VAD), whose turn detector is a
-`HistoryEndpointer` following the request's `EndpointingConfig`
-(server/endpointing.py gives the mapping). Each utterance it finds is decoded
-on the ASR lane (PocketSphinx worker processes, one utterance per turn) by the
-`Recognizer` the duplex sessions use too (server/recognition.py): its partials
-become interim results, its final a final result with word offsets in the
-stream's time.
+A recognition (streaming or offline) is a `VadRecognition` (server/vad_recognition.py: the
+duplex sessions' input path, the VAD finding utterances) whose `HistoryEndpointer` follows the
+request's `EndpointingConfig` (server/endpointing.py gives the mapping): its partials become
+interim results, its finals final results with word offsets in the stream's time.
 
 Options rtmedia does not serve are rejected with a status naming them
 (`RecognitionOptions.from_config`); one alternative is returned whatever
@@ -22,21 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import io
 import logging
 import wave
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_audio_pb2
 from rtmedia.engines.asr import AsrEvent
 from rtmedia.protocol.errors import shown
-from rtmedia.server.audio_input import WINDOW_MS, Action, AudioInput
-from rtmedia.server.endpointing import DEFAULTS, HistoryEndpointer, check_endpointing
+from rtmedia.server.endpointing import DEFAULTS, check_endpointing
 from rtmedia.server.engine_access import EngineAccess
 from rtmedia.server.interceptors import UndecodableRequest
-from rtmedia.server.recognition import Recognizer, Turn
+from rtmedia.server.recognition import Turn
 from rtmedia.server.riva_common import (
     INVALID,
     UNIMPLEMENTED,
@@ -47,7 +42,8 @@ from rtmedia.server.riva_common import (
     listed,
 )
 from rtmedia.server.scheduler import Priority
-from rtmedia.server.session_config import ALAW, PCM16, ULAW, SessionSettings
+from rtmedia.server.session_config import ALAW, PCM16, ULAW
+from rtmedia.server.vad_recognition import VadRecognition
 
 log = logging.getLogger(__name__)
 MODEL = "pocketsphinx-en-US-asr-streaming"
@@ -58,10 +54,6 @@ ENCODINGS = {  # Riva encoding -> (rtmedia encoding, sample rates it may have)
     riva_audio_pb2.MULAW: (ULAW, (8000,)),
     riva_audio_pb2.ALAW: (ALAW, (8000,)),
 }
-# Audio is taken in pieces of at most this much; a piece waits while the previous one is still
-# queued for the VAD tick, so a client sending faster than real time is slowed by flow control
-# (never dropped) and one tick decodes at most ~2 pieces of one stream.
-PIECE_MS = 500
 INTERIM_STABILITY = 0.9  # interim words are never retracted, but the final may still differ
 
 
@@ -112,10 +104,6 @@ class RecognitionOptions:
         return cls(encoding, rate, config.enable_word_time_offsets, config.enable_automatic_punctuation,
                    _endpointing(config))
 
-    @property
-    def bytes_per_sample(self) -> int:
-        return 2 if self.encoding == PCM16 else 1
-
 
 def _endpointing(config: riva_asr_pb2.RecognitionConfig) -> dict[str, float]:
     params: dict[str, float] = dict(DEFAULTS)
@@ -155,118 +143,28 @@ def punctuate(text: str) -> str:
     return f"{text[0].upper()}{text[1:]}." if text else text
 
 
-@dataclass
-class Recognition:
-    """One recognition: audio in (`feed`, `finish`), results out (`results`, None at the end)."""
-
-    access: EngineAccess
-    options: RecognitionOptions
-    interim: bool
-    priority: Priority = Priority.REALTIME
-    results: asyncio.Queue[riva_asr_pb2.StreamingRecognitionResult | Rejected | None] = field(
-        default_factory=asyncio.Queue)
-
-    def __post_init__(self) -> None:
-        endpointer = HistoryEndpointer(**self.options.endpointing)  # type: ignore[arg-type]
-        settings = SessionSettings(
-            input_encoding=self.options.encoding, input_rate=self.options.sample_rate, turn_type="server_vad",
-            threshold=endpointer.threshold, prefix_padding_ms=endpointer.prefix_padding_ms,
-            silence_duration_ms=endpointer.silence_duration_ms,
-        )
-        # Whole samples: at a rate such as 11025 Hz half a second is not (the VAD tick decodes the
-        # inbox as samples).
-        width = self.options.bytes_per_sample
-        self.piece = self.options.sample_rate * PIECE_MS // 1000 * width
-        self.input = AudioInput(settings, 4 * PIECE_MS, self._on_actions, self.access.vad.open(),
-                                make_detector=lambda _settings: endpointer)
-        self._turn: Turn | None = None  # the utterance being spoken
-        self._asr_ms = 0  # audio sent to the recogniser
-        self.recognizer = Recognizer(self.access.asr, priority=self.priority, on_event=self._on_event)
-        self.access.vad.attach(self.input)
-        self._task = self.recognizer.start("riva-recognition")
-        self._task.add_done_callback(self._recognised)
-
-    async def feed(self, audio: bytes) -> None:
-        """Queue audio for the VAD tick, piece by piece, waiting while a piece is still queued."""
-        if len(audio) % self.options.bytes_per_sample:
-            raise Rejected(INVALID, "BAD_AUDIO", f"audio has {len(audio)} bytes: not whole 16-bit samples")
-        for start in range(0, len(audio), self.piece):
-            # the tick takes the inbox on its own 32 ms clock, with no event to wait on
-            while len(self.input.inbox) >= self.piece:  # noqa: ASYNC110
-                await asyncio.sleep(WINDOW_MS / 1000)
-            self.input.append(audio[start:start + self.piece])
-
-    async def finish(self) -> None:
-        """The audio is complete: once the tick has taken all of it, end an open utterance."""
-        taken = asyncio.get_running_loop().create_future()
-        self.input.after_input(lambda: taken.set_result(None))
-        await taken
-        self._end()
-        self.recognizer.stop()
-
-    def fail(self, exc: Rejected) -> None:
-        self.results.put_nowait(exc)
-
-    async def close(self) -> None:
-        self.access.vad.detach(self.input)
-        await self.recognizer.close()
-
-    # ---- VAD tick results (on the loop) ----------------------------------------
-    def _on_actions(self, actions: list[Action]) -> None:
-        for kind, value in actions:
-            if kind == "audio":
-                offset_ms, pcm = value
-                if self._turn is None:  # the first audio of a turn: its start, prefix included
-                    self._turn = Turn(input_offset_ms=offset_ms, asr_offset_ms=self._asr_ms)
-                self._asr_ms += len(pcm) // 32
-                self.recognizer.send("audio", self._turn, pcm)
-            elif kind == "stopped":
-                self._end()
-            elif kind == "marker":
-                value()
-
-    def _end(self) -> None:
-        """The utterance ended: the recogniser finishes it (nothing to do if it had no audio)."""
-        turn, self._turn = self._turn, None
-        if turn is not None:
-            self.recognizer.send("end", turn)
-
-    # ---- recognition ----------------------------------------------------------
-    def _recognised(self, task: asyncio.Task[None]) -> None:
-        """The recogniser's task ended: after the last result (None), or failed."""
-        if task.cancelled():
-            return
-        if (exc := task.exception()) is not None:  # an engine failure ends the call with a status
-            log.error("riva recognition failed", exc_info=exc)
-            self.fail(Rejected(grpc.StatusCode.INTERNAL, "ENGINE_FAILED", f"recognition failed: {exc}"))
-        else:
-            self.results.put_nowait(None)
-
-    def _on_event(self, turn: Turn, event: AsrEvent) -> None:
-        result = self._result(event, turn)
-        if result is not None:
-            self.results.put_nowait(result)
-
-    def _result(self, event: AsrEvent, turn: Turn) -> riva_asr_pb2.StreamingRecognitionResult | None:
-        if not event.text or not (event.is_final or self.interim):
-            return None
-        shift = turn.shift_ms
-        alternative = riva_asr_pb2.SpeechRecognitionAlternative(transcript=event.text)
-        if event.is_final:
-            if self.options.punctuation:
-                alternative.transcript = punctuate(event.text)
-            if event.words:
-                alternative.confidence = sum(w[3] for w in event.words) / len(event.words)
-            if self.options.word_offsets:
-                alternative.words.extend(
-                    riva_asr_pb2.WordInfo(word=w, start_time=s + shift, end_time=e + shift, confidence=c)
-                    for w, s, e, c in event.words
-                )
-        return riva_asr_pb2.StreamingRecognitionResult(
-            alternatives=[alternative], is_final=event.is_final, channel_tag=1,
-            stability=1.0 if event.is_final else INTERIM_STABILITY,
-            audio_processed=(event.end_ms + shift) / 1000,
-        )
+def riva_result(options: RecognitionOptions, interim: bool, event: AsrEvent, turn: Turn
+                ) -> riva_asr_pb2.StreamingRecognitionResult | None:
+    """A recogniser's partial or final as Riva's result (None: not sent)."""
+    if not event.text or not (event.is_final or interim):
+        return None
+    shift = turn.shift_ms
+    alternative = riva_asr_pb2.SpeechRecognitionAlternative(transcript=event.text)
+    if event.is_final:
+        if options.punctuation:
+            alternative.transcript = punctuate(event.text)
+        if event.words:
+            alternative.confidence = sum(w[3] for w in event.words) / len(event.words)
+        if options.word_offsets:
+            alternative.words.extend(
+                riva_asr_pb2.WordInfo(word=w, start_time=s + shift, end_time=e + shift, confidence=c)
+                for w, s, e, c in event.words
+            )
+    return riva_asr_pb2.StreamingRecognitionResult(
+        alternatives=[alternative], is_final=event.is_final, channel_tag=1,
+        stability=1.0 if event.is_final else INTERIM_STABILITY,
+        audio_processed=(event.end_ms + shift) / 1000,
+    )
 
 
 class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
@@ -274,8 +172,10 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
         self.access = access
         self.bytes_in = access.metrics.bytes_total.labels("in")
 
-    def _recognition(self, options: RecognitionOptions, interim: bool, priority: Priority) -> Recognition:
-        return Recognition(self.access, options, interim, priority)
+    def _recognition(self, options: RecognitionOptions, interim: bool, priority: Priority) -> VadRecognition:
+        return VadRecognition(self.access, options.encoding, options.sample_rate,
+                              functools.partial(riva_result, options, interim), options.endpointing, priority,
+                              "riva-recognition")
 
     async def GetRivaSpeechRecognitionConfig(self, request, context):
         configs = []
@@ -338,7 +238,7 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
                 await reader
             await recognition.close()
 
-    async def _read(self, recognition: Recognition, requests: AsyncIterator) -> None:
+    async def _read(self, recognition: VadRecognition, requests: AsyncIterator) -> None:
         number = 0
         try:
             async for request in requests:

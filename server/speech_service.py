@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable
 
@@ -14,12 +15,16 @@ from rtmedia.engines.resample import (
     make_resampler,
 )
 from rtmedia.engines.text_chunks import is_speakable, split_text
-from rtmedia.engines.tts import TtsItem, unsupported_rate_message
+from rtmedia.engines.tts import MAX_SPEED, MIN_SPEED, TtsItem, unsupported_rate_message
 from rtmedia.protocol.errors import abort, shown
 from rtmedia.protocol.wav import wav_stream_header
 from rtmedia.server.audio_input import DECODERS
 from rtmedia.server.engine_access import EngineAccess
 from rtmedia.server.faults import abort_fault
+from rtmedia.server.recognition import Turn
+from rtmedia.server.riva_common import Rejected
+from rtmedia.server.scheduler import Priority
+from rtmedia.server.vad_recognition import VadRecognition
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -50,6 +55,7 @@ def text_problem(text: str, max_chars: int, complete: bool = True) -> tuple[str,
 
 class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
     def __init__(self, access: EngineAccess, max_text_chars: int = 5000) -> None:
+        self.access = access
         self.tts = access.tts
         self.asr = access.asr
         self.max_text_chars = max_text_chars
@@ -83,7 +89,11 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         if request.sample_rate < 0 or (request.sample_rate and request.sample_rate not in voice.supported_rates):
             await abort(context, INVALID, "UNSUPPORTED_SAMPLE_RATE",
                         unsupported_rate_message(request.sample_rate, voice))
-        stream = self.tts.open(voice.name, request.sample_rate)
+        speed = request.speed or 1.0
+        if not MIN_SPEED <= speed <= MAX_SPEED:  # NaN fails too
+            await abort(context, INVALID, "BAD_SPEED", f"speed={request.speed:g} is out of range: "
+                        f"{MIN_SPEED:g} to {MAX_SPEED:g} (0 means 1.0)")
+        stream = self.tts.open(voice.name, request.sample_rate, speed=speed)
         wav = request.framing == speech_pb2.AUDIO_FRAMING_WAV
         chunks = split_text(text)
         last = len(chunks) - 1
@@ -128,6 +138,10 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         if first.WhichOneof("request") != "config":
             await abort(context, INVALID, "CONFIG_FIRST", "the first TranscribeRequest must carry config")
         decode, resampler, partials = await self._transcribe_setup(first.config, context)
+        if first.config.vad_segmentation:
+            async for response in self._transcribe_by_vad(first.config, partials, request_iterator, context):
+                yield response
+            return
         try:
             stream = self.asr.open()
         except EngineError as exc:  # no recogniser worker is up
@@ -155,6 +169,46 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         finally:
             await self.asr.close(stream)
 
+    async def _transcribe_by_vad(self, config, partials: bool, requests,
+                                 context) -> AsyncIterator[speech_pb2.TranscribeResponse]:
+        """Transcribe with `vad_segmentation`: the VAD cuts the utterances (server/vad_recognition.py);
+        results are in the input's time."""
+        def convert(event: AsrEvent, turn: Turn) -> speech_pb2.TranscribeResponse | None:
+            return _transcript(event, turn.shift_ms) if event.is_final or partials else None
+
+        fmt = config.audio_format
+        recognition = VadRecognition(self.access, fmt.encoding or common_pb2.AUDIO_ENCODING_PCM16,
+                                     fmt.sample_rate or 24000, convert, priority=Priority.INTERACTIVE,
+                                     name="transcribe-vad")
+        reader = asyncio.create_task(self._feed(recognition, requests), name="transcribe-vad-reader")
+        try:
+            while (result := await recognition.results.get()) is not None:
+                if isinstance(result, Rejected):
+                    await abort(context, result.code, result.reason, result.message)
+                yield result
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            await recognition.close()
+
+    async def _feed(self, recognition: VadRecognition, requests) -> None:
+        chunk_no = 0
+        try:
+            async for request in requests:
+                chunk_no += 1
+                if request.WhichOneof("request") != "audio":
+                    raise Rejected(INVALID, "CONFIG_TWICE", f"request {chunk_no} carries config again; only the "
+                                   "first request may")
+                self.metrics.bytes_total.labels("in").inc(len(request.audio))
+                try:
+                    await recognition.feed(request.audio)
+                except Rejected as exc:
+                    raise Rejected(exc.code, exc.reason, f"audio in request {chunk_no}: {exc.message}") from None
+            await recognition.finish()
+        except Rejected as exc:
+            recognition.fail(exc)
+
     async def _asr(self, stream, pcm: bytes, end: bool, context) -> list[AsrEvent]:
         try:
             return await self.asr.recognize(AsrItem(stream, pcm, end))
@@ -179,9 +233,11 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         return DECODERS[encoding], make_resampler(rate, ASR_RATE), not config.disable_partial_results
 
 
-def _transcript(event: AsrEvent) -> speech_pb2.TranscribeResponse:
+def _transcript(event: AsrEvent, shift_ms: int = 0) -> speech_pb2.TranscribeResponse:
+    """A recogniser's result; `shift_ms` moves its offsets from the recogniser's time to the input's."""
     return speech_pb2.TranscribeResponse(
         utterance_index=event.utterance_index, is_final=event.is_final, text=event.text, delta=event.delta,
-        start_ms=event.start_ms, end_ms=event.end_ms,
-        words=[common_pb2.WordInfo(word=w, start_ms=s, end_ms=e, confidence=c) for w, s, e, c in event.words],
+        start_ms=event.start_ms + shift_ms, end_ms=event.end_ms + shift_ms,
+        words=[common_pb2.WordInfo(word=w, start_ms=s + shift_ms, end_ms=e + shift_ms, confidence=c)
+               for w, s, e, c in event.words],
     )

@@ -33,12 +33,13 @@ async def synth(stub, text, **kw) -> list[speech_pb2.SynthesizeResponse]:
     return [r async for r in stub.Synthesize(speech_pb2.SynthesizeRequest(text=text, **kw))]
 
 
-async def transcribe(stub, pcm: bytes, rate: int, chunk_ms: int = 100, **fmt):
+async def transcribe(stub, pcm: bytes, rate: int, chunk_ms: int = 100, vad_segmentation: bool = False, **fmt):
     step = rate * chunk_ms // 1000 * 2
 
     async def requests():
         audio_format = common_pb2.AudioFormat(sample_rate=rate, channels=1, **fmt)
-        yield speech_pb2.TranscribeRequest(config=speech_pb2.TranscribeConfig(audio_format=audio_format))
+        yield speech_pb2.TranscribeRequest(config=speech_pb2.TranscribeConfig(
+            audio_format=audio_format, vad_segmentation=vad_segmentation))
         for i in range(0, len(pcm), step):
             yield speech_pb2.TranscribeRequest(audio=pcm[i:i + step])
 
@@ -137,6 +138,40 @@ async def test_synthesized_speech_transcribes_back(stub, out_rate, in_rate):
             assert cur.text.startswith(prev.text), "partials are append-only"
 
 
+async def test_vad_segmentation_cuts_a_recording_where_the_speech_is(stub, speaker):
+    """With `vad_segmentation` the VAD cuts the utterances: one final per sentence, in order,
+    its bounds (and its words') in the input's time where the sentence was put, sent faster
+    than real time as a file would be."""
+    rate, gap_s = 16000, 1.5
+    audio, spans, at = [speaker.silence(1.0, rate)], [], 1.0
+    for text in SENTENCES:
+        speech = speaker.say(text, rate)
+        spans.append((at, at + len(speech) / rate))
+        at = spans[-1][1] + gap_s
+        audio += [speech, speaker.silence(gap_s, rate)]
+    results = await transcribe(stub, np.concatenate(audio).tobytes(), rate, chunk_ms=1000, vad_segmentation=True)
+    finals = [r for r in results if r.is_final and r.text]
+    assert len(finals) == 3, [(r.text, r.start_ms, r.end_ms) for r in finals]
+    assert wer(" ".join(SENTENCES), " ".join(r.text for r in finals)) < 0.35
+    for final, (start, end) in zip(finals, spans, strict=True):
+        # An utterance starts with the VAD's prefix padding; its words where they were said.
+        assert -700 < final.start_ms - start * 1000 < 300 and abs(final.end_ms - end * 1000) < 900, (final, start, end)
+        assert final.words and abs(final.words[0].start_ms - start * 1000) < 400
+        assert final.words[-1].end_ms < end * 1000 + 600
+    assert [r.utterance_index for r in finals] == sorted({r.utterance_index for r in finals})
+    assert any(not r.is_final for r in results), "partial results are on by default"
+
+
+async def test_speed_changes_the_speaking_rate(stub):
+    """`speed` goes through the voice's length scale (the phonemes' durations, not the pauses at
+    the text's edges): 2.0 is much shorter, 0.5 much longer."""
+    text = SENTENCES[1]
+    lengths = {speed: sum(len(r.audio) for r in await synth(stub, text, speed=speed)) for speed in (0.5, 1.0, 2.0)}
+    assert 0.45 < lengths[2.0] / lengths[1.0] < 0.75 and 1.5 < lengths[0.5] / lengths[1.0] < 2.4, lengths
+    default = sum(len(r.audio) for r in await synth(stub, text))  # 0 means 1.0 (durations vary a little)
+    assert 0.9 < default / lengths[1.0] < 1.1, (default, lengths)
+
+
 @pytest.mark.parametrize("encoding", ["ulaw", "alaw"])
 async def test_g711_input_is_heard_where_the_speech_is(stub, speaker, encoding):
     """G.711 bytes reach the recogniser as speech with silence around it: one utterance
@@ -175,6 +210,10 @@ async def expect_invalid(call, reason: str, message_part: str):
      "supported rates: 8000, 16000, 22050, 24000, 44100, 48000"),
     ({"text": "hi", "sample_rate": -16000}, "UNSUPPORTED_SAMPLE_RATE", "sample_rate=-16000 is not supported"),
     ({"text": "hi", "framing": 9}, "BAD_FRAMING", "framing=9"),
+    ({"text": "hi", "speed": 0.2}, "BAD_SPEED", "speed=0.2 is out of range: 0.25 to 4"),
+    ({"text": "hi", "speed": 4.5}, "BAD_SPEED", "speed=4.5 is out of range"),
+    ({"text": "hi", "speed": float("nan")}, "BAD_SPEED", "speed=nan is out of range"),
+    ({"text": "hi", "speed": -1}, "BAD_SPEED", "speed=-1 is out of range"),
 ])
 async def test_synthesize_rejects_bad_input(stub, kw, reason, message):
     await expect_invalid(synth(stub, **kw), reason, message)

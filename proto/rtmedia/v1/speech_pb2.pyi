@@ -126,6 +126,7 @@ class SynthesizeRequest(_message.Message):
     VOICE_FIELD_NUMBER: _builtins.int
     SAMPLE_RATE_FIELD_NUMBER: _builtins.int
     FRAMING_FIELD_NUMBER: _builtins.int
+    SPEED_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The text to speak (1 to max_text_chars characters)."""
     voice: _builtins.str
@@ -134,6 +135,10 @@ class SynthesizeRequest(_message.Message):
     """Output rate in Hz; 0 means the voice's native rate."""
     framing: Global___AudioFraming.ValueType
     """PCM16 when unspecified."""
+    speed: _builtins.float
+    """Speaking rate, 0.25 to 4.0 (2.0 speaks twice as fast); 0 means 1.0.
+    Applied through the voice model's length scale, not by time-stretching.
+    """
     def __init__(
         self,
         *,
@@ -141,10 +146,11 @@ class SynthesizeRequest(_message.Message):
         voice: _builtins.str = ...,
         sample_rate: _builtins.int = ...,
         framing: Global___AudioFraming.ValueType = ...,
+        speed: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["framing", b"framing", "sample_rate", b"sample_rate", "text", b"text", "voice", b"voice"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["framing", b"framing", "sample_rate", b"sample_rate", "speed", b"speed", "text", b"text", "voice", b"voice"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -202,11 +208,17 @@ class TranscribeConfig(_message.Message):
     AUDIO_FORMAT_FIELD_NUMBER: _builtins.int
     LANGUAGE_FIELD_NUMBER: _builtins.int
     DISABLE_PARTIAL_RESULTS_FIELD_NUMBER: _builtins.int
+    VAD_SEGMENTATION_FIELD_NUMBER: _builtins.int
     language: _builtins.str
     """BCP-47 language; empty means "en-US", the only language served now."""
     disable_partial_results: _builtins.bool
     """Send partial results while speech continues (default on: see
     disable_partial_results).
+    """
+    vad_segmentation: _builtins.bool
+    """Cut utterances where the voice activity detector (Silero) finds speech
+    end, instead of the recogniser's own endpointer: for long recordings
+    (files), whose utterances are then decoded in parallel. Off by default.
     """
     @_builtins.property
     def audio_format(self) -> _common_pb2.AudioFormat:
@@ -218,10 +230,11 @@ class TranscribeConfig(_message.Message):
         audio_format: _common_pb2.AudioFormat | None = ...,
         language: _builtins.str = ...,
         disable_partial_results: _builtins.bool = ...,
+        vad_segmentation: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["audio_format", b"audio_format"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_format", b"audio_format", "disable_partial_results", b"disable_partial_results", "language", b"language"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_format", b"audio_format", "disable_partial_results", b"disable_partial_results", "language", b"language", "vad_segmentation", b"vad_segmentation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
