@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--web-tls-cert", default=None, metavar="FILE", help="PEM certificate: serve the page on https")
     p.add_argument("--web-tls-key", default=None, metavar="FILE", help="PEM private key of --web-tls-cert")
     p.add_argument("--web-max-peers", type=int, default=None, help="concurrent browser peers of the bridge (8)")
+    p.add_argument("--no-openai-api", dest="web_openai_api", action="store_false", default=None,
+                   help="do not serve OpenAI's audio APIs (/v1/audio/speech, /v1/audio/transcriptions) on the web port")
     p.add_argument("--video-vae", default=None, metavar="DIR",
                    help="a local diffusers AutoencoderKLWan directory (e.g. a Wan 2.1 vae/ folder); without it "
                         "a small Wan-style VAE with seeded random weights is built (real decode path and timing, "

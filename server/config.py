@@ -127,6 +127,8 @@ class ServerConfig:
     web_tls_cert: str | None = None
     web_tls_key: str | None = None
     web_max_peers: int = 8
+    # OpenAI's audio HTTP APIs (/v1/audio/speech, /v1/audio/transcriptions) on the web port.
+    web_openai_api: bool = True
     # A local diffusers AutoencoderKLWan directory (e.g. a Wan 2.1 `vae/` folder); without
     # one, a small Wan-style VAE with seeded random weights (real decode path, fake pictures).
     video_vae: str | None = None

@@ -80,6 +80,8 @@ from rtmedia.protocol.tokens import (
     is_loopback,
     target_host,
 )
+from rtmedia.web.openai_api import OpenAIConfig, OpenAIFront, Upstream, is_openai_path, openai_errors
+from rtmedia.web.openai_errors import http_error
 from rtmedia.web.peer import OfferError, Peer, VideoDefaults
 from rtmedia.web.tracks import set_audio_prefetch
 
@@ -149,6 +151,8 @@ class BridgeConfig:
     server_cert: str | None = None
     server_key: str | None = None
     server_token: str | None = None
+    # OpenAI's audio HTTP APIs under /v1/ (rtmedia.web.openai_api); None: not served.
+    openai: OpenAIConfig | None = field(default_factory=OpenAIConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.audio_prefetch <= 16:
@@ -337,11 +341,12 @@ class Bridge:
         self.url = ""
         self.sctp_chunk = cap_sctp_chunk_size()
         self.ice = IceBinding(ports=config.udp_ports)  # resolved from media_bind_host in start()
+        self.openai: OpenAIFront | None = None  # made by app() when config.openai says so
 
     # ---- the app --------------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,
-                              middlewares=[json_errors, self.authenticate])
+                              middlewares=[json_errors, openai_errors, self.authenticate])
         # Open without a token: the page (so a user can give one) and the probes' /healthz.
         self._open_resources = {
             app.router.add_get("/", self.index).resource,
@@ -356,6 +361,10 @@ class Bridge:
         app.router.add_options("/whip", self.whip_options)
         app.router.add_delete("/whip/{peer_id}", self.delete)
         app.router.add_patch("/whip/{peer_id}", self.whip_patch)
+        if self.config.openai is not None:
+            upstream = Upstream(self._channel, self.server_metadata, lambda: self.draining)
+            self.openai = OpenAIFront(upstream, self.config.openai)
+            self.openai.add_routes(app)
         return app
 
     async def start(self) -> int:
@@ -410,7 +419,8 @@ class Bridge:
             self.draining = True
             log.info("web bridge draining", extra={"peers": len(self.peers), "grace_s": grace_s})
         deadline = time.monotonic() + max(0.0, grace_s)
-        while (self.peers or self._opening) and (left := deadline - time.monotonic()) > 0:
+        while (self.peers or self._opening or (self.openai and self.openai.active)) \
+                and (left := deadline - time.monotonic()) > 0:
             # Offers already being answered become peers (or fail); every peer is waited for.
             closing = [asyncio.ensure_future(p.closed.wait()) for p in list(self.peers.values())]
             try:
@@ -590,7 +600,7 @@ class Bridge:
                 log.info("request refused: no valid token", extra={"method": request.method,
                                                                    "path": request.path[:200],
                                                                    "presented": presented is not None})
-                return error_response(401, AUTH_MESSAGE, {"WWW-Authenticate": "Bearer"}, "unauthenticated")
+                return refusal(request, 401, AUTH_MESSAGE, {"WWW-Authenticate": "Bearer"}, "unauthenticated")
             request[TOKEN_KEY] = token
             if protocol:
                 request[WS_PROTOCOL_KEY] = protocol
@@ -611,16 +621,25 @@ class Bridge:
             self.refused += 1
             raise OfferError(503, f"the bridge is full: it serves at most {self.config.max_peers} peers at once "
                                   "(--max-peers); try again when one has ended")
-        presented = request.get(BEARER_KEY) if request is not None else None
         token = request.get(TOKEN_KEY) if request is not None else None
-        secret = presented if presented and self.config.forwards_tokens else self.config.server_token
-        metadata = (("authorization", f"Bearer {secret}"),) if secret else ()
+        metadata = self.server_metadata(request)
         self._opening += 1
         try:
             return await self._answer(sdp, any(m.kind == "video" and m.port != 0 for m in offer.media), metadata,
                                       token.name if token else None)
         finally:
             self._opening -= 1
+
+    def server_metadata(self, request: web.Request | None) -> tuple[tuple[str, str], ...]:
+        """The metadata of a request's calls to the server: the token the client presented (where
+        tokens may be forwarded), else `server_token`."""
+        presented = request.get(BEARER_KEY) if request is not None else None
+        secret = presented if presented and self.config.forwards_tokens else self.config.server_token
+        return (("authorization", f"Bearer {secret}"),) if secret else ()
+
+    def _channel(self) -> grpc.aio.Channel:
+        assert self.channel is not None, "start() the bridge first"
+        return self.channel
 
     async def _answer(self, sdp: str, video: bool, metadata: tuple[tuple[str, str], ...] = (),
                       token_name: str | None = None) -> tuple[Peer, str]:
@@ -733,7 +752,16 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
         if exc.status < 400:
             raise
         headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after", "www-authenticate")}
-        return error_response(exc.status, f"{exc.reason}: {request.method} {request.path[:200]}", headers)
+        return refusal(request, exc.status, f"{exc.reason}: {request.method} {request.path[:200]}", headers)
+
+
+def refusal(request: web.Request, status: int, message: str, headers: dict[str, str] | None = None,
+            reason: str | None = None) -> web.Response:
+    """An error answer in the shape of the API the request is for: OpenAI's under /v1/, else
+    the bridge's."""
+    if is_openai_path(request.path):
+        return http_error(status, message, headers)
+    return error_response(status, message, headers, reason)
 
 
 # ---- where ICE binds ----------------------------------------------------------------------------------------
@@ -864,6 +892,7 @@ async def start_beside(server_config: Any, target: str, tokens: TokenTable) -> B
     present go on to the server with their sessions."""
     bridge = Bridge(BridgeConfig(target=target, host=server_config.host, port=server_config.web_port,
                                  tls_cert=server_config.web_tls_cert, tls_key=server_config.web_tls_key,
-                                 max_peers=server_config.web_max_peers), tokens)
+                                 max_peers=server_config.web_max_peers,
+                                 openai=OpenAIConfig() if server_config.web_openai_api else None), tokens)
     await bridge.start()
     return bridge

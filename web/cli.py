@@ -68,6 +68,12 @@ def add_web_parser(sub: argparse._SubParsersAction) -> None:
                    help="on SIGTERM, how long live calls may go on while new offers are refused (default 30)")
     p.add_argument("--log-format", choices=["json", "text"], default="text",
                    help="log line format (text: for people; json: one object per line)")
+    g = p.add_argument_group("OpenAI's audio APIs on the web port (/v1/audio/speech, /v1/audio/transcriptions)")
+    g.add_argument("--no-openai-api", dest="openai_api", action="store_false", help="do not serve them")
+    g.add_argument("--openai-max-upload-bytes", type=int, default=None, metavar="BYTES",
+                   help="largest transcription upload (default 26214400: 25 MiB, as OpenAI's)")
+    g.add_argument("--openai-max-requests", type=int, default=None, metavar="N",
+                   help="audio requests served at once; one more is answered 429 (default 16)")
     g = p.add_argument_group("tokens on the web port")
     g.add_argument("--auth-tokens", default=None, metavar="FILE",
                    help="token file (TOKEN [NAME] [limits] per line; default $RTMEDIA_AUTH_TOKENS, else no "
@@ -88,6 +94,7 @@ def add_web_parser(sub: argparse._SubParsersAction) -> None:
 
 def bridge_config(args: argparse.Namespace) -> object:
     from rtmedia.web.bridge import BridgeConfig, parse_udp_ports
+    from rtmedia.web.openai_api import OpenAIConfig
 
     session = {"responder": args.responder} if args.responder else {}
     server_token = args.server_token if args.server_token is not None else os.environ.get(TOKEN_ENV)
@@ -98,7 +105,10 @@ def bridge_config(args: argparse.Namespace) -> object:
                         audio_prefetch=args.audio_prefetch, media_host=args.media_host,
                         max_body_bytes=args.max_body_bytes, max_media_sections=args.max_media_sections,
                         auth_tokens=args.auth_tokens, server_tls=args.server_tls, server_ca=args.server_ca,
-                        server_cert=args.server_cert, server_key=args.server_key, server_token=server_token)
+                        server_cert=args.server_cert, server_key=args.server_key, server_token=server_token,
+                        openai=OpenAIConfig(**{k: v for k, v in (("max_upload_bytes", args.openai_max_upload_bytes),
+                                                                 ("max_requests", args.openai_max_requests))
+                                               if v is not None}) if args.openai_api else None)
 
 
 def cmd_web(args: argparse.Namespace) -> None:

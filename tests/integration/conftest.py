@@ -25,3 +25,26 @@ async def server(request):
 async def channel(server):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
         yield ch
+
+
+@pytest.fixture(scope="module")
+async def web_front(server, request):
+    """The web front (rtmedia.web.bridge, with OpenAI's audio APIs) beside the module's server;
+    modules may set `WEB_OPTIONS` (BridgeConfig fields)."""
+    from rtmedia.web.bridge import Bridge, BridgeConfig
+
+    bridge = Bridge(BridgeConfig(target=f"127.0.0.1:{server.port}", port=0,
+                                 **getattr(request.module, "WEB_OPTIONS", {})))
+    await bridge.start()
+    yield bridge
+    await bridge.stop()
+
+
+@pytest.fixture(scope="module")
+async def openai_client(web_front):
+    """The official SDK's async client on the web front (no retries: a test sees each answer)."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{web_front.port}/v1", api_key="rtmedia-test",
+                                  max_retries=0) as client:
+        yield client

@@ -574,6 +574,21 @@ async def test_reload_rereads_the_credentials_toward_the_server(tmp_path, caplog
             await after.close()
 
 
+def test_openai_flags_reach_the_config():
+    from rtmedia.web.openai_api import OpenAIConfig
+
+    parser = argparse.ArgumentParser()
+    add_web_parser(parser.add_subparsers())
+    assert bridge_config(parser.parse_args(["web"])).openai == OpenAIConfig()
+    assert bridge_config(parser.parse_args(["web", "--no-openai-api"])).openai is None
+    given = bridge_config(parser.parse_args(["web", "--openai-max-upload-bytes", "4096", "--openai-max-requests", "2"]))
+    assert (given.openai.max_upload_bytes, given.openai.max_requests) == (4096, 2)
+    with pytest.raises(ValueError, match="upload limit must be at least 1024 bytes, got 10"):
+        bridge_config(parser.parse_args(["web", "--openai-max-upload-bytes", "10"]))
+    with pytest.raises(ValueError, match="request limit must be at least 1, got 0"):
+        bridge_config(parser.parse_args(["web", "--openai-max-requests", "0"]))
+
+
 def test_server_flags_reach_the_config(tmp_path, monkeypatch):
     parser = argparse.ArgumentParser()
     add_web_parser(parser.add_subparsers())
@@ -659,6 +674,7 @@ async def test_drain_closes_what_is_left_at_the_grace_deadline(sessionless):
 async def test_start_beside_takes_the_servers_target_and_tokens(sessionless):
     class ServerConfig:
         host, web_port, web_tls_cert, web_tls_key, web_max_peers = "127.0.0.1", 0, None, None, 3
+        web_openai_api = False  # `serve --no-openai-api`
 
     tokens = table(f"{ALICE} alice")
     bridge = await start_beside(ServerConfig(), "unix:/nonexistent/grpc.sock", tokens)
@@ -671,6 +687,30 @@ async def test_start_beside_takes_the_servers_target_and_tokens(sessionless):
             bridge.reload(table(f"{BOB} bob"))
             async with http.get(f"http://127.0.0.1:{bridge.port}/config", headers=bearer(BOB)) as res:
                 assert res.status == 200
+            async with http.get(f"http://127.0.0.1:{bridge.port}/v1/models", headers=bearer(BOB)) as res:
+                assert res.status == 404 and (await res.json())["error"]["type"] == "invalid_request_error"
+        assert bridge.config.openai is None and bridge.openai is None
+    finally:
+        await bridge.stop()
+
+
+async def test_the_openai_api_wants_a_token_and_answers_in_its_shape(sessionless):
+    """/v1/ is behind the web port's tokens; its refusals are OpenAI's error objects."""
+    bridge = Bridge(BridgeConfig(target="unix:/nonexistent/grpc.sock", port=0), table(f"{ALICE} alice"))
+    await bridge.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{bridge.port}/v1/models"
+            async with http.get(url) as res:
+                body = await res.json()
+                assert res.status == 401 and res.headers["WWW-Authenticate"] == "Bearer"
+                assert body["error"]["code"] == "invalid_api_key" and body["error"]["message"]
+            async with http.get(url, headers=bearer(ALICE)) as res:
+                assert res.status == 200 and "tts-1" in {m["id"] for m in (await res.json())["data"]}
+            async with http.delete(url, headers=bearer(ALICE)) as res:
+                assert res.status == 405 and (await res.json())["error"]["type"] == "invalid_request_error"
+            async with http.get(f"{url}/no-such-model", headers=bearer(ALICE)) as res:
+                assert res.status == 404 and (await res.json())["error"]["code"] == "model_not_found"
     finally:
         await bridge.stop()
 
@@ -685,3 +725,12 @@ def test_server_credential_files_are_checked_at_start(tmp_path):
         server_credentials(BridgeConfig(server_ca=str(tmp_path / "missing.pem")))
     with pytest.raises(ValueError, match=r"--server-key .*private key"):
         server_credentials(BridgeConfig(server_cert=str(files["client.pem"]), server_key=str(files["ca"])))
+
+
+def test_serve_no_openai_api_reaches_the_server_config():
+    from rtmedia.server import cli
+
+    def config(*flags):
+        return cli.config_from_args(cli.build_parser().parse_args(["serve", "--web", *flags]))
+
+    assert config().web_openai_api and not config("--no-openai-api").web_openai_api

@@ -1,0 +1,144 @@
+"""OpenAI's audio HTTP APIs on the web front, so the official `openai` SDK (and anything else
+that speaks them) works against rtmedia by changing its base URL (docs/openai.md):
+
+- `POST /v1/audio/speech` (rtmedia.web.openai_speech): text to audio in wav, pcm, mp3, opus,
+  aac or flac, streamed as it is synthesised, or as SSE events;
+- `POST /v1/audio/transcriptions` (rtmedia.web.openai_transcription): an uploaded file of any
+  container PyAV reads to text, in json, text, verbose_json, srt or vtt, or streamed as SSE;
+- `GET /v1/models`, `GET /v1/models/{id}`: the model names these accept.
+
+Like the WebRTC bridge beside it, the front is a gRPC client of the rtmedia server
+(SpeechService): the same engines, scheduler, limits and metrics. Keys are the web port's
+tokens (the bridge's `authenticate` middleware); the presented token goes on to the server
+as the bridge forwards it. Errors are in OpenAI's shape (rtmedia.web.openai_errors), aiohttp's
+own 404/405/413 and the front's 401 included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from aiohttp import web
+from rtmedia.web.openai_errors import RETRY_AFTER_S, SERVER_ERROR, OpenAIError
+
+PREFIX = "/v1/"
+OWNER = "rtmedia"
+# Model names each endpoint accepts: rtmedia's own, and OpenAI's, which map onto the same engines.
+SPEECH_MODELS = ("rtmedia-piper", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+TRANSCRIPTION_MODELS = ("rtmedia-pocketsphinx", "whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
+MAX_UPLOAD_BYTES = 25 * 1024 * 1024  # OpenAI's own limit on a transcription upload
+MAX_REQUESTS = 16  # concurrent requests on the front; one more is a 429
+MAX_AUDIO_SECONDS = 3600.0  # a transcription's decoded audio (a small file of a low bitrate can hold hours)
+
+
+@dataclass(frozen=True)
+class OpenAIConfig:
+    """`max_upload_bytes`: the largest transcription upload (its multipart body);
+    `max_audio_seconds`: the longest audio a transcription decodes; `max_requests`: requests
+    served at once by the front (speech and transcriptions together)."""
+
+    max_upload_bytes: int = MAX_UPLOAD_BYTES
+    max_requests: int = MAX_REQUESTS
+    max_audio_seconds: float = MAX_AUDIO_SECONDS
+
+    def __post_init__(self) -> None:
+        if self.max_upload_bytes < 1024:
+            raise ValueError(f"the OpenAI API's upload limit must be at least 1024 bytes, got {self.max_upload_bytes}")
+        if not self.max_audio_seconds > 0:
+            raise ValueError(f"the OpenAI API's audio limit must be positive, got {self.max_audio_seconds:g} s")
+        if self.max_requests < 1:
+            raise ValueError(f"the OpenAI API's request limit must be at least 1, got {self.max_requests}")
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """What a handler needs of the web front: the channel new calls to the server go on (it may
+    change on a reload) and the gRPC metadata of a request's calls (its forwarded token)."""
+
+    channel: Callable[[], grpc.aio.Channel]
+    metadata: Callable[[web.Request], tuple[tuple[str, str], ...]]
+    draining: Callable[[], bool] = lambda: False
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith(PREFIX)
+
+
+def check_model(model: Any, known: tuple[str, ...]) -> str:
+    """The request's `model`: a string the endpoint accepts, else a 400 or 404 naming it."""
+    if not isinstance(model, str) or not model:
+        raise OpenAIError(400, "model is required: a string, one of " + ", ".join(known), param="model",
+                          code="missing_model" if model in (None, "") else "invalid_type")
+    if model not in known:
+        raise OpenAIError(404, f"the model {model[:100]!r} does not exist here; models: {', '.join(known)}",
+                          param="model", code="model_not_found")
+    return model
+
+
+class OpenAIFront:
+    """The routes and the request bound of the OpenAI-compatible APIs."""
+
+    def __init__(self, upstream: Upstream, config: OpenAIConfig | None = None) -> None:
+        self.upstream = upstream
+        self.config = config or OpenAIConfig()
+        self.active = 0  # requests being served
+        self.refused = 0  # requests answered 429 by the bound
+
+    def add_routes(self, app: web.Application) -> None:
+        from rtmedia.web.openai_speech import create_speech
+        from rtmedia.web.openai_transcription import create_transcription
+
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_post("/v1/audio/speech", self._bounded(create_speech))
+        app.router.add_post("/v1/audio/transcriptions", self._bounded(create_transcription))
+
+    def _bounded(self, handler: Callable[[web.Request, OpenAIFront], Any]) -> Callable[[web.Request], Any]:
+        async def bounded(request: web.Request) -> web.StreamResponse:
+            async with self.slot():
+                return await handler(request, self)
+
+        return bounded
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """One of `max_requests`; none free is a 429 with Retry-After, and a draining front a 503."""
+        if self.upstream.draining():
+            raise OpenAIError(503, "the server is shutting down (draining); retry on another replica or shortly",
+                              SERVER_ERROR, code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})
+        if self.active >= self.config.max_requests:
+            self.refused += 1
+            raise OpenAIError(429, f"the server is at capacity: it serves {self.config.max_requests} audio requests "
+                                   "at once; retry shortly", "requests", code="rate_limit_exceeded",
+                              headers={"Retry-After": "1"})
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [_model(m) for m in (*SPEECH_MODELS,
+                                                                                  *TRANSCRIPTION_MODELS)]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        check_model(name, (*SPEECH_MODELS, *TRANSCRIPTION_MODELS))
+        return web.json_response(_model(name))
+
+
+def _model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An OpenAIError a handler raised, as its answer."""
+    try:
+        return await handler(request)
+    except OpenAIError as exc:
+        return exc.response()

@@ -1,0 +1,454 @@
+"""POST /v1/audio/transcriptions: OpenAI's transcription API on the rtmedia server's recogniser.
+
+The request is multipart/form-data, read with aiohttp's streaming multipart reader: the `file`
+part is spooled (in memory, then a temporary file) and the whole body is bounded by the front's
+`max_upload_bytes` (over it: 413 at once, the rest unread). The other fields: `model`
+(required), `language` (en, en-US or empty), `response_format` (json, text, verbose_json, srt,
+vtt), `timestamp_granularities[]` (segment, word), `stream`, and `prompt`, `temperature`,
+`include[]`, which are checked for shape and otherwise ignored (PocketSphinx takes no prompt and
+has no sampling; token logprobs are not served). Other fields are ignored.
+
+The file is decoded by PyAV (rtmedia.web.audio_decode) off the event loop, piece by piece, into
+PCM16 mono at 16 kHz, which goes to the server's `SpeechService.Transcribe` as fast as the call
+takes it, with `vad_segmentation` (the VAD cuts the recording into utterances). A short lead-in
+of silence goes first, because the recogniser's endpointer can clip a word that starts at the
+very first sample; every offset answered is moved back by it. The file is checked before the
+call starts: one PyAV cannot open, without an audio stream, or from which nothing decodes is a
+400 naming PyAV's reason. A file cut short is transcribed as far as it decodes (the log line
+says where decoding stopped); so is one with a few damaged packets, which are skipped.
+
+Answers, per `response_format`: json `{"text", "usage"}` (usage: the audio's duration, whole
+seconds rounded up, as OpenAI bills); text (the text and a newline); verbose_json (task,
+language "english", duration, text, usage, and `segments` unless only word timestamps were
+asked, `words` when they were); srt and vtt, one cue per utterance. The text is the utterances'
+final texts joined by spaces. A verbose segment is an utterance: its start and end are its
+first and last words' (the utterance's own bounds when it has no word timings), `seek` is where
+its decoding began in hundredths of a second (Whisper's frames), `avg_logprob` the mean natural log of its words'
+posterior probabilities (PocketSphinx's lattice confidences), `compression_ratio` Whisper's
+(text bytes over their zlib size); `tokens` is empty, `temperature` 0 and `no_speech_prob` 0:
+this recogniser has neither tokens nor sampling nor a no-speech estimate.
+
+`stream=true` (for every model, whatever the response_format; OpenAI ignores it for whisper-1)
+answers text/event-stream: `transcript.text.delta` events, then `transcript.text.done`. The
+response starts with the first event, so a failure before it (the server refusing the call) is still an HTTP error; a failure
+after it ends the stream with an `error` event carrying OpenAI's error object, which the SDK
+raises as APIError. A delta is one utterance's final text (after a space, but the first), sent as
+soon as the recogniser has finished that utterance, so the deltas concatenate exactly to the done
+text, which is the json answer's text. Partial results are not streamed: PocketSphinx's last pass
+often revises words its partials had, and a delta cannot be taken back.
+
+A client that goes away while its file is being transcribed ends the server's call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import tempfile
+import time
+import zlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, TypeVar
+
+import grpc
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.multipart import BodyPartReader
+from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
+from rtmedia.web.audio_decode import RATE, SAMPLE_BYTES, AudioDecodeError, PcmDecoder
+from rtmedia.web.openai_api import TRANSCRIPTION_MODELS, OpenAIFront, check_model
+from rtmedia.web.openai_errors import OpenAIError, from_rpc
+from rtmedia.web.subtitles import Cue, srt, vtt
+
+log = logging.getLogger("rtmedia.web")
+T = TypeVar("T")
+
+RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+LANGUAGES = ("", "en", "en-us")  # compared in lower case
+GRANULARITIES = ("segment", "word")
+PIECE_BYTES = RATE * SAMPLE_BYTES  # PCM16 per Transcribe request: one second
+LEAD_IN_MS = 500  # silence sent before the file's audio (see the module docstring)
+MAX_FIELD_BYTES = 64 * 1024  # one form field other than the file
+SPOOL_MEMORY_BYTES = 1024 * 1024  # an upload larger than this is spooled to a temporary file
+READ_BYTES = 64 * 1024
+WATCH_S = 0.25  # how often a transcription looks whether its client is still connected
+LIST_FIELDS = ("timestamp_granularities", "include")  # sent as `name[]`, repeated
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its file was being transcribed."""
+
+
+# ---- the form ---------------------------------------------------------------------------------------
+@dataclass
+class Upload:
+    """A request's form: the spooled file and the other fields (lists for LIST_FIELDS)."""
+
+    file: BinaryIO | None = None
+    file_bytes: int = 0
+    body_bytes: int = 0
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+@dataclass(frozen=True)
+class Options:
+    """The request's checked fields."""
+
+    model: str
+    response_format: str
+    stream: bool
+    words: bool  # word timestamps asked
+    segments: bool  # segment timestamps asked (or no granularity named)
+
+
+async def read_upload(request: web.Request, limit: int) -> Upload:
+    """The multipart body, streamed: the file spooled, fields kept; the body over `limit`
+    bytes is a 413, and a body that is not multipart form data a 400."""
+    if request.content_type != "multipart/form-data":
+        raise OpenAIError(400, "the request body must be multipart/form-data with the fields file and model; "
+                               f"its Content-Type is {request.content_type[:100]!r}", code="invalid_content_type")
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(limit)
+    upload = Upload()
+    try:
+        reader = await request.multipart()
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                raise OpenAIError(400, "the form holds a nested multipart part; send flat form fields",
+                                  code="invalid_multipart")
+            await _read_part(part, upload, limit)
+    except (ValueError, HttpProcessingError, ConnectionError, EOFError) as exc:  # includes aiohttp's parse errors
+        upload.close()
+        why = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise OpenAIError(400, f"the multipart body could not be read: {why}", code="invalid_multipart") from None
+    except BaseException:
+        upload.close()
+        raise
+    return upload
+
+
+async def _read_part(part: BodyPartReader, upload: Upload, limit: int) -> None:
+    name = part.name or ""
+    if name == "file":
+        if upload.file is not None:
+            raise OpenAIError(400, "the form has more than one file field; send one file", param="file",
+                              code="invalid_value")
+        upload.file = tempfile.SpooledTemporaryFile(SPOOL_MEMORY_BYTES)  # closed by Upload.close
+        while chunk := await part.read_chunk(READ_BYTES):
+            upload.body_bytes += len(chunk)
+            if upload.body_bytes > limit:
+                raise _too_large(limit)
+            upload.file.write(chunk)
+            upload.file_bytes += len(chunk)
+        return
+    raw = bytearray()
+    while chunk := await part.read_chunk(READ_BYTES):
+        raw += chunk
+        upload.body_bytes += len(chunk)
+        if upload.body_bytes > limit:
+            raise _too_large(limit)
+        if len(raw) > MAX_FIELD_BYTES:
+            raise OpenAIError(400, f"the form field {name[:50]!r} is longer than {MAX_FIELD_BYTES} bytes",
+                              param=name[:50], code="invalid_value")
+    try:
+        value = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise OpenAIError(400, f"the form field {name[:50]!r} is not UTF-8 text", param=name[:50],
+                          code="invalid_value") from None
+    key = name.removesuffix("[]")
+    if key in LIST_FIELDS:
+        upload.fields.setdefault(key, []).append(value)
+    else:
+        upload.fields[key] = value
+
+
+def _too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"the upload is larger than the limit of {limit} bytes ({limit / 2**20:.4g} MiB); "
+                            "send a shorter or more compressed file", param="file", code="file_too_large")
+
+
+def check_options(upload: Upload) -> Options:
+    """The fields checked, in OpenAI's errors: 400 naming the field (404 for an unknown model)."""
+    fields = upload.fields
+    if upload.file is None:
+        raise OpenAIError(400, "file is required: the audio to transcribe, as the form's file field", param="file",
+                          code="missing_file")
+    if upload.file_bytes == 0:
+        raise OpenAIError(400, "the file is empty", param="file", code="empty_file")
+    model = check_model(fields.get("model"), TRANSCRIPTION_MODELS)
+    language = fields.get("language", "")
+    if language.lower() not in LANGUAGES:
+        raise OpenAIError(400, f"language {language[:50]!r} is not supported; this server transcribes English: "
+                               "send en (or en-US), or leave it out", param="language", code="unsupported_language")
+    response_format = fields.get("response_format", "") or "json"
+    if response_format not in RESPONSE_FORMATS:
+        raise OpenAIError(400, f"response_format {response_format[:50]!r} is not supported; supported: "
+                               + ", ".join(RESPONSE_FORMATS), param="response_format", code="invalid_value")
+    if (temperature := fields.get("temperature", "").strip()) and not _is_number(temperature):
+        raise OpenAIError(400, f"temperature {temperature[:50]!r} is not a number", param="temperature",
+                          code="invalid_type")
+    granularities = set(fields.get("timestamp_granularities", []))
+    if unknown := granularities - set(GRANULARITIES):
+        raise OpenAIError(400, f"timestamp_granularities {sorted(unknown)[0][:50]!r} is not one of "
+                               + ", ".join(GRANULARITIES), param="timestamp_granularities", code="invalid_value")
+    stream = fields.get("stream", "false").strip().lower()
+    if stream not in ("true", "false", "1", "0", ""):
+        raise OpenAIError(400, f"stream {stream[:50]!r} is not a boolean (true or false)", param="stream",
+                          code="invalid_type")
+    return Options(model, response_format, stream in ("true", "1"), "word" in granularities,
+                   not granularities or "segment" in granularities)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+# ---- the recognition --------------------------------------------------------------------------------
+class Recognition:
+    """One `Transcribe` call fed by a decoder: `results()` yields the server's results while a
+    task writes the audio and another watches the client's connection (a client that left ends
+    the call). The decoder's first piece was read already (the file is checked before the call)."""
+
+    def __init__(self, front: OpenAIFront, request: web.Request, decoder: PcmDecoder, first: bytes) -> None:
+        self.front, self.request, self.decoder, self.first = front, request, decoder, first
+        self._failure: BaseException | None = None  # why a helper task cancelled the call
+
+    async def results(self) -> AsyncIterator[speech_pb2.TranscribeResponse]:
+        """The server's results in order. Raises OpenAIError for a failed call, ClientGone when
+        the client left."""
+        stub = speech_pb2_grpc.SpeechServiceStub(self.front.upstream.channel())
+        call = stub.Transcribe(metadata=self.front.upstream.metadata(self.request))
+        helpers = [asyncio.create_task(self._write(call), name="transcription-writer"),
+                   asyncio.create_task(self._watch(call), name="transcription-watch")]
+        try:
+            while True:
+                try:
+                    result = await call.read()
+                except (asyncio.CancelledError, grpc.aio.AioRpcError):
+                    current = asyncio.current_task()
+                    if self._failure is not None and not (current and current.cancelling()):
+                        raise self._failure from None
+                    raise
+                if result is grpc.aio.EOF:
+                    break
+                yield result
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc(exc) from None
+        finally:
+            call.cancel()
+            for task in helpers:
+                task.cancel()
+            await asyncio.wait(helpers)  # a cancellation of this task still propagates from here
+
+    def _fail(self, call: Any, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        call.cancel()
+
+    async def _watch(self, call: Any) -> None:
+        while True:
+            await asyncio.sleep(WATCH_S)
+            transport = self.request.transport
+            if transport is None or transport.is_closing():
+                self._fail(call, ClientGone())
+                return
+
+    async def _write(self, call: Any) -> None:
+        config = speech_pb2.TranscribeConfig(
+            audio_format=common_pb2.AudioFormat(encoding=common_pb2.AUDIO_ENCODING_PCM16, sample_rate=RATE,
+                                                channels=1),
+            language="en-US", disable_partial_results=True, vad_segmentation=True)
+        limit = self.front.config.max_audio_seconds
+        try:
+            await call.write(speech_pb2.TranscribeRequest(config=config))
+            await call.write(speech_pb2.TranscribeRequest(audio=bytes(LEAD_IN_MS * RATE // 1000 * SAMPLE_BYTES)))
+            piece = self.first
+            while piece:
+                await call.write(speech_pb2.TranscribeRequest(audio=piece))
+                piece = await self._decode()
+                if self.decoder.seconds > limit:
+                    self._fail(call, OpenAIError(400, f"the file's audio is longer than the limit of {limit:g} s",
+                                                 param="file", code="audio_too_long"))
+                    return
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return  # the call ended (the reader reports how)
+        except Exception as exc:  # the decoder's or this code's fault: the call ends with it
+            self._fail(call, exc)
+
+    async def _decode(self) -> bytes:
+        return await blocking(self.decoder.read, PIECE_BYTES)
+
+
+async def blocking(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a thread. Cancelled, it still waits for the thread to end before the
+    cancellation goes on, so the upload and its decoder are never closed while a thread uses
+    them; a decoder the thread made meanwhile is closed."""
+    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        if not future.cancelled() and future.exception() is None and isinstance(future.result(), PcmDecoder):
+            future.result().close()
+        raise
+
+
+@dataclass
+class Utterance:
+    """A final result, its offsets in seconds in the file's time."""
+
+    text: str
+    start: float
+    end: float
+    seek_s: float
+    words: list[tuple[str, float, float, float]]  # word, start, end, confidence
+
+
+def utterance(result: speech_pb2.TranscribeResponse, duration: float) -> Utterance:
+    def at(ms: int) -> float:
+        return min(duration, max(0.0, (ms - LEAD_IN_MS) / 1000))
+
+    words = [(w.word, at(w.start_ms), at(w.end_ms), w.confidence) for w in result.words]
+    start, end = (words[0][1], words[-1][2]) if words else (at(result.start_ms), at(result.end_ms))
+    return Utterance(result.text.strip(), start, max(start, end), at(result.start_ms), words)
+
+
+# ---- the answers ------------------------------------------------------------------------------------
+def render(options: Options, utterances: list[Utterance], duration: float) -> web.Response:
+    spoken = [u for u in utterances if u.text]
+    text = " ".join(u.text for u in spoken)
+    usage = {"type": "duration", "seconds": math.ceil(duration)}
+    fmt = options.response_format
+    if fmt == "json":
+        return web.json_response({"text": text, "usage": usage})
+    if fmt == "text":
+        return web.Response(text=text + "\n", content_type="text/plain")
+    if fmt in ("srt", "vtt"):
+        cues: list[Cue] = [(u.start, u.end, u.text) for u in spoken]
+        if fmt == "srt":
+            return web.Response(text=srt(cues), content_type="text/plain")
+        return web.Response(text=vtt(cues), content_type="text/vtt")
+    body: dict[str, Any] = {"task": "transcribe", "language": "english", "duration": round(duration, 3),
+                            "text": text, "usage": usage}
+    if options.segments:
+        body["segments"] = [_segment(n, u) for n, u in enumerate(spoken)]
+    if options.words:
+        body["words"] = [{"word": w, "start": round(s, 3), "end": round(e, 3)} for u in spoken for w, s, e, _ in u.words]
+    return web.json_response(body)
+
+
+def _segment(n: int, u: Utterance) -> dict[str, Any]:
+    encoded = u.text.encode()
+    logprobs = [math.log(max(c, 1e-4)) for *_, c in u.words]
+    return {"id": n, "seek": round(u.seek_s * 100), "start": round(u.start, 3), "end": round(u.end, 3),
+            "text": u.text, "tokens": [], "temperature": 0.0,
+            "avg_logprob": round(sum(logprobs) / len(logprobs), 4) if logprobs else 0.0,
+            "compression_ratio": round(len(encoded) / len(zlib.compress(encoded)), 4),
+            "no_speech_prob": 0.0}
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    prefix = "event: error\n" if event.get("type") == "error" else ""
+    return f"{prefix}data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+
+
+async def stream_events(request: web.Request, recognition: Recognition, facts: dict[str, Any]) -> web.StreamResponse:
+    """The SSE answer; it starts with its first event (see the module docstring). How it ended
+    goes into `facts` (the request's log line)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    text = ""
+
+    async def send(event: dict[str, Any]) -> None:
+        if not response.prepared:
+            await response.prepare(request)
+        await response.write(sse(event))
+
+    try:
+        try:
+            async for result in recognition.results():
+                if result.is_final and (said := result.text.strip()):
+                    delta = f" {said}" if text else said
+                    text += delta
+                    await send({"type": "transcript.text.delta", "delta": delta})
+            await send({"type": "transcript.text.done", "text": text})
+        except OpenAIError as exc:
+            if not response.prepared:
+                raise
+            facts["error"] = f"after the stream started: {exc.status} {exc.message[:200]}"
+            await send({"type": "error", "error": exc.body()["error"]})
+        await response.write_eof()
+    except (ConnectionError, ClientGone):  # the client went away: nothing to answer
+        facts["error"] = "the client went away"
+    facts["deltas_chars"] = len(text)
+    return response
+
+
+# ---- the handler ------------------------------------------------------------------------------------
+async def create_transcription(request: web.Request, front: OpenAIFront) -> web.StreamResponse:
+    started = time.perf_counter()
+    facts: dict[str, Any] = {"model": None, "response_format": None, "stream": None, "bytes": 0, "audio_s": 0.0}
+    upload: Upload | None = None
+    decoder: PcmDecoder | None = None
+    try:
+        upload = await read_upload(request, front.config.max_upload_bytes)
+        facts["bytes"] = upload.file_bytes
+        options = check_options(upload)
+        facts.update(model=options.model, response_format=options.response_format, stream=options.stream)
+        decoder, first = await open_audio(upload)
+        facts["codec"] = decoder.codec
+        recognition = Recognition(front, request, decoder, first)
+        if options.stream:
+            response = await stream_events(request, recognition, facts)
+        else:
+            finals = [r async for r in recognition.results() if r.is_final]
+            duration = decoder.seconds
+            facts["utterances"] = sum(1 for r in finals if r.text.strip())
+            response = render(options, [utterance(r, duration) for r in finals], duration)
+        facts["status"] = 200
+        return response
+    except OpenAIError as exc:
+        facts["status"] = exc.status
+        facts["error"] = exc.message[:200]
+        raise
+    except ClientGone:
+        facts["status"] = 499  # nginx's "client closed request": nothing is sent
+        return web.Response(status=499)
+    finally:
+        if decoder is not None:
+            facts["audio_s"] = round(decoder.seconds, 3)
+            facts["decode_problem"] = decoder.problem
+            decoder.close()
+        if upload is not None:
+            upload.close()
+        facts["wall_ms"] = round((time.perf_counter() - started) * 1000)
+        log.info("openai transcription", extra=facts)
+
+
+async def open_audio(upload: Upload) -> tuple[PcmDecoder, bytes]:
+    """The decoder of the upload and its first piece of PCM; a file that does not decode is a 400."""
+    assert upload.file is not None
+    upload.file.seek(0)
+    try:
+        decoder = await blocking(PcmDecoder, upload.file)
+    except AudioDecodeError as exc:
+        raise OpenAIError(400, str(exc), param="file", code="invalid_file") from None
+    try:
+        first = await blocking(decoder.read, PIECE_BYTES)
+    except AudioDecodeError as exc:
+        decoder.close()
+        raise OpenAIError(400, str(exc), param="file", code="invalid_file") from None
+    except BaseException:
+        decoder.close()
+        raise
+    return decoder, first
