@@ -4,7 +4,7 @@ shared by the quick tests (tests/reliability/test_fuzz.py) and the long run
 (tests/reliability/fuzz.py).
 
 A door is registered with `@door(name, cases, needs=...)` on its runner; `needs` names what
-the server must offer for it ("riva", "web", "auth"). A new door (a service, a method, an HTTP
+the server must offer for it ("riva", "web", "auth", "openai"). A new door (a service, a method, an HTTP
 route) is one strategy and one runner here, and both the quick tests and the long run pick it
 up. Request messages come from `strategies.message`, which fuzzes every field of a request
 type, so a field added to a request later is covered without a change here.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import time
@@ -53,13 +54,16 @@ from tests.reliability.strategies import (
     apply_edits,
     audio,
     blobs,
+    floats,
     header_values,
     integers,
     json_values,
+    long_text,
     message,
     path_segments,
     sdp_edits,
     sometimes,
+    speech_pcm,
     strings,
     weighted,
 )
@@ -209,6 +213,7 @@ class Target:
     web_peers: Callable[[], Awaitable[int]] | None = None  # the bridge's peers (and offers being answered)
     offer_sdp: str = field(default="", repr=False)  # a real offer (audio, video, data channel), for the web doors to mutate
     baseline_sessions: int = 0  # sessions open that are not the fuzz's (the well-behaved session)
+    max_upload_bytes: int = 25 * 1024 * 1024  # the web front's bound on a transcription upload
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # Hypothesis's reports
         printer.text(f"Target({self.channel!r}, web {self.web_url})")
@@ -998,7 +1003,8 @@ WEB_WHIP = _web_call(st.just("POST"), st.just("/whip"), WHIP_BODIES,
                      weighted([st.just("application/sdp")] * 3 + [_content_types()]))
 WEB_ROUTES = _web_call(st.sampled_from(["GET", "DELETE", "PATCH", "OPTIONS", "PUT", "POST", "HEAD"]),
                        st.sampled_from(["/peers/{peer}", "/whip/{peer}", "/whip", "/offer", "/healthz", "/config",
-                                        "/", "/static/{peer}", "/{peer}", "/peers/{peer}/{peer}"]),
+                                        "/", "/static/{peer}", "/{peer}", "/peers/{peer}/{peer}", "/v1/models",
+                                        "/v1/models/{peer}", "/v1/{peer}", "/v1/audio/{peer}"]),
                        st.one_of(st.binary(max_size=64), st.tuples(st.just("json"), json_values(6))), _content_types())
 OPEN_PATHS = ("/", "/healthz")
 
@@ -1006,6 +1012,8 @@ OPEN_PATHS = ("/", "/healthz")
 def _web_body(target: Target, body: Any) -> bytes:
     if isinstance(body, bytes):
         return body
+    if body[0] == "multipart":
+        return multipart_body(target, body[1])
     if body[0] == "sdp":
         return apply_edits(target.offer_sdp, body[1]).encode("utf-8", "surrogatepass")
     if body[0] == "json":
@@ -1050,12 +1058,16 @@ async def _web(target: Target, call: WebCall) -> Outcome:
         with contextlib.suppress(ValueError):
             parsed = json.loads(body)
             reason = parsed.get("reason", "") if isinstance(parsed, dict) else ""
+            if _openai_error(parsed):  # OpenAI's shape: its code (or type) is the reason
+                reason = parsed["error"].get("code") or parsed["error"]["type"]
     outcome.status(f"HTTP {status}", reason)
     where = f"{call.method} {path[:80]}"
     if status >= 500 and status not in (502, 503):
         outcome.problems.append(f"{where}: HTTP {status}: {body[:300]!r}")
     if status >= 400 and call.method != "HEAD" and not (isinstance(parsed, dict) and parsed.get("error")):
         outcome.problems.append(f"{where}: HTTP {status} without the bridge's JSON error: {body[:300]!r}")
+    elif status >= 400 and call.method != "HEAD" and path.startswith("/v1/") and not _openai_error(parsed):
+        outcome.problems.append(f"{where}: HTTP {status} without OpenAI's error object: {body[:300]!r}")
     valid = call.credential == "good" or target.token is None
     if target.token and not valid and status < 400 and path not in OPEN_PATHS and \
             not (call.method in ("GET", "HEAD") and path.startswith("/static/")):
@@ -1088,6 +1100,126 @@ async def web_whip(target: Target, call: WebCall) -> Outcome:
 
 @door("web_routes", WEB_ROUTES, needs=["web"])
 async def web_routes(target: Target, call: WebCall) -> Outcome:
+    return await _web(target, call)
+
+
+# ---- OpenAI's audio APIs on the web port (web/openai_*.py) -------------------------------------------------
+
+def _openai_error(parsed: Any) -> bool:
+    """Whether a JSON body is OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    return isinstance(error, dict) and bool(error.get("message")) and isinstance(error.get("type"), str) and \
+        {"param", "code"} <= error.keys()
+
+
+SPEAKABLE = ("Hello there.", "Open the window, please.", "Nine o'clock.", "Yes")
+SPEECH_FIELDS = {
+    "model": weighted([st.just("tts-1")] * 3 + [st.sampled_from(["gpt-4o-mini-tts", "rtmedia-piper", "whisper-1",
+                                                                  ""]), json_values(2)]),
+    "input": weighted([st.sampled_from(SPEAKABLE)] * 4 + [strings(60), json_values(2), long_text(4990, 5010)]),
+    "voice": st.one_of(st.sampled_from(["alloy", "en_US-joe-medium", "nobody", "", "verse"]), json_values(2),
+                       st.fixed_dictionaries({"id": st.sampled_from(["alloy", "x"])})),
+    "response_format": st.one_of(st.sampled_from(["mp3", "opus", "aac", "flac", "wav", "pcm", "xml", ""]),
+                                 json_values(1)),
+    "speed": st.one_of(st.sampled_from([0.25, 1, 1.5, 4, 0, 4.01, 0.2]), floats(), json_values(1)),
+    "stream_format": st.one_of(st.sampled_from(["audio", "sse", "x"]), json_values(1)),
+    "sample_rate": st.one_of(st.sampled_from((*RATES, -1, 10**12)), json_values(1)),
+    "instructions": st.one_of(strings(40), json_values(1)),
+}
+OPENAI_SPEECH = _web_call(
+    st.just("POST"), st.just("/v1/audio/speech"),
+    weighted([st.tuples(st.just("json"), st.fixed_dictionaries({}, optional=SPEECH_FIELDS))] * 6
+             + [st.tuples(st.just("json"), json_values()), st.binary(max_size=256)]),
+    weighted([st.just("application/json")] * 4 + [_content_types()]))
+
+BOUNDARY = "rtmedia-fuzz-boundary"
+SAMPLE_KINDS = ("wav", "mp3", "ogg", "m4a", "flac")
+TRANSCRIPTION_FIELDS = {
+    "model": weighted([st.just("whisper-1")] * 4 + [st.sampled_from(["gpt-4o-transcribe", "tts-1", ""]),
+                                                    header_values(20)]),
+    "language": st.one_of(st.sampled_from(["en", "en-US", "", "fr", "EN"]), header_values(10)),
+    "response_format": st.one_of(st.sampled_from(["json", "text", "verbose_json", "srt", "vtt", "xml"]),
+                                 header_values(10)),
+    "stream": st.sampled_from(["true", "false", "1", "yes", ""]),
+    "timestamp_granularities[]": st.sampled_from(["word", "segment", "char", ""]),
+    "temperature": st.sampled_from(["0", "0.5", "warm", "nan", "-1"]),
+    "prompt": header_values(40),
+    "include[]": st.sampled_from(["logprobs", "x"]),
+}
+# The file part: a real recording (whole, cut short, or with bytes overwritten), garbage, empty, or
+# none; then the whole body may be cut short or be over the front's upload limit.
+UPLOAD_FILES = st.one_of(
+    st.tuples(st.just("real"), st.sampled_from(SAMPLE_KINDS), st.none()),
+    st.tuples(st.just("cut"), st.sampled_from(SAMPLE_KINDS), st.floats(0, 1)),
+    st.tuples(st.just("flipped"), st.sampled_from(SAMPLE_KINDS),
+              st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1, max_size=16)),
+    st.tuples(st.just("junk"), st.binary(max_size=4096), st.none()),
+    st.tuples(st.just("empty"), st.none(), st.none()),
+    st.none(),
+)
+MULTIPART = st.tuples(st.just("multipart"), st.tuples(
+    st.fixed_dictionaries({}, optional=TRANSCRIPTION_FIELDS), UPLOAD_FILES, st.sampled_from(["a.wav", "", "x/../y"]),
+    weighted([st.just("whole")] * 8 + [st.sampled_from(["cut", "no-end", "oversize"])]), st.floats(0, 1)))
+OPENAI_TRANSCRIPTION = _web_call(
+    st.just("POST"), st.just("/v1/audio/transcriptions"),
+    weighted([MULTIPART] * 6 + [st.binary(max_size=256), st.tuples(st.just("json"), json_values(4))]),
+    weighted([st.just(f"multipart/form-data; boundary={BOUNDARY}")] * 6 + [_content_types()]))
+
+
+@functools.cache
+def sample_file(kind: str) -> bytes:
+    """A short real recording as a `kind` file (made once per process)."""
+    from tests.support.audio_files import encode
+
+    pcm = np.frombuffer(speech_pcm(16000), np.int16)
+    return encode(pcm, 16000, kind)
+
+
+def _upload_file(spec: Any) -> bytes | None:
+    if spec is None:
+        return None
+    what, kind, detail = spec
+    if what == "junk":
+        return kind
+    if what == "empty":
+        return b""
+    data = sample_file(kind)
+    if what == "cut":
+        return data[:int(len(data) * detail)]
+    if what == "flipped":
+        data = bytearray(data)
+        for at, value in detail:
+            data[min(len(data) - 1, int(len(data) * at))] = value
+        return bytes(data)
+    return data
+
+
+def multipart_body(target: Target, parts: Any) -> bytes:
+    """A multipart/form-data body (boundary BOUNDARY) of the case's fields and file, possibly
+    cut short, without its closing boundary, or over the front's upload limit."""
+    fields, file_spec, filename, ending, cut = parts
+    out = b""
+    for name, value in fields.items():
+        out += (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n"
+                .encode() + value.encode("utf-8", "surrogatepass") + b"\r\n")
+    data = _upload_file(file_spec)
+    if ending == "oversize":
+        data = bytes(target.max_upload_bytes + 1)
+    if data is not None:
+        out += (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n"
+                "Content-Type: application/octet-stream\r\n\r\n").encode() + data + b"\r\n"
+    if ending != "no-end":
+        out += f"--{BOUNDARY}--\r\n".encode()
+    return out[:int(len(out) * cut)] if ending == "cut" else out
+
+
+@door("openai_speech", OPENAI_SPEECH, needs=["web", "openai"])
+async def openai_speech(target: Target, call: WebCall) -> Outcome:
+    return await _web(target, call)
+
+
+@door("openai_transcription", OPENAI_TRANSCRIPTION, needs=["web", "openai"])
+async def openai_transcription(target: Target, call: WebCall) -> Outcome:
     return await _web(target, call)
 
 

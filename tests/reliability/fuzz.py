@@ -225,7 +225,7 @@ async def fuzz(args: argparse.Namespace, address: str, process: subprocess.Popen
         target = Target(channel=channel, token=GOOD, limited_token=LIMITED, sessions=view.sessions,
                         alive=view.alive, errors_logged=view.errors_logged,
                         latent_channels=await probe_latent_channels(channel, metadata),
-                        max_receive_bytes=args.max_receive_bytes, features=frozenset({"riva", "web", "auth"}),
+                        max_receive_bytes=args.max_receive_bytes, features=frozenset({"riva", "web", "auth", "openai"}),
                         web_url=web_url, http=http, web_peers=view.peers, offer_sdp=await offer_sdp())
         target.baseline_sessions = await view.sessions()
         view.errors_logged()  # what start-up logged is not the fuzzing's

@@ -26,6 +26,7 @@ from rtmedia.server.app import RtmediaServer
 from rtmedia.server.config import ServerConfig
 from rtmedia.v1 import speech_pb2
 from rtmedia.web.bridge import Bridge, BridgeConfig
+from rtmedia.web.openai_api import OpenAIConfig
 from yarl import URL
 
 from tests.reliability.doors import (
@@ -43,8 +44,9 @@ GOOD = "fuzz-good-token-0123456789"
 LIMITED = "fuzz-limited-token-0123456789"
 # Cases per door: the doors whose cases are cheap get more.
 EXAMPLES = {"converse": 40, "raw_bytes": 40, "flood": 6, "oversize": 10, "auth": 15, "web_offer": 25,
-            "web_whip": 20, "web_routes": 30}
+            "web_whip": 20, "web_routes": 30, "openai_speech": 30, "openai_transcription": 30}
 DEFAULT_EXAMPLES = 25
+UPLOAD_LIMIT = 256 * 1024  # the web front's upload bound here: an oversize case stays cheap
 FUZZ = {"deadline": None, "derandomize": True, "database": None, "suppress_health_check": list(HealthCheck)}
 
 
@@ -76,7 +78,8 @@ async def fuzz_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 async def fuzz_bridge(fuzz_server):
-    bridge = Bridge(BridgeConfig(target=f"127.0.0.1:{fuzz_server.port}", port=0, max_peers=4), fuzz_server.tokens)
+    bridge = Bridge(BridgeConfig(target=f"127.0.0.1:{fuzz_server.port}", port=0, max_peers=4,
+                                 openai=OpenAIConfig(max_upload_bytes=UPLOAD_LIMIT)), fuzz_server.tokens)
     await bridge.start()
     yield bridge
     await bridge.stop()
@@ -111,8 +114,9 @@ async def target(fuzz_server, fuzz_bridge, error_log):
                      errors_logged=error_log.take,
                      latent_channels=await probe_latent_channels(channel, metadata),
                      max_receive_bytes=fuzz_server.config.max_receive_bytes,
-                     features=frozenset({"riva", "web", "auth"}), web_url=f"http://127.0.0.1:{fuzz_bridge.port}",
-                     http=http, web_peers=peers, offer_sdp=await offer_sdp())
+                     features=frozenset({"riva", "web", "auth", "openai"}),
+                     web_url=f"http://127.0.0.1:{fuzz_bridge.port}", http=http, web_peers=peers,
+                     offer_sdp=await offer_sdp(), max_upload_bytes=UPLOAD_LIMIT)
 
 
 @pytest.fixture(scope="module")
