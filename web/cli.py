@@ -72,6 +72,8 @@ def add_web_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-openai-api", dest="openai_api", action="store_false", help="do not serve them")
     g.add_argument("--openai-max-upload-bytes", type=int, default=None, metavar="BYTES",
                    help="largest transcription upload (default 26214400: 25 MiB, as OpenAI's)")
+    g.add_argument("--openai-max-audio-seconds", type=float, default=None, metavar="S",
+                   help="longest audio a transcription decodes (default 3600)")
     g.add_argument("--openai-max-requests", type=int, default=None, metavar="N",
                    help="audio requests served at once; one more is answered 429 (default 16)")
     g = p.add_argument_group("tokens on the web port")
@@ -107,7 +109,8 @@ def bridge_config(args: argparse.Namespace) -> object:
                         auth_tokens=args.auth_tokens, server_tls=args.server_tls, server_ca=args.server_ca,
                         server_cert=args.server_cert, server_key=args.server_key, server_token=server_token,
                         openai=OpenAIConfig(**{k: v for k, v in (("max_upload_bytes", args.openai_max_upload_bytes),
-                                                                 ("max_requests", args.openai_max_requests))
+                                                                 ("max_requests", args.openai_max_requests),
+                                                                 ("max_audio_seconds", args.openai_max_audio_seconds))
                                                if v is not None}) if args.openai_api else None)
 
 

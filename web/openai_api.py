@@ -17,6 +17,7 @@ own 404/405/413 and the front's 401 included.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,13 @@ class Upstream:
     channel: Callable[[], grpc.aio.Channel]
     metadata: Callable[[web.Request], tuple[tuple[str, str], ...]]
     draining: Callable[[], bool] = lambda: False
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    """One server-sent event of the APIs' streams; an `error` event is also named `error`, as
+    OpenAI's are (the SDK raises it)."""
+    prefix = "event: error\n" if event.get("type") == "error" else ""
+    return f"{prefix}data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
 
 
 def is_openai_path(path: str) -> bool:

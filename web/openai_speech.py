@@ -37,6 +37,7 @@ from aiohttp import web
 from rtmedia.v1 import speech_pb2, speech_pb2_grpc
 from rtmedia.web.audio_encode import FORMATS, StreamEncoder, rate_problem
 from rtmedia.web.openai_api import SPEECH_MODELS, OpenAIFront, check_model
+from rtmedia.web.openai_api import sse as sse_event
 from rtmedia.web.openai_errors import SERVER_ERROR, OpenAIError, from_rpc
 
 log = logging.getLogger("rtmedia.web")
@@ -103,7 +104,7 @@ async def _answer(request: web.Request, params: SpeechParams, call: Any, started
             stats["first_byte_ms"] = round((time.perf_counter() - started) * 1000)
         stats["bytes"] += len(data)
         if sse:
-            data = _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+            data = sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
         await response.write(data)
 
     try:
@@ -114,7 +115,7 @@ async def _answer(request: web.Request, params: SpeechParams, call: Any, started
             chunk = await call.read()
         await send(await _encode(encoder, None))
         if sse:
-            await response.write(_event({"type": "speech.audio.done", "usage": _usage(params.text, encoder)}))
+            await response.write(sse_event({"type": "speech.audio.done", "usage": _usage(params.text, encoder)}))
         await response.write_eof()
     except grpc.aio.AioRpcError as exc:  # the server failed after the response started
         _log(params, encoder, stats, started, failed=f"{exc.code().name}: {exc.details()}")
@@ -144,7 +145,7 @@ async def _cut(request: web.Request, response: web.StreamResponse, sse: bool, er
     event; then the connection closes without the chunked body's last chunk."""
     if sse:
         try:
-            await response.write(_event({"type": "error", **error.body()}))
+            await response.write(sse_event({"type": "error", **error.body()}))
         except ConnectionError:
             pass
     if request.transport is not None:
@@ -157,10 +158,6 @@ def _refusal(exc: grpc.aio.AioRpcError) -> OpenAIError:
         error.message += "; or one of OpenAI's voice names (" + ", ".join(OPENAI_VOICES) + \
                          "), which speak with the default voice"
     return error
-
-
-def _event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
 def _usage(text: str, encoder: StreamEncoder) -> dict[str, int]:

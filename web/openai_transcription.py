@@ -4,8 +4,8 @@ The request is multipart/form-data, read with aiohttp's streaming multipart read
 part is spooled (in memory, then a temporary file) and the whole body is bounded by the front's
 `max_upload_bytes` (over it: 413 at once, the rest unread). The other fields: `model`
 (required), `language` (en, en-US or empty), `response_format` (json, text, verbose_json, srt,
-vtt), `timestamp_granularities[]` (segment, word), `stream`, and `prompt`, `temperature`,
-`include[]`, which are checked for shape and otherwise ignored (PocketSphinx takes no prompt and
+vtt), `timestamp_granularities[]` (segment, word), `stream`, and `prompt`, `temperature` (it
+must be a number) and `include[]`, which are otherwise ignored (PocketSphinx takes no prompt and
 has no sampling; token logprobs are not served). Other fields are ignored.
 
 The file is decoded by PyAV (rtmedia.web.audio_decode) off the event loop, piece by piece, into
@@ -43,7 +43,6 @@ A client that goes away while its file is being transcribed ends the server's ca
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import tempfile
@@ -59,7 +58,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.multipart import BodyPartReader
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 from rtmedia.web.audio_decode import RATE, SAMPLE_BYTES, AudioDecodeError, PcmDecoder
-from rtmedia.web.openai_api import TRANSCRIPTION_MODELS, OpenAIFront, check_model
+from rtmedia.web.openai_api import TRANSCRIPTION_MODELS, OpenAIFront, check_model, sse
 from rtmedia.web.openai_errors import OpenAIError, from_rpc
 from rtmedia.web.subtitles import Cue, srt, vtt
 
@@ -356,11 +355,6 @@ def _segment(n: int, u: Utterance) -> dict[str, Any]:
             "avg_logprob": round(sum(logprobs) / len(logprobs), 4) if logprobs else 0.0,
             "compression_ratio": round(len(encoded) / len(zlib.compress(encoded)), 4),
             "no_speech_prob": 0.0}
-
-
-def sse(event: dict[str, Any]) -> bytes:
-    prefix = "event: error\n" if event.get("type") == "error" else ""
-    return f"{prefix}data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
 
 
 async def stream_events(request: web.Request, recognition: Recognition, facts: dict[str, Any]) -> web.StreamResponse:
