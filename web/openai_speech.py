@@ -279,17 +279,9 @@ def _typed(value: Any, name: str, kind: type | tuple[type, ...], expected: str) 
     return value
 
 
+_JSON_TYPES = ((bool, "a boolean"), (int, "an integer"), (float, "a decimal"), (str, "a string"),
+               (list, "an array"), (dict, "an object"))  # bool before int: JSON's true is a Python int
+
+
 def _json_type(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a decimal"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return "null"
+    return next((name for kind, name in _JSON_TYPES if isinstance(value, kind)), "null")
