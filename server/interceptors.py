@@ -29,6 +29,7 @@ UNDECODABLE_LOG_S = 60.0  # a peer's undecodable requests are logged at most thi
 UNDECODABLE_PEERS = 4096  # peers remembered for that (the oldest are forgotten)
 # Calls refused while warming up or draining: rtmedia's own services and the Riva speech API.
 GATED_PREFIX = ("/rtmedia.v1.", "/nvidia.riva.")
+WRITE_SETTLE_S = 5.0  # how long an undecodable request's status waits for a write under way
 
 
 class ServerInterceptor(grpc.aio.ServerInterceptor):
@@ -205,7 +206,8 @@ def _checked(behavior: Any, streaming: bool, generator: bool,
 
     async def stream(request_iterator, context):
         bad: asyncio.Future[Undecodable] = asyncio.get_running_loop().create_future()
-        task = asyncio.ensure_future(behavior(requests_of(request_iterator, bad), context))
+        writes = WholeWrites(context)
+        task = asyncio.ensure_future(behavior(requests_of(request_iterator, bad), writes))
         try:
             await asyncio.wait({task, bad}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -222,8 +224,34 @@ def _checked(behavior: Any, streaming: bool, generator: bool,
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await writes.settled(WRITE_SETTLE_S)
         await undecodable(context, bad.result())
     return stream
+
+
+class WholeWrites:
+    """A servicer's context whose writes run to their end even when the servicer is cancelled
+    mid-write. grpc's core goes on sending a message whose write was cancelled, and refuses the
+    call's status while it does (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS: the call would never
+    end), so the status waits for `settled()`."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self._pending: set[asyncio.Future[None]] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def write(self, message: Any) -> None:
+        write = asyncio.ensure_future(self._context.write(message))
+        self._pending.add(write)
+        write.add_done_callback(self._pending.discard)
+        await asyncio.shield(write)
+
+    async def settled(self, within_s: float) -> None:
+        """Once the writes under way have ended (or `timeout` has passed: a client that reads nothing)."""
+        if self._pending:
+            await asyncio.wait(self._pending, timeout=within_s)
 
 
 _TYPES = {

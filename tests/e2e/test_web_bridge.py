@@ -273,3 +273,20 @@ def test_web_cli_binds_ice_ports_in_range(served):
 
     with running_bridge(served["target"], "--udp-ports", "41000-41010", "--max-peers", "1") as url:
         asyncio.run(check(url))
+
+
+def test_the_readme_openai_examples_run_against_serve_web(served, tmp_path):
+    """README's OpenAI examples, with the official SDK's synchronous client, against the real
+    `rtmedia serve --web` process: speech streamed to a file, then transcribed back."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{served['url']}/v1", api_key="unused", max_retries=0)
+    path = tmp_path / "hello.wav"
+    with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="alloy", input="Please open the kitchen window.", response_format="wav") as response:
+        response.stream_to_file(path)
+    with open(path, "rb") as audio:
+        result = client.audio.transcriptions.create(model="whisper-1", file=audio, response_format="verbose_json")
+    assert wer("please open the kitchen window", result.text) <= 0.5, result.text
+    assert result.segments and result.segments[0].end > result.segments[0].start
+    assert {m.id for m in client.models.list()} >= {"tts-1", "whisper-1"}

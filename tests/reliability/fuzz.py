@@ -3,7 +3,12 @@ against a real `rtmedia serve` process (echo responder, the Riva API, `--auth-to
 bridge beside it with `--web`), while a well-behaved session (tests/reliability/talker.py, a
 process of its own) keeps talking with the right token.
 
-    .venv/bin/python tests/reliability/fuzz.py [--door NAME ...] [--cases 10000] [--seed 0]
+    .venv/bin/python tests/reliability/fuzz.py [--door NAME ...] [--cases 10000] [--seed 0] [--jobs 1]
+
+`--jobs N` runs N cases of a door at once (each job its own tokens and seed, `--cases` split
+between them), for the doors whose cases mostly wait (converse): a job's sessions are counted by
+its tokens (`rtmedia_token_sessions_active`), so each case is still judged alone. The web doors
+run one job at a time: the bridge's peers are counted for all.
 
 Prints one JSON object, and exits 1 when a case broke a rule or the server died: per door the cases run, crashes (the server exited or stopped answering
 health), leaked sessions and bridge peers, the statuses by code and ErrorInfo reason (HTTP
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import re
 import subprocess
@@ -26,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +65,18 @@ from tests.support.webrtc import wait_http  # noqa: E402
 GOOD = "fuzz-good-token-0123456789"
 LIMITED = "fuzz-limited-token-0123456789"
 EXAMPLES_KEPT = 10  # failing cases kept per door in the report
+
+
+def job_token(j: int, kind: str = "job") -> str:
+    return f"fuzz-{kind}-{j}-token-0123456789"
+
+
+def tokens_file(jobs: int) -> str:
+    """The server's tokens: the talker's and the single job's, and with `jobs` > 1 each job's two."""
+    lines = [f"{GOOD} good", f"{LIMITED} limited max_sessions=2"]
+    if jobs > 1:
+        lines += [f"{job_token(j)} job-{j}\n{job_token(j, 'limited')} limited-{j} max_sessions=2" for j in range(jobs)]
+    return "\n".join(lines) + "\n"
 
 
 class TalkerProcess:
@@ -132,8 +151,13 @@ class DoorStats:
     error_events: Counter[str] = field(default_factory=Counter)
     examples: list[dict[str, Any]] = field(default_factory=list)
     stopped: bool = False  # the server is gone: the rest of the door's cases are not sent
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # jobs add from their threads
 
     def add(self, verdict: Verdict, case: Any) -> None:
+        with self.lock:
+            self._add(verdict, case)
+
+    def _add(self, verdict: Verdict, case: Any) -> None:
         self.cases += 1
         self.statuses.update(verdict.outcome.statuses)
         self.error_events.update(verdict.outcome.error_events)
@@ -147,9 +171,11 @@ class DoorStats:
                 self.examples.append({"problems": verdict.problems[:5], "case": case_repr(case)})
 
     def failed_client(self, exc: BaseException, case: Any) -> None:
-        self.client_errors += 1
-        if len(self.examples) < EXAMPLES_KEPT:
-            self.examples.append({"client_error": f"{type(exc).__name__}: {exc}"[:500], "case": case_repr(case)})
+        with self.lock:
+            self.client_errors += 1
+            if len(self.examples) < EXAMPLES_KEPT:
+                self.examples.append({"client_error": f"{type(exc).__name__}: {exc}"[:500],
+                                      "case": case_repr(case)})
 
 
 def drive(door: Door, cases: int, seed: int, loop: asyncio.AbstractEventLoop, target: Target, stats: DoorStats,
@@ -191,6 +217,15 @@ class ServerView:
         found = re.search(r"^rtmedia_sessions_active (\S+)$", text, re.M)
         return int(float(found.group(1))) if found else 0
 
+    def sessions_of(self, *names: str) -> Callable[[], Awaitable[int]]:
+        """Sessions open now under the tokens called `names` (a job's)."""
+        async def count() -> int:
+            async with self.http.get(self.metrics_url) as res:
+                text = await res.text()
+            return sum(int(float(found.group(1))) for name in names
+                       if (found := re.search(rf'^rtmedia_token_sessions_active{{token="{name}"}} (\S+)$', text, re.M)))
+        return count
+
     async def alive(self) -> bool:
         if self.process.poll() is not None:
             return False
@@ -228,6 +263,12 @@ async def fuzz(args: argparse.Namespace, address: str, process: subprocess.Popen
                         max_receive_bytes=args.max_receive_bytes, features=frozenset({"riva", "web", "auth", "openai"}),
                         web_url=web_url, http=http, web_peers=view.peers, offer_sdp=await offer_sdp())
         target.baseline_sessions = await view.sessions()
+        # Job j's own tokens (tokens_file), its sessions counted by their names; no bridge peers.
+        jobs = [target] if args.jobs == 1 else [
+            dataclasses.replace(target, token=job_token(j), limited_token=job_token(j, "limited"),
+                                sessions=view.sessions_of(f"job-{j}", f"limited-{j}"), web_peers=None,
+                                baseline_sessions=0)
+            for j in range(args.jobs)]
         view.errors_logged()  # what start-up logged is not the fuzzing's
         report: dict[str, Any] = {}
         for door in doors_for(target.features, args.door):
@@ -236,7 +277,10 @@ async def fuzz(args: argparse.Namespace, address: str, process: subprocess.Popen
                 continue
             stats = DoorStats(door.name)
             start, started = time.monotonic(), time.perf_counter()
-            await asyncio.to_thread(drive, door, args.cases, args.seed, loop, target, stats, process)
+            targets = [target] if "web" in door.needs else jobs
+            shares = [args.cases // len(targets) + (j < args.cases % len(targets)) for j in range(len(targets))]
+            await asyncio.gather(*(asyncio.to_thread(drive, door, share, args.seed + j, loop, job, stats, process)
+                                   for j, (job, share) in enumerate(zip(targets, shares, strict=True)) if share))
             seconds = time.perf_counter() - started
             during = latency(talker.window(start, time.monotonic())) if talker else {}
             report[door.name] = {
@@ -263,13 +307,15 @@ def main() -> int:
                         help=f"fuzz only this door (repeatable; default all: {', '.join(DOORS)})")
     parser.add_argument("--cases", type=int, default=10000, help="cases per door (default 10000)")
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0: the same cases every run)")
+    parser.add_argument("--jobs", type=int, default=1, help="cases of a door run at once (default 1; not the web "
+                                                            "doors'; see the module docstring)")
     parser.add_argument("--before-turns", type=int, default=5,
                         help="turns of the well-behaved session measured before the fuzzing (default 5)")
     parser.add_argument("--no-talker", action="store_true", help="no well-behaved session (no latency figures)")
     parser.add_argument("--log", default=None, help="keep the server's log in this file")
     args = parser.parse_args()
-    if args.cases < 1:
-        parser.error("--cases must be at least 1")
+    if args.cases < 1 or args.jobs < 1:
+        parser.error("--cases and --jobs must be at least 1")
     from rtmedia.server.config import ServerConfig
 
     from tests.perf.bench_speech import machine
@@ -277,7 +323,7 @@ def main() -> int:
     args.max_receive_bytes = ServerConfig().max_receive_bytes
     with tempfile.TemporaryDirectory(prefix="rtmedia-fuzz-") as tmp:
         tokens = Path(tmp) / "tokens"
-        tokens.write_text(f"{GOOD} good\n{LIMITED} limited max_sessions=2\n")
+        tokens.write_text(tokens_file(args.jobs))
         log = Path(args.log) if args.log else Path(tmp) / "serve.log"
         web_port, metrics_port = free_port(), free_port()
         serve = ("--metrics-port", str(metrics_port), "--no-llm", "--responder", "echo", "--grace", "2",
@@ -304,7 +350,7 @@ def main() -> int:
               for key in ("cases", "crashes", "leaked_sessions", "leaked_peers", "unknown_internal", "failing_cases",
                           "client_errors")}
     print(json.dumps({
-        "benchmark": "fuzz", "machine": machine(), "cases_per_door": args.cases, "seed": args.seed,
+        "benchmark": "fuzz", "machine": machine(), "cases_per_door": args.cases, "seed": args.seed, "jobs": args.jobs,
         "server": "rtmedia serve " + " ".join("FILE" if a == str(tokens) else a for a in serve),
         "seconds": round(time.perf_counter() - started, 1), "totals": totals,
         "talker": {"before": before, "ended": talker.ended if talker else None},

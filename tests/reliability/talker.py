@@ -5,7 +5,8 @@ each turn's response latency (docs/protocol.md: from `input_audio_buffer.speech_
 first reply audio byte at the client), the response's status and any error events.
 
 In-process: `Talker(channel, metadata).run(stop)`. As a process of its own (so that the fuzzing
-client's work does not slow its clock), it prints one JSON object per turn:
+client's work does not slow its clock), it prints one JSON object per turn, and opens a new
+session when the server ends one (`max_session_s`, an hour by default, ends any session):
 
     .venv/bin/python tests/reliability/talker.py --target HOST:PORT [--token TOKEN]
 """
@@ -168,16 +169,19 @@ async def _main(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
     async with grpc.aio.insecure_channel(args.target) as channel:
-        talker = Talker(channel, metadata)
-
-        def report(turn: TurnResult) -> None:
-            print(json.dumps({"t": turn.t, "latency_s": turn.latency_s, "status": turn.status,
-                              "errors": len(talker.errors)}), flush=True)
-
-        talker.on_turn = report
         print(json.dumps({"ready": True}), flush=True)
-        await talker.run(stop)
-        print(json.dumps({"ended": talker.ended, "errors": talker.errors[:20]}), flush=True)
+        all_errors: list[str] = []  # every session's
+        sessions = 0
+        while not stop.is_set():
+            if sessions:  # the server ended the last one (max_session_s): a client opens another
+                await asyncio.sleep(1.0)
+            talker = Talker(channel, metadata, errors=all_errors)
+            talker.on_turn = lambda turn: print(json.dumps({
+                "t": turn.t, "latency_s": turn.latency_s, "status": turn.status,
+                "errors": len(all_errors)}), flush=True)
+            await talker.run(stop)
+            sessions += 1
+        print(json.dumps({"ended": talker.ended, "sessions": sessions, "errors": all_errors[:20]}), flush=True)
 
 
 def main() -> None:
