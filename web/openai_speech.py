@@ -51,6 +51,9 @@ STREAM_FORMATS = ("audio", "sse")
 NO_SSE_MODELS = ("tts-1", "tts-1-hd")
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse",
                  "marin", "cedar")
+# The first clause's first audio is encoded and sent alone: a codec's time grows with the audio
+# it is given, and a first clause may hold seconds of it.
+FIRST_PIECE_MS = 200
 AUDIO_TOKEN_MS = 50  # output audio per usage token, as OpenAI counts a model's audio output
 
 
@@ -110,6 +113,11 @@ async def _answer(request: web.Request, params: SpeechParams, call: Any, started
     try:
         await response.prepare(request)
         chunk = first
+        if chunk is not grpc.aio.EOF:  # the first audio leaves before the rest of its clause is encoded
+            lead = params.sample_rate * FIRST_PIECE_MS // 1000 * 2
+            await send(await _encode(encoder, chunk.audio[:lead]))
+            await send(await _encode(encoder, chunk.audio[lead:]))
+            chunk = await call.read()
         while chunk is not grpc.aio.EOF:
             await send(await _encode(encoder, chunk.audio))
             chunk = await call.read()

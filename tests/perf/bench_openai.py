@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/perf/bench_openai.py [--rounds 20] [--transcribe-seconds 60]
 
-One `rtmedia serve --web` process. For each round and each format (pcm, mp3, opus), in
+One `rtmedia serve --no-llm --responder echo --web` process. For each round and each format (pcm, mp3, opus), in
 alternating order, the same sentence is asked of `SpeechService.Synthesize` over gRPC (the time
 to its first chunk, which carries audio) and of `POST /v1/audio/speech` with the official SDK's
 streaming response (the time to the first audio-carrying byte: the end of the shortest prefix
@@ -181,7 +181,7 @@ def main() -> None:
     if args.rounds < 1 or args.transcribe_runs < 1 or args.transcribe_seconds <= 0:
         parser.error("--rounds and --transcribe-runs must be at least 1, --transcribe-seconds positive")
     web_port = free_port()
-    with running_server("--no-llm", "--web", "--web-port", str(web_port)) as (address, process):
+    with running_server("--no-llm", "--responder", "echo", "--web", "--web-port", str(web_port)) as (address, process):
         web_url = f"http://127.0.0.1:{web_port}"
         wait_http(f"{web_url}/healthz", process)
         speech = asyncio.run(speech_side_by_side(address, web_url, args.rounds))
