@@ -582,6 +582,11 @@ class AsrEngine:
             return stream
 
     @property
+    def workers(self) -> int:
+        """The recogniser worker processes (a stream is pinned to one)."""
+        return self._n
+
+    @property
     def open_streams(self) -> int:
         with self._mu:
             return len(self._open)

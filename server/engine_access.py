@@ -81,6 +81,10 @@ class Asr:
     def open_streams(self) -> int:
         return self._engine.open_streams
 
+    @property
+    def workers(self) -> int:
+        return self._engine.workers
+
     def open(self, segment: bool = True, fast_final: bool = False) -> AsrStream:
         return self._engine.open_stream(segment, fast_final)
 

@@ -7,12 +7,19 @@ utterance it finds is decoded on the ASR lane (PocketSphinx worker processes, on
 turn) by the `Recognizer` the sessions use too (server/recognition.py). Each partial and final
 goes through the caller's `convert` into `results`, then None at the end, or a `Rejected` when
 the recogniser failed.
+
+With `parallel` > 1 (a recording sent faster than real time) the utterances go to that many
+recognisers in turn, each on a stream of its own and so, where the engine has as many worker
+processes, decoded at the same time; the results still come out in the utterances' order (a
+later utterance's wait until the one before has its final), each `utterance_index` its place in
+that order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +47,7 @@ class VadRecognition:
 
     def __init__(self, access: EngineAccess, encoding: int, sample_rate: int,
                  convert: Callable[[AsrEvent, Turn], Any], endpointing: dict[str, float] | None = None,
-                 priority: Priority = Priority.REALTIME, name: str = "vad-recognition") -> None:
+                 priority: Priority = Priority.REALTIME, name: str = "vad-recognition", parallel: int = 1) -> None:
         self.access = access
         self.convert = convert
         self.width = BYTES_PER_SAMPLE[encoding]
@@ -57,11 +64,18 @@ class VadRecognition:
         self.input = AudioInput(settings, 4 * PIECE_MS, self._on_actions, access.vad.open(),
                                 make_detector=lambda _settings: endpointer)
         self._turn: Turn | None = None  # the utterance being spoken
-        self._asr_ms = 0  # audio sent to the recogniser
-        self.recognizer = Recognizer(access.asr, priority=priority, on_event=self._on_event)
+        self._turns = 0  # utterances begun
+        self._on = 0  # the recogniser of the utterance being spoken
+        self.recognizers = [Recognizer(access.asr, priority=priority, on_event=self._on_event)
+                            for _ in range(max(1, parallel))]
+        self._asr_ms = [0] * len(self.recognizers)  # audio sent to each recogniser
+        # Utterances in order, each with its results not yet put out and whether its final came.
+        self._order: deque[tuple[Turn, list[AsrEvent], list[bool]]] = deque()
+        self._entries: dict[int, tuple[Turn, list[AsrEvent], list[bool]]] = {}
+        self._running = len(self.recognizers)
         access.vad.attach(self.input)
-        self._task = self.recognizer.start(name)
-        self._task.add_done_callback(self._recognised)
+        for n, recognizer in enumerate(self.recognizers):
+            recognizer.start(f"{name}-{n}").add_done_callback(self._recognised)
 
     async def feed(self, audio: bytes) -> None:
         """Queue audio for the VAD tick, piece by piece, waiting while a piece is still queued."""
@@ -80,14 +94,16 @@ class VadRecognition:
         self.input.after_input(lambda: taken.set_result(None))
         await taken
         self._end()
-        self.recognizer.stop()
+        for recognizer in self.recognizers:
+            recognizer.stop()
 
     def fail(self, exc: Rejected) -> None:
         self.results.put_nowait(exc)
 
     async def close(self) -> None:
         self.access.vad.detach(self.input)
-        await self.recognizer.close()
+        for recognizer in self.recognizers:
+            await recognizer.close()
 
     # ---- VAD tick results (on the loop) ----------------------------------------
     def _on_actions(self, actions: list[Action]) -> None:
@@ -95,32 +111,58 @@ class VadRecognition:
             if kind == "audio":
                 offset_ms, pcm = value
                 if self._turn is None:  # the first audio of a turn: its start, prefix included
-                    self._turn = Turn(input_offset_ms=offset_ms, asr_offset_ms=self._asr_ms)
-                self._asr_ms += len(pcm) // 32
-                self.recognizer.send("audio", self._turn, pcm)
+                    self._begin(offset_ms)
+                assert self._turn is not None
+                self._asr_ms[self._on] += len(pcm) // 32
+                self.recognizers[self._on].send("audio", self._turn, pcm)
             elif kind == "stopped":
                 self._end()
             elif kind == "marker":
                 value()
 
+    def _begin(self, offset_ms: int) -> None:
+        """An utterance starts: on the next recogniser, in line for its results."""
+        self._on = self._turns % len(self.recognizers)
+        self._turns += 1
+        self._turn = Turn(input_offset_ms=offset_ms, asr_offset_ms=self._asr_ms[self._on])
+        entry: tuple[Turn, list[AsrEvent], list[bool]] = (self._turn, [], [False])
+        self._order.append(entry)
+        self._entries[id(self._turn)] = entry
+
     def _end(self) -> None:
         """The utterance ended: the recogniser finishes it (nothing to do if it had no audio)."""
         turn, self._turn = self._turn, None
         if turn is not None:
-            self.recognizer.send("end", turn)
+            self.recognizers[self._on].send("end", turn)
 
     # ---- recognition ----------------------------------------------------------
     def _recognised(self, task: asyncio.Task[None]) -> None:
-        """The recogniser's task ended: after the last result (None), or failed."""
+        """A recogniser's task ended: after the last results (None once all have), or failed."""
         if task.cancelled():
             return
         if (exc := task.exception()) is not None:  # an engine failure ends the call with a status
             log.error("recognition failed", exc_info=exc)
             self.fail(Rejected(grpc.StatusCode.INTERNAL, "ENGINE_FAILED", f"recognition failed: {exc}"))
-        else:
+            return
+        self._running -= 1
+        if not self._running:
             self.results.put_nowait(None)
 
     def _on_event(self, turn: Turn, event: AsrEvent) -> None:
-        result = self.convert(event, turn)
-        if result is not None:
-            self.results.put_nowait(result)
+        """Put out, in the utterances' order, what has come for the first utterances in line."""
+        entry = self._entries.get(id(turn))
+        if entry is None:
+            return
+        entry[1].append(event)
+        entry[2][0] = entry[2][0] or event.is_final
+        while self._order:
+            head, events, final = self._order[0]
+            for waiting in events:
+                waiting.utterance_index = self._turns - len(self._order)
+                if (result := self.convert(waiting, head)) is not None:
+                    self.results.put_nowait(result)
+            events.clear()
+            if not final[0]:
+                break
+            self._order.popleft()
+            del self._entries[id(head)]
