@@ -245,8 +245,13 @@ class WholeWrites:
     async def write(self, message: Any) -> None:
         write = asyncio.ensure_future(self._context.write(message))
         self._pending.add(write)
-        write.add_done_callback(self._pending.discard)
+        write.add_done_callback(self._ended)
         await asyncio.shield(write)
+
+    def _ended(self, write: asyncio.Future[None]) -> None:
+        self._pending.discard(write)
+        if not write.cancelled():
+            write.exception()  # a write the cancelled servicer no longer awaits fails unseen (a client gone)
 
     async def settled(self, within_s: float) -> None:
         """Once the writes under way have ended (or `timeout` has passed: a client that reads nothing)."""

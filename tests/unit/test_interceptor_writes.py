@@ -58,3 +58,19 @@ async def test_an_undecodable_request_ends_a_call_whose_write_is_under_way(duple
                     pass
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error_reason(info.value) == "UNDECODABLE_REQUEST"
     assert not [r for r in caplog.records if "ExecuteBatchError" in r.getMessage()]
+
+
+async def test_a_write_the_cancelled_servicer_left_fails_quietly(duplex_server, caplog):
+    """A client that goes away while a write is held: the write fails in grpc's core, with no
+    servicer awaiting it any more, and nothing is logged for it."""
+    import gc
+
+    caplog.set_level(logging.ERROR)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{duplex_server}") as channel:
+        call = channel.stream_stream(METHOD)(iter([b"\xff\xff\xff"]))
+        await asyncio.sleep(0.3)
+        call.cancel()
+    await asyncio.sleep(0.5)
+    gc.collect()
+    await asyncio.sleep(0.1)
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], caplog.records
