@@ -425,6 +425,8 @@ class Talk:
                 heard = f" after {reply.played_ms(now) / 1000:.2f} s" if reply.first_audio_t else ""
                 self.say(now, f"rtmedia (interrupted{heard}, {ev.status_reason}): "
                               f"{reply.text + '…' if reply.text else '(nothing yet)'}")
+            elif reply.status == "incomplete":  # the token limit ended the reply
+                self.say(now, f"rtmedia (cut at max_output_tokens): {reply.text}…")
             elif reply.status != "completed":
                 self.say(now, f"! response {ev.response_id} {reply.status}: {ev.status_reason}")
         elif name == "output_audio_buffer.cleared":

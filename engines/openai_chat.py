@@ -2,7 +2,8 @@
 
 POSTs `{model, messages, stream: true, max_tokens}` to `<base_url>/chat/completions`
 (OpenAI, vLLM, llama.cpp's server, Ollama, LM Studio, ...) and yields each
-server-sent event's `choices[0].delta.content` until `data: [DONE]`. The messages
+server-sent event's `choices[0].delta.content` until `data: [DONE]`; a reply whose
+`finish_reason` is "length" (the token limit) ends with `Incomplete`. The messages
 are the instructions (or the same default the local LMs use) as the system
 message, then the conversation; camera frames,
 when the request has any, go with the last user turn as `image_url` data URLs (a
@@ -25,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from .lm_models import DEFAULT_INSTRUCTIONS
-from .responder import ReplyRequest, ResponderError
+from .responder import Incomplete, ReplyRequest, ResponderError
 
 __all__ = ["OpenAIResponder", "ResponderError"]
 
@@ -73,7 +74,7 @@ class OpenAIResponder:
             body["max_tokens"] = request.max_output_tokens
         return body
 
-    async def reply(self, request: ReplyRequest) -> AsyncIterator[str]:
+    async def reply(self, request: ReplyRequest) -> AsyncIterator[str | Incomplete]:
         headers = {"Accept": "text/event-stream"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -88,9 +89,12 @@ class OpenAIResponder:
                             raise ResponderError(await self._http_error(response))
                         ctype = response.headers.get("Content-Type", "")
                         if ctype.startswith("application/json"):  # the server ignored stream: true
-                            text = _message_content(self.url, await _json(self.url, response))
+                            body = await _json(self.url, response)
+                            text = _message_content(self.url, body)
                             if text:
                                 yield text
+                            if _finish_reason(body) == "length":
+                                yield Incomplete()
                             return
                         async for delta in self._events(response):
                             yield delta
@@ -110,19 +114,21 @@ class OpenAIResponder:
         except ValueError as e:  # e.g. a stream line over aiohttp's line-length limit
             raise ResponderError(f"{self.url}: unreadable response: {e}") from e
 
-    async def _events(self, response: aiohttp.ClientResponse) -> AsyncIterator[str]:
-        """Text deltas from the SSE stream. Each `data:` line is normally one JSON chunk; a
-        chunk split over several `data:` lines of one event is joined at the blank line."""
+    async def _events(self, response: aiohttp.ClientResponse) -> AsyncIterator[str | Incomplete]:
+        """Text deltas from the SSE stream (then `Incomplete` if it finished for "length"). Each
+        `data:` line is normally one JSON chunk; a chunk split over several `data:` lines of one
+        event is joined at the blank line."""
         pending: list[str] = []  # data lines of an event that is not yet valid JSON
-        finished = False  # a chunk carried a finish_reason
-        while True:
+        finished = ""  # the finish_reason a chunk carried
+        done = False  # `data: [DONE]` came
+        while not done:
             raw = await response.content.readline()
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             if not line:  # the end of an event, or of the stream
                 if pending:
                     text, fin = self._chunk("\n".join(pending))
                     pending.clear()
-                    finished |= fin
+                    finished = fin or finished
                     if text:
                         yield text
                 if not raw:
@@ -132,7 +138,8 @@ class OpenAIResponder:
                 continue
             data = line[5:].removeprefix(" ")
             if not pending and data.strip() == "[DONE]":
-                return
+                done = True
+                continue
             if not pending:
                 try:
                     chunk = json.loads(data)
@@ -140,23 +147,25 @@ class OpenAIResponder:
                     pending.append(data)  # perhaps the first line of a multi-line event
                     continue
                 text, fin = self._handle(chunk)
-                finished |= fin
+                finished = fin or finished
                 if text:
                     yield text
             else:
                 pending.append(data)
-        if not finished:
+        if not done and not finished:
             raise ResponderError(f"{self.url}: the stream ended before `data: [DONE]` or a finish_reason")
+        if finished == "length":
+            yield Incomplete()
 
-    def _chunk(self, data: str) -> tuple[str, bool]:
+    def _chunk(self, data: str) -> tuple[str, str]:
         try:
             chunk = json.loads(data)
         except ValueError:
             raise ResponderError(f"{self.url}: malformed stream event (not JSON): {data[:200]!r}") from None
         return self._handle(chunk)
 
-    def _handle(self, chunk: Any) -> tuple[str, bool]:
-        """(the chunk's text, whether it carries a finish_reason)."""
+    def _handle(self, chunk: Any) -> tuple[str, str]:
+        """(the chunk's text, the finish_reason it carries or "")."""
         if not isinstance(chunk, dict):
             raise ResponderError(f"{self.url}: malformed stream event (not an object): {str(chunk)[:200]!r}")
         if "error" in chunk:
@@ -165,10 +174,11 @@ class OpenAIResponder:
         if not isinstance(choices, list):
             raise ResponderError(f"{self.url}: malformed stream event (choices is not a list): {str(chunk)[:200]!r}")
         if not choices or not isinstance(choices[0], dict):
-            return "", False
+            return "", ""
         delta = choices[0].get("delta") or {}
         content = delta.get("content") if isinstance(delta, dict) else None
-        return (content if isinstance(content, str) else ""), bool(choices[0].get("finish_reason"))
+        reason = choices[0].get("finish_reason")
+        return (content if isinstance(content, str) else ""), (str(reason) if reason else "")
 
     async def _http_error(self, response: aiohttp.ClientResponse) -> str:
         head = f"{self.url}: HTTP {response.status} {response.reason or ''}".rstrip()
@@ -210,6 +220,14 @@ async def _json(url: str, response: aiohttp.ClientResponse) -> Any:
         return json.loads(await response.text())
     except ValueError:
         raise ResponderError(f"{url}: the response is not valid JSON") from None
+
+
+def _finish_reason(body: Any) -> str:
+    """`choices[0].finish_reason` of a whole (non-streamed) completion, or ""."""
+    try:
+        return str(body["choices"][0].get("finish_reason") or "")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return ""
 
 
 def _message_content(url: str, body: Any) -> str:

@@ -4,6 +4,9 @@ A responder streams text deltas for one reply; the session speaks them chunk
 by chunk (docs/protocol.md#streaming-tts) as they arrive, so audio starts before the text is
 complete. Responders hold no per-session state: the session passes its
 conversation (already truncated to what the user heard) with each request.
+
+A reply stream ends at the reply's natural end, or with an `Incomplete` when the token limit
+(`max_output_tokens`) stopped it: the session then reports the response as incomplete.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from typing import Protocol
 class Message:
     role: str  # "user" or "assistant"
     text: str
+    # The conversation item it is (the session's id for it: conversation.item.delete and
+    # .retrieve name it); responders ignore it.
+    item_id: str = ""
 
 
 @dataclass
@@ -39,14 +45,23 @@ class Waiting:
     position: int
 
 
+@dataclass(frozen=True)
+class Incomplete:
+    """Yielded last by a reply stream that the token limit (`max_output_tokens`, or the
+    responder's own cap) stopped before its natural end."""
+
+    reason: str = "max_output_tokens"
+
+
 class Responder(Protocol):
     """Optionally also `async prepare(request)` (get ready for the reply to `request.history`
     plus a user turn not yet transcribed) and `forget(conversation)` (the conversation ended)."""
 
     name: str
 
-    def reply(self, request: ReplyRequest) -> AsyncIterator[str | Waiting]:
-        """Stream the reply's text deltas (and `Waiting` while it waits its turn)."""
+    def reply(self, request: ReplyRequest) -> AsyncIterator[str | Waiting | Incomplete]:
+        """Stream the reply's text deltas (and `Waiting` while it waits its turn; `Incomplete`
+        last when the token limit stopped it)."""
         ...
 
 
@@ -60,13 +75,18 @@ class EchoResponder:
 
     name = "echo"
 
-    async def reply(self, request: ReplyRequest) -> AsyncIterator[str]:
+    async def reply(self, request: ReplyRequest) -> AsyncIterator[str | Incomplete]:
+        """One word per delta (a word is a token here); cut at `max_output_tokens` words,
+        then `Incomplete`."""
         last = next((m.text for m in reversed(request.history) if m.role == "user"), "").strip()
         text = f"You said: {last}" if last else "I did not catch that."
         words = text.split()
-        if request.max_output_tokens:
+        cut = bool(request.max_output_tokens) and len(words) > request.max_output_tokens
+        if cut:
             words = words[: request.max_output_tokens]
         for n, word in enumerate(words):
             yield word if n == len(words) - 1 else word + " "
             await asyncio.sleep(0)  # a streaming source: let other sessions run between deltas
+        if cut:
+            yield Incomplete()
 

@@ -52,6 +52,14 @@ Action = tuple[str, Any]
 _EMPTY = np.zeros(0, np.float32)
 
 
+def recognizer_pcm(data: bytes, encoding: int, rate: int) -> bytes:
+    """Whole-clip input audio (a conversation.item.create audio item, in the session's input
+    format) as the recogniser takes it: 16 kHz PCM16. Not on the event loop: it resamples."""
+    resampler = make_resampler(rate, RATE)
+    samples = DECODERS[encoding](data)
+    return float_to_pcm16(np.concatenate([resampler.process(samples), resampler.flush()]))
+
+
 @dataclass
 class _Frontend:
     """Thread-owned state: decoder, resampler, window buffer, VAD row, turn detector."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem, AsrStream
-from rtmedia.engines.responder import ReplyRequest, Responder, Waiting
+from rtmedia.engines.responder import Incomplete, ReplyRequest, Responder, Waiting
 from rtmedia.engines.tts import TtsEngine, TtsItem, TtsStream, VoiceSpec
 from rtmedia.engines.vad import VadEngine, VadStream
 from rtmedia.engines.video import VaeInfo, VideoEngine, VideoOneShot, VideoStep, VideoStream
@@ -172,7 +172,7 @@ class Replies:
         return responder.lane if isinstance(responder, LmResponder) else None
 
     def reply(self, name: str, request: ReplyRequest, priority: Priority | None = None
-              ) -> AsyncIterator[str | Waiting]:
+              ) -> AsyncIterator[str | Waiting | Incomplete]:
         responder = self._responders[name]
         if isinstance(responder, LmResponder):
             return responder.reply(request)  # its compute is the LM lane's already

@@ -9,6 +9,9 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.032, 0.05, 0.08, 0.1, 0.2, 0
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
 RPC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+# Values of rtmedia_transport_sessions_active{transport}: what a client may say in the
+# rtmedia-transport metadata (anything else counts as "other"; none: "grpc").
+TRANSPORTS = ("grpc", "webrtc", "openai-ws", "openai-webrtc", "other")
 
 
 class Metrics:
@@ -57,6 +60,12 @@ class Metrics:
             buckets=STEP_BUCKETS, registry=r,
         )
         self.sessions_active = Gauge("rtmedia_sessions_active", "Open Converse sessions", registry=r)
+        self.transport_sessions = Gauge(
+            "rtmedia_transport_sessions_active", "Open Converse sessions by the client's transport "
+            "(metadata rtmedia-transport: grpc, webrtc, openai-ws, openai-webrtc, other)", ["transport"], registry=r,
+        )
+        for transport in TRANSPORTS:
+            self.transport_sessions.labels(transport)  # each shows 0 before its first session
         self.sessions_total = Counter(
             "rtmedia_sessions_total", "Converse sessions by outcome (admitted, rejected, completed, cancelled, failed)",
             ["outcome"], registry=r,

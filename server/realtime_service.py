@@ -1,4 +1,9 @@
-"""RealtimeService.Converse: one duplex speech session per stream (docs/protocol.md#sessions)."""
+"""RealtimeService.Converse: one duplex speech session per stream (docs/protocol.md#sessions).
+
+A client may say how it reached the server in the call's `rtmedia-transport` metadata
+(`grpc`, the default; `webrtc`: the bridge; `openai-ws`, `openai-webrtc`: the OpenAI Realtime
+front); `rtmedia_transport_sessions_active{transport}` counts the open sessions by it.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from rtmedia.protocol.errors import abort
 from rtmedia.protocol.tokens import Token
 from rtmedia.server.auth import Quotas, caller
 from rtmedia.server.engine_access import EngineAccess
+from rtmedia.server.metrics import TRANSPORTS
 from rtmedia.server.session import Limits, Session, SessionContext
 from rtmedia.server.session_config import SessionSettings
 from rtmedia.v1 import realtime_pb2_grpc
@@ -23,6 +29,17 @@ from rtmedia.v1 import realtime_pb2_grpc
 log = logging.getLogger(__name__)
 HOUSEKEEPING_S = 1.0
 TRIM_EVERY = 10  # housekeeping rounds between two heap trims
+TRANSPORT_KEY = "rtmedia-transport"
+
+
+def transport_of(metadata: Any) -> str:
+    """The transport label of a call: its `rtmedia-transport` metadata, "grpc" without one,
+    "other" for a value rtmedia does not know."""
+    value = next((v for k, v in metadata or () if k == TRANSPORT_KEY), None)
+    if value is None:
+        return "grpc"
+    value = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+    return value if value in TRANSPORTS else "other"
 
 
 async def to_the_end(coro: Any) -> None:
@@ -86,12 +103,15 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
     async def _converse(self, request_iterator, context, token: Token | None) -> None:
         session = Session(f"sess_{uuid.uuid4().hex[:12]}", self.context, self.defaults)
         session.caller = token.name if token is not None else None
+        session.transport = transport_of(context.invocation_metadata())
         self.sessions[session.id] = session
         self.metrics.sessions_active.set(len(self.sessions))
+        self.metrics.transport_sessions.labels(session.transport).inc()
         self.metrics.sessions_total.labels("admitted").inc()
         if token is not None:
             self.metrics.token_sessions.labels(token.name).set(self.quotas.active(token.name))
-        log.info("session opened", extra={"session_id": session.id, "peer": context.peer(), "token": session.caller})
+        log.info("session opened", extra={"session_id": session.id, "peer": context.peer(), "token": session.caller,
+                                          "transport": session.transport})
         reader = asyncio.create_task(self._read(session, request_iterator), name=f"session-{session.id}-reader")
         outcome = "completed"
         session.writer = asyncio.current_task()
@@ -122,6 +142,7 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
             await session.close()
         finally:
             del self.sessions[session.id]
+            self.metrics.transport_sessions.labels(session.transport).dec()
             if not self.sessions:
                 self._all_closed.set()
             if self.draining:

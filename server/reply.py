@@ -11,6 +11,12 @@ reply leaves in the conversation history (`heard_text`).
 Every response has an epoch. Cancelling one (barge-in, response.cancel) bumps the epoch,
 and the outbox drops media events of an older epoch, so a late result of a cancelled
 response is never sent.
+
+A response may be text only (`output_modality` "text": no TTS, no audio events; what was
+sent of its text is what was heard), out of band (`conversation` "none": its reply never
+joins the history), or stopped by its token limit (the responder's `Incomplete`:
+response.done{incomplete, max_output_tokens}, after the .done events a completed one gets).
+The history holds a reply as the message with the response's item id.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rtmedia.engines.base import EngineError
-from rtmedia.engines.responder import Message, ReplyRequest, ResponderError, Waiting
+from rtmedia.engines.responder import Incomplete, Message, ReplyRequest, ResponderError, Waiting
 from rtmedia.engines.text_chunks import TextChunker
 from rtmedia.engines.tts import TtsItem
 from rtmedia.protocol.events import server_event
@@ -58,7 +64,11 @@ class Response:
     heard_at: float = 0.0  # when the last ack arrived
     truncated: bool = False  # the client said playback stopped
     done: bool = False
-    history_index: int = -1  # its assistant message in the history
+    text_only: bool = False  # output_modality "text": nothing is synthesised
+    joins_history: bool = True  # conversation "auto"; False: out of band ("none")
+    text: str = ""  # the reply text sent so far
+    done_at: float = 0.0  # perf_counter when it ended
+    cleared_at: float = 0.0  # perf_counter of its output_audio_buffer.cleared (the client dropped the rest)
 
     def played_ms(self, now: float) -> int:
         """Where the client's playback is: its ack while fresh (under ACK_FRESH_S old),
@@ -73,9 +83,27 @@ class Response:
         """Generating, or still playing at the client (within a rounding tolerance)."""
         return not self.done or (not self.truncated and self.played_ms(now) < self.sent_ms - PLAYED_TOLERANCE_MS)
 
+    def playback_end(self) -> float:
+        """When the client's playback of this ended response ends or ended (perf_counter): when
+        its audio was cleared, where a truncate stopped it, the last ack plus what was left after
+        it, else the first audio's time plus all the audio sent; never before it ended (a reply
+        without audio ends when it ends)."""
+        if self.cleared_at:
+            end = self.cleared_at
+        elif self.heard_ms is not None:
+            end = self.heard_at + (0 if self.truncated else max(0, self.sent_ms - self.heard_ms) / 1000)
+        elif self.first_audio_at:
+            end = self.first_audio_at + self.sent_ms / 1000
+        else:
+            end = self.done_at
+        return max(end, self.done_at)
+
     def heard_text(self) -> str:
         """The reply as far as it was heard: whole clauses, then the played fraction
-        of the current clause cut at a word boundary. Without acks, what was sent."""
+        of the current clause cut at a word boundary. Without acks, what was sent.
+        A text-only reply: the text sent."""
+        if self.text_only:
+            return " ".join(self.text.split())
         heard = self.sent_ms if self.heard_ms is None else min(self.heard_ms, self.sent_ms)
         words: list[str] = []
         for text, start, end in self.clauses:
@@ -146,12 +174,18 @@ class ReplyPipeline:
         self.replies.forget(self.conversation)
 
     # ---- a response ----------------------------------------------------------------
-    def start(self, turn: Turn | None, instructions: str | None = None, max_tokens: int | None = None) -> Response:
-        """A new response to the turn (None: to the history as it is)."""
-        response = Response(self._new_id("resp"), self._new_id("item"), self.epoch)
+    def start(self, turn: Turn | None, instructions: str | None = None, max_tokens: int | None = None, *,
+              modality: str | None = None, joins_history: bool = True, request_event_id: str = "") -> Response:
+        """A new response to the turn (None: to the history as it is); `modality` overrides the
+        session's output_modality for it, and `joins_history=False` makes it out of band;
+        `request_event_id`: the response.create that asked for it."""
+        modality = modality or self._settings().output_modality
+        response = Response(self._new_id("resp"), self._new_id("item"), self.epoch, text_only=modality == "text",
+                            joins_history=joins_history)
         self.responses[response.response_id] = response
         self.response = response
-        self._send("response.created", response_id=response.response_id, item_id=response.item_id)
+        self._send("response.created", response_id=response.response_id, item_id=response.item_id,
+                   request_event_id=request_event_id)
         response.task = self._spawn(self._respond(response, turn, instructions, max_tokens), "response")
         return response
 
@@ -163,6 +197,7 @@ class ReplyPipeline:
         time, and other sessions' items run between the windows of a long sentence."""
         settings = self._settings()
         status, reason, text = "completed", "", ""
+        text_only = response.text_only
         spoken: list[asyncio.Future[bytes]] = []
         texts: asyncio.Queue[tuple[str, bool] | None] = asyncio.Queue()  # chunks to speak, and whether final
         sending: asyncio.Queue[tuple[str, asyncio.Future[bytes]] | None] = asyncio.Queue()
@@ -172,9 +207,11 @@ class ReplyPipeline:
             if turn is not None:
                 await asyncio.wait_for(asyncio.shield(turn.transcript), self.limits.transcript_wait_s)
             request = self._request(instructions, max_tokens)
-            tts = self.tts.open(settings.voice, settings.output_rate, window_frames=TTS_WINDOW_FRAMES)
+            tts = None if text_only else self.tts.open(settings.voice, settings.output_rate,
+                                                       window_frames=TTS_WINDOW_FRAMES, speed=settings.speed)
 
             async def send_all() -> None:
+                assert tts is not None
                 while (item := await sending.get()) is not None:
                     said, audio = item
                     await self._send_audio(response, said, await audio, tts.output_rate, turn)
@@ -185,6 +222,7 @@ class ReplyPipeline:
                 item is due at once (the user is waiting); each later one when the audio before it
                 would run out at the client, less TTS_DUE_MARGIN_S (the lane runs the item due
                 soonest, so a session about to run dry goes before one with audio to spare)."""
+                assert tts is not None
                 loop = asyncio.get_running_loop()
                 playing_from, audio_s = None, 0.0  # when the first audio was ready; audio so far
                 while (chunk := await texts.get()) is not None:
@@ -210,10 +248,14 @@ class ReplyPipeline:
                         text = ""
                 sending.put_nowait(None)
 
-            sender = asyncio.ensure_future(send_all())
-            synthesizer = asyncio.ensure_future(synthesize_all())
+            if not text_only:
+                sender = asyncio.ensure_future(send_all())
+                synthesizer = asyncio.ensure_future(synthesize_all())
 
             async def speak(chunks: list[str], final: bool = False) -> None:
+                if text_only:
+                    return
+                assert sender is not None
                 for chunk in chunks:
                     if spoken:  # the responder waits for the TTS item submitted last (the LM's pacing)
                         await asyncio.wait([spoken[-1]])
@@ -230,13 +272,18 @@ class ReplyPipeline:
                     self._send_media(response, "response.waiting", response_id=response.response_id,
                                      reason="lm_slot", queue_position=delta.position)
                     continue
+                if isinstance(delta, Incomplete):  # the token limit stopped the reply
+                    status, reason = "incomplete", delta.reason
+                    continue
                 text += delta
+                response.text = text
                 self._send_media(response, "response.output_text.delta", response_id=response.response_id,
                                  item_id=response.item_id, delta=delta)
                 await speak(chunker.feed(delta))
             await speak(chunker.flush(), final=True)
-            await synthesizer
-            await sender
+            if synthesizer is not None and sender is not None:
+                await synthesizer
+                await sender
         except TimeoutError:
             status, reason = "failed", "the transcript of the turn did not arrive in time"
         except Exception as exc:
@@ -281,14 +328,14 @@ class ReplyPipeline:
             self.metrics.voice_to_voice.observe(latency + settings.silence_duration_ms / 1000)
 
     def _finish(self, response: Response, text: str, status: str, reason: str) -> None:
-        response.done = True
+        response.done, response.done_at = True, time.perf_counter()
         rid, item = response.response_id, response.item_id
-        if text:
-            self.history.append(Message("assistant", text))
-            response.history_index = len(self.history) - 1
-        if status == "completed":
+        if text and response.joins_history:
+            self.history.append(Message("assistant", text, item))
+        if status in ("completed", "incomplete"):
             self._send_media(response, "response.output_text.done", response_id=rid, item_id=item, text=text)
-            self._send_media(response, "response.output_audio.done", response_id=rid, item_id=item)
+            if not response.text_only:
+                self._send_media(response, "response.output_audio.done", response_id=rid, item_id=item)
         usage = {"output_tokens": len(text.split()), "output_audio_ms": response.sent_ms}
         self._send_media(response, "response.done", response_id=rid, status=status, status_reason=reason,
                          usage=usage)
@@ -303,19 +350,25 @@ class ReplyPipeline:
         self.epoch += 1
         if response.task is not None:
             response.task.cancel()
-        self._send("output_audio_buffer.cleared", response_id=response.response_id, audio_end_ms=response.sent_ms)
+        now = time.perf_counter()
+        if not response.text_only:  # a text-only reply has no audio to drop
+            response.cleared_at = now
+            self._send("output_audio_buffer.cleared", response_id=response.response_id,
+                       audio_end_ms=response.sent_ms)
         if was_generating:
-            response.done = True
+            response.done, response.done_at = True, now
             self._send("response.done", response_id=response.response_id, status="cancelled", status_reason=reason,
                        usage={"output_audio_ms": response.sent_ms})
             text = response.heard_text()
-            if text:
-                self.history.append(Message("assistant", text))
-                response.history_index = len(self.history) - 1
+            if text and response.joins_history:
+                self.history.append(Message("assistant", text, response.item_id))
+            self._on_done()
         else:
             self.truncate_history(response)
 
     def truncate_history(self, response: Response) -> None:
         """The response's assistant message becomes what the client heard of it."""
-        if 0 <= response.history_index < len(self.history):
-            self.history[response.history_index] = Message("assistant", response.heard_text())
+        for n, message in enumerate(self.history):
+            if message.item_id == response.item_id:
+                self.history[n] = Message("assistant", response.heard_text(), response.item_id)
+                return

@@ -2,7 +2,13 @@
 
 An LM responder turns the conversation into a chat prompt, streams tokens
 from its LM lane (shared by every session generating on that model) and
-detokenizes them incrementally into text deltas.
+detokenizes them incrementally into text deltas. A reply that used up its token
+limit ends with `Incomplete` (the lane stops at an end-of-sequence token, which it
+does not pass on, or at the limit: so all `max_new` tokens arriving means the limit).
+
+Kept KV slots need nothing from here when the conversation changes: the lane reuses
+only the longest common token prefix of the slot and the new prompt, so a deleted or
+truncated item simply re-prefills the prompt from where it differs.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
 from rtmedia.engines.lm_models import Detokenizer, truncate_history_to_fit
-from rtmedia.engines.responder import EchoResponder, Message, ReplyRequest, Responder, Waiting
+from rtmedia.engines.responder import EchoResponder, Incomplete, Message, ReplyRequest, Responder, Waiting
 from rtmedia.server.lm_lane import LmLane, common_prefix
 
 # Voice replies are short: the cap when a request leaves max_output_tokens at its default.
@@ -52,23 +58,27 @@ class LmResponder:
     def forget(self, conversation: Hashable) -> None:
         self.lane.forget(conversation)
 
-    async def reply(self, request: ReplyRequest) -> AsyncIterator[str | Waiting]:
+    async def reply(self, request: ReplyRequest) -> AsyncIterator[str | Waiting | Incomplete]:
         max_new = _max_new(request)
         tokenizer = self.tokenizer
         prompt = await asyncio.to_thread(self.prompt, request, max_new)
         stop = {t for t in (tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None)) if t is not None}
         text = Detokenizer(tokenizer)
         started = False  # the reply's leading whitespace is dropped
+        received = 0
         async for token in self.lane.generate(prompt, max_new, sorted(stop), key=request.conversation):
             if isinstance(token, Waiting):
                 yield token
                 continue
+            received += 1
             delta = text.push(token)
             if not started:
                 delta = delta.lstrip()
             if delta:
                 started = True
                 yield delta
+        if received >= max_new:
+            yield Incomplete()
 
 
 def _max_new(request: ReplyRequest) -> int:

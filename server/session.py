@@ -8,7 +8,10 @@ and conversation history live here. The rest is in the parts it owns, one each:
 - the recogniser feed (server/recognition.py): turn audio to the ASR lanes in order, its
   results into transcription events (a server_vad turn's segment ends at each pause, so
   its final is ready when speech_stopped comes: Limits.early_finals);
-- the reply pipeline (server/reply.py): transcript -> responder -> TTS -> audio deltas.
+- the reply pipeline (server/reply.py): transcript -> responder -> TTS -> audio deltas;
+- the conversation items (server/items.py): item create (text or audio), delete, retrieve and
+  truncate, over the history, whose messages carry their item ids;
+- the idle-turn timer (server/idle_turns.py): turn_detection.idle_timeout_ms.
 
 The session never calls an engine: it and its parts use the scheduler's typed handles
 (server/engine_access.py): its audio input is attached to the VAD tick, turn audio goes to
@@ -32,11 +35,21 @@ from rtmedia.engines.responder import Message, ReplyRequest
 from rtmedia.protocol.events import server_event
 from rtmedia.server.audio_input import Action, AudioInput
 from rtmedia.server.engine_access import EngineAccess
+from rtmedia.server.faults import fault_status
+from rtmedia.server.idle_turns import IdleTimer
+from rtmedia.server.items import ConversationItems
 from rtmedia.server.outbox import Outbox
 from rtmedia.server.recognition import Recognizer, Turn
 from rtmedia.server.reply import TTS_WINDOW_FRAMES, ReplyPipeline, Response
 from rtmedia.server.scheduler import Priority
-from rtmedia.server.session_config import PCM16, SESSION_BOUNDS, ConfigError, SessionSettings
+from rtmedia.server.session_config import (
+    PCM16,
+    ConfigError,
+    SessionSettings,
+    check_max_output_tokens,
+    check_output_modality,
+    output_tokens,
+)
 from rtmedia.server.session_limits import Limits
 from rtmedia.v1 import realtime_pb2
 
@@ -76,8 +89,10 @@ class Session:
         self.last_input = self.started
         self.closing_reason: str | None = None
         self.caller: str | None = None  # the name of the token it was opened with (--auth-tokens)
+        self.transport = "grpc"  # how the client reached it (metadata rtmedia-transport)
         self._ids = itertools.count(1)
-        self.history: list[Message] = []
+        self.client_ids: set[str] = set()  # item ids the client chose: the server's own skip them
+        self.history: list[Message] = []  # the conversation, each message under its item id
         self.turn: Turn | None = None  # the turn being spoken or committed
         self.pending_turns: deque[Turn] = deque()  # turns sent to the recogniser, oldest first
         self.buffer_ms = 0.0  # uncommitted input audio (manual / none)
@@ -85,30 +100,37 @@ class Session:
         self.speech_start_ms = 0
         self.response_requested = False  # a response.create waits behind queued input
         self._asr_samples = 0  # 16 kHz samples sent to the recogniser
+        self.input_ms = 0.0  # input audio appended so far
+        self._quiet_since = 0.0  # perf_counter of the last speech stop or idle timeout
+        self._quiet_input_ms = 0.0  # input_ms then, or when the last response ended
         self.camera: deque[bytes] = deque()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.replies = ReplyPipeline(
             self.id, self.outbox, self.history, self.limits,
             tts=access.tts, replies=access.replies,
             metrics=access.metrics, settings=lambda: self.settings, request=self._reply_request,
-            spawn=self._spawn, new_id=self.new_id, on_done=self._response_done,
+            spawn=self.spawn, new_id=self.new_id, on_done=self._response_done,
         )
+        self.items = ConversationItems(self)
+        self.idle = IdleTimer(self._idle_since, lambda: self.settings.idle_timeout_ms, self._idle_expired)
         self.recognizer = Recognizer(
             access.asr, fast_final=True, priority=Priority.REALTIME,
-            on_delta=self._on_transcript_delta, on_complete=self._complete, on_error=self._on_recognition_error,
+            on_delta=self.on_transcript_delta, on_complete=self._complete, on_error=self.on_recognition_error,
         )
         self.input = AudioInput(settings, self.limits.inbox_ms, self.on_audio, access.vad.open())
         access.vad.attach(self.input)
-        self._track(self.recognizer.start(f"session-{self.id}-asr"))
+        self.track(self.recognizer.start(f"session-{self.id}-asr"))
 
     # ---- helpers ---------------------------------------------------------
     def new_id(self, prefix: str) -> str:
-        return f"{prefix}_{self.id[-6:]}_{next(self._ids)}"
+        while (new := f"{prefix}_{self.id[-6:]}_{next(self._ids)}") in self.client_ids:
+            pass
+        return new
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        return self._track(asyncio.create_task(coro, name=f"session-{self.id}-{name}"))
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        return self.track(asyncio.create_task(coro, name=f"session-{self.id}-{name}"))
 
-    def _track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
+    def track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task
@@ -172,8 +194,10 @@ class Session:
         fields = [("event_id", request.event_id)]
         if kind in ("response_cancel", "playback_ack"):
             fields.append(("response_id", getattr(request, kind).response_id))
-        elif kind == "conversation_item_truncate":
-            fields.append(("item_id", request.conversation_item_truncate.item_id))
+        elif kind in ("conversation_item_truncate", "conversation_item_delete", "conversation_item_retrieve"):
+            fields.append(("item_id", getattr(request, kind).item_id))
+        elif kind == "conversation_item_create":
+            fields.append(("item.id", request.conversation_item_create.item.id))
         for field, value in fields:
             if len(value) * 4 > limit and (size := len(value.encode())) > limit:  # a char is 1-4 bytes
                 return field, size
@@ -186,6 +210,7 @@ class Session:
                        "PCM16 samples; the chunk was dropped", event_id, "audio")
             return
         self._bytes_in.inc(len(data))
+        self.input_ms += len(data) / self.input.bytes_per_ms
         discarded = self.input.append(data)
         if self.settings.turn_type != "server_vad":
             self.buffer_ms += len(data) / self.input.bytes_per_ms
@@ -213,7 +238,10 @@ class Session:
         self.input.reconfigure(new, reset=False)
         if old.turn_type != new.turn_type and self.turn is not None:
             self._end_turn()
+        if (old.turn_type, old.idle_timeout_ms) != (new.turn_type, new.idle_timeout_ms):
+            self._quiet_since, self._quiet_input_ms = time.perf_counter(), self.input_ms  # counts from now
         self.send("session.updated", session=new.to_proto())
+        self.idle.arm()
 
     def on_input_audio_buffer_commit(self, event: Any, event_id: str) -> None:
         if self.settings.turn_type == "server_vad":
@@ -245,71 +273,66 @@ class Session:
         self.send("input_audio_buffer.cleared", discarded_ms=dropped, reason="client")
 
     def on_conversation_item_create(self, event: Any, event_id: str) -> None:
-        item = event.item
-        if item.role not in ("", "user", "assistant"):
-            self.error("invalid_value", f"conversation.item.create: role {item.role[:32]!r} must be user or assistant",
-                       event_id, "item.role")
-        elif not item.text.strip():
-            self.error("invalid_value", "conversation.item.create: the item has no text", event_id, "item.text")
-        elif len(item.text) > self.limits.max_text_chars:
-            self.error("invalid_value", f"conversation.item.create: text has {len(item.text)} characters; the "
-                       f"limit is {self.limits.max_text_chars}", event_id, "item.text")
-        else:
-            self.history.append(Message(item.role or "user", item.text.strip()))
+        self.items.create(event, event_id)
 
     def on_conversation_item_truncate(self, event: Any, event_id: str) -> None:
-        response = next((r for r in self.responses.values() if r.item_id == event.item_id), None)
-        if response is None:
-            self.error("item_not_found", f"conversation.item.truncate: no assistant item {event.item_id!r}",
-                       event_id, "item_id")
-            return
-        if event.audio_end_ms < 0 or event.audio_end_ms > response.sent_ms:
-            self.error("invalid_value", f"conversation.item.truncate: audio_end_ms={event.audio_end_ms} is outside "
-                       f"0..{response.sent_ms} (the audio sent for {event.item_id})", event_id, "audio_end_ms")
-            return
-        response.heard_ms, response.truncated = event.audio_end_ms, True
-        if response is self.response and not response.done:  # playback stopped: so does the reply
-            self.replies.cancel("client_truncated")
-        else:
-            self.replies.truncate_history(response)
+        self.items.truncate(event, event_id)
+
+    def on_conversation_item_delete(self, event: Any, event_id: str) -> None:
+        self.items.delete(event, event_id)
+
+    def on_conversation_item_retrieve(self, event: Any, event_id: str) -> None:
+        self.items.retrieve(event, event_id)
 
     def on_response_create(self, event: Any, event_id: str) -> None:
         if self.responding:
             self.error("response_in_progress", "a response is already in progress; cancel it first", event_id)
             return
-        instructions = event.instructions if event.HasField("instructions") else None
-        max_tokens = event.max_output_tokens if event.HasField("max_output_tokens") else None
+        options = {name: getattr(event, name) if event.HasField(name) else None
+                   for name in ("instructions", "max_output_tokens", "output_modality", "conversation")}
+        instructions, max_tokens = options["instructions"], options["max_output_tokens"]
         if instructions is not None and len(instructions) > self.limits.max_instructions_chars:
             self.error("invalid_value", f"response.create: instructions has {len(instructions)} characters; the "
                        f"limit is {self.limits.max_instructions_chars}", event_id, "instructions")
             return
-        low, high = SESSION_BOUNDS["max_output_tokens"]
-        if max_tokens is not None and not low <= max_tokens <= high:
-            self.error("invalid_value", f"response.create: max_output_tokens={max_tokens} is outside {low}..{high}",
-                       event_id, "max_output_tokens")
+        try:
+            if max_tokens is not None:
+                check_max_output_tokens(max_tokens)
+            if options["output_modality"] is not None:
+                check_output_modality(options["output_modality"])
+        except ConfigError as exc:
+            self.error("invalid_value", f"response.create: {exc}", event_id, exc.param)
             return
-        # none mode responds to the buffered audio (committing it); a commit still
-        # queued behind input goes first. Either way the response waits its turn.
-        commit = self.settings.turn_type == "none" and (self.buffer_ms >= 1 or bool(self.input.inbox))
+        if options["conversation"] not in (None, "auto", "none"):
+            self.error("invalid_value", f"response.create: conversation {options['conversation'][:32]!r} must be "
+                       "\"auto\" or \"none\"", event_id, "conversation")
+            return
+        start = {"modality": options["output_modality"], "joins_history": options["conversation"] != "none"}
+        # none mode responds to the buffered audio (committing it; not for an out-of-band
+        # response); a commit still queued behind input goes first. Either way the response
+        # waits its turn.
+        commit = self.settings.turn_type == "none" and start["joins_history"] and \
+            (self.buffer_ms >= 1 or bool(self.input.inbox))
         if commit or self.input.segments:
             self.response_requested = True
 
             def respond_after_input() -> None:
                 self.response_requested = False
-                self._respond_to(self._commit() if commit else None, instructions, max_tokens, event_id)
+                self._respond_to(self._commit() if commit else None, instructions, max_tokens, event_id, start)
 
             self.input.after_input(respond_after_input)
         else:
-            self._respond_to(None, instructions, max_tokens, event_id)
+            self._respond_to(None, instructions, max_tokens, event_id, start)
 
     def _respond_to(self, turn: Turn | None, instructions: str | None, max_tokens: int | None,
-                    event_id: str) -> None:
+                    event_id: str, start: dict[str, Any]) -> None:
         turn = turn or (self.pending_turns[-1] if self.pending_turns else None)
-        if turn is None and not self.history:
+        if turn is None and not any(m.text for m in self.history):
             self.error("invalid_state", "response.create: there is nothing to respond to (no audio, turn or text)",
                        event_id)
             return
-        self.replies.start(turn, instructions, max_tokens)
+        self.idle.cancel()
+        self.replies.start(turn, instructions, max_tokens, **start, request_event_id=event_id)
 
     def on_response_cancel(self, event: Any, event_id: str) -> None:
         response = self.response
@@ -331,6 +354,8 @@ class Session:
             return
         response.heard_ms, response.heard_at = event.played_ms, time.perf_counter()
         self.send("playback.acknowledged", response_id=response.response_id, played_ms=event.played_ms)
+        if response is self.response:
+            self.idle.arm()
 
     def on_camera_frame(self, event: Any, event_id: str) -> None:
         image = event.image
@@ -387,6 +412,7 @@ class Session:
             turn.transcript.set_result("")
 
     def _on_speech_started(self, start_ms: int) -> None:
+        self.idle.cancel()
         turn = self._start_turn()
         self.send("input_audio_buffer.speech_started", item_id=turn.item_id, audio_start_ms=start_ms)
         self.speech_start_ms = start_ms
@@ -398,11 +424,14 @@ class Session:
         self.replies.prepare()  # the reply's prompt, up to the user's words
 
     def _reply_request(self, instructions: str | None = None, max_tokens: int | None = None) -> ReplyRequest:
+        """What the responder gets: the history's messages that hold words (a turn in which
+        nothing was recognised is an item, but no message), the instructions and token limit
+        (0, "inf": the server's ceiling)."""
         settings = self.settings
         return ReplyRequest(
-            history=list(self.history),
+            history=[m for m in self.history if m.text],
             instructions=settings.instructions if instructions is None else instructions,
-            max_output_tokens=settings.max_output_tokens if max_tokens is None else max_tokens,
+            max_output_tokens=output_tokens(settings.max_output_tokens if max_tokens is None else max_tokens),
             images=list(self.camera),
             conversation=self.id,
         )
@@ -412,35 +441,77 @@ class Session:
         self.send("input_audio_buffer.speech_stopped", item_id=turn.item_id, audio_end_ms=end_ms)
         turn.audio_ms = end_ms - max(0, self.speech_start_ms - self.settings.prefix_padding_ms)
         self._end_turn()
+        self._quiet_since, self._quiet_input_ms = time.perf_counter(), self.input_ms
         if self.settings.create_response and self.closing_reason in (None, "server_shutdown"):
             if self.responding:  # interrupt_response off: the new turn waits its turn
                 self.error("response_in_progress", "a turn ended while a response is in progress; "
                            "it is in the history but gets no response of its own")
                 return
             self.replies.start(turn)
-        self._close_if_drained()
+        else:
+            self.idle.arm()
+        self.close_if_drained()
+
+    # ---- idle turns (server/idle_turns.py) ---------------------------------------
+    def _idle_since(self) -> float | None:
+        """When this session became quiet for turn_detection.idle_timeout_ms: the end of the
+        last response's playback or the last speech stop or timeout, whichever came last; None
+        while not quiet (no response yet, a turn or response in progress, closing)."""
+        response = self.response
+        if self.settings.turn_type != "server_vad" or self.closing_reason is not None or response is None \
+                or not response.done or self.turn is not None or self.responding:
+            return None
+        return max(response.playback_end(), self._quiet_since)
+
+    def _idle_expired(self, since: float) -> None:
+        """input_audio_buffer.timeout_triggered: an empty turn is committed and answered."""
+        now = time.perf_counter()
+        end_ms = round(self.input_ms)
+        start_ms = max(round(self._quiet_input_ms), end_ms - round((now - since) * 1000))
+        turn = Turn(self.new_id("item"), asyncio.get_running_loop().create_future())  # (no latency metric)
+        self.send("input_audio_buffer.timeout_triggered", item_id=turn.item_id, audio_start_ms=max(0, start_ms),
+                  audio_end_ms=end_ms)
+        self.send("input_audio_buffer.committed", item_id=turn.item_id, audio_ms=0)
+        turn.transcript.set_result("")
+        self.history.append(Message("user", "", turn.item_id))
+        self._quiet_since, self._quiet_input_ms = now, self.input_ms
+        if self.settings.create_response:
+            self.replies.start(turn)
+        else:
+            self.idle.arm()
 
     # ---- recognition results (server/recognition.py) ---------------------------
-    def _on_transcript_delta(self, turn: Turn, delta: str) -> None:
+    def on_transcript_delta(self, turn: Turn, delta: str) -> None:
         self.send("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, delta=delta)
 
-    def _on_recognition_error(self, turn: Turn, exc: Exception) -> None:
-        """An engine fault while transcribing (server/recognition.py): the client is told, the session goes on."""
+    def on_recognition_error(self, turn: Turn, exc: Exception) -> None:
+        """An engine fault while transcribing (server/recognition.py): the client is told with
+        conversation.item.input_audio_transcription.failed (the code is the fault's status reason,
+        lowercase), and the session goes on."""
         log.warning("transcription failed: %s", exc, extra={"session_id": self.id})
-        self.error("server_error", f"transcribing {turn.item_id or 'the turn'} failed: {exc}; the turn keeps "
-                   "what was recognised before, and the session goes on")
+        self.send("conversation.item.input_audio_transcription.failed", item_id=turn.item_id,
+                  code=fault_status(exc)[1].lower(),
+                  message=f"transcribing {turn.item_id or 'the turn'} failed: {exc}; the turn keeps what was "
+                          "recognised before, and the session goes on")
 
-    def _complete(self, turn: Turn) -> None:
-        """The turn's transcript, its segments' finals joined, with word timings in the input."""
-        text = turn.said
+    def transcript_completed(self, turn: Turn) -> None:
+        """conversation.item.input_audio_transcription.completed: the turn's transcript, its
+        segments' finals joined, with word timings in the input; the turn is no longer pending."""
         words = [{"word": w, "start_ms": s, "end_ms": e, "confidence": c} for w, s, e, c in turn.words]
         self.send("conversation.item.input_audio_transcription.completed", item_id=turn.item_id,
-                  transcript=text, words=words)
+                  transcript=turn.said, words=words)
+        self.forget_turn(turn)
+
+    def forget_turn(self, turn: Turn) -> None:
         if turn in self.pending_turns:
             self.pending_turns.remove(turn)
-        if text:
-            self.history.append(Message("user", text))
-        self._close_if_drained()
+
+    def _complete(self, turn: Turn) -> None:
+        """A committed turn's transcript is in: the turn joins the history (as an item, even when
+        nothing was recognised; the responders see only messages with words)."""
+        self.transcript_completed(turn)
+        self.history.append(Message("user", turn.said, turn.item_id))
+        self.close_if_drained()
 
     # ---- lifecycle ---------------------------------------------------------------
     def finish(self, reason: str) -> None:
@@ -449,8 +520,9 @@ class Session:
         if self.closing_reason is not None:
             return
         self.closing_reason = reason
+        self.idle.cancel()
         if reason == "server_shutdown":
-            self._close_if_drained()
+            self.close_if_drained()
             return
         if self.responding:
             self.replies.cancel(reason)
@@ -464,15 +536,18 @@ class Session:
         transcribing = any(not turn.transcript.done() for turn in self.pending_turns)
         return self.turn is not None or manual_buffer or self.responding or transcribing
 
-    def _close_if_drained(self) -> None:
+    def close_if_drained(self) -> None:
         """Draining (server_shutdown): the session closes once nothing is in flight: a turn the
         user is speaking is heard to its end and answered, and the reply goes out in full."""
         if self.closing_reason == "server_shutdown" and not self.outbox.closed and not self.in_flight:
             self.outbox.close(server_event("session.closed", reason=self.closing_reason))
 
     def _response_done(self) -> None:
-        """A response's response.done is queued: when draining, the session may close now."""
-        self._close_if_drained()
+        """A response's response.done is queued: when draining, the session may close now; else
+        the idle-turn timer runs from the end of its playback."""
+        self._quiet_input_ms = self.input_ms
+        self.close_if_drained()
+        self.idle.arm()
 
     def _outbox_failed(self) -> None:
         """The client kept not reading (server/outbox.py): the session ends at once, and the
@@ -492,6 +567,7 @@ class Session:
 
     async def close(self) -> None:
         """Free every resource of the session: tasks, VAD row, recogniser state."""
+        self.idle.cancel()
         self.access.vad.detach(self.input)
         tasks = list(self._tasks)
         for task in tasks:
@@ -500,6 +576,7 @@ class Session:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, 5)
         await self.recognizer.close()
+        await self.items.close()
         for turn in [self.turn, *self.pending_turns]:
             if turn is not None and not turn.transcript.done():
                 turn.transcript.cancel()

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from rtmedia.engines.tts import MAX_SPEED, MIN_SPEED
 from rtmedia.v1 import common_pb2, realtime_pb2
 
 PCM16 = common_pb2.AUDIO_ENCODING_PCM16
@@ -19,7 +20,30 @@ TURN_TYPES = {
     realtime_pb2.TURN_DETECTION_TYPE_NONE: "none",
 }
 TURN_BOUNDS = {"threshold": (0.05, 0.95), "prefix_padding_ms": (0, 2000), "silence_duration_ms": (100, 5000)}
+# turn_detection.idle_timeout_ms (server_vad only), as OpenAI bounds it; 0 in an update turns it off.
+IDLE_TIMEOUT_MS_BOUNDS = (5000, 30000)
 SESSION_BOUNDS = {"max_output_tokens": (1, 4096), "max_session_s": (1, 86400), "idle_timeout_s": (1, 86400)}
+# Settings whose 0 means something else than a value in bounds: max_output_tokens 0 is "inf",
+# up to the server's ceiling (the upper bound above).
+ZERO_ALLOWED = {"max_output_tokens"}
+OUTPUT_MODALITIES = ("audio", "text")
+
+
+def check_max_output_tokens(value: int, param: str = "max_output_tokens") -> None:
+    """ConfigError unless `value` is 0 ("inf") or within SESSION_BOUNDS (session.update, response.create)."""
+    low, high = SESSION_BOUNDS["max_output_tokens"]
+    if value != 0 and not low <= value <= high:
+        raise ConfigError(param, f"{param}={value} is outside {low}..{high} (or 0 for the server's ceiling, {high})")
+
+
+def output_tokens(value: int) -> int:
+    """The token limit a reply gets: `value`, or for 0 ("inf") the server's ceiling."""
+    return value or SESSION_BOUNDS["max_output_tokens"][1]
+
+
+def check_output_modality(value: str, param: str = "output_modality") -> None:
+    if value not in OUTPUT_MODALITIES:
+        raise ConfigError(param, f"{param} {value[:32]!r} must be \"audio\" or \"text\"")
 
 
 class ConfigError(ValueError):
@@ -45,9 +69,12 @@ class SessionSettings:
     instructions: str = ""
     voice: str = ""
     responder: str = "llm"
-    max_output_tokens: int = 256  # voice replies are short
+    max_output_tokens: int = 256  # voice replies are short; 0: "inf" (output_tokens())
     max_session_s: int = 3600
     idle_timeout_s: int = 60
+    idle_timeout_ms: int | None = None  # turn_detection.idle_timeout_ms (server_vad); None: off
+    output_modality: str = "audio"  # "audio" (speech and its text) or "text"
+    speed: float = 1.0  # the replies' speaking rate (the TTS stream's length scale is divided by it)
 
     @property
     def input_format(self) -> tuple[int, int]:
@@ -86,15 +113,28 @@ class SessionSettings:
         if config.HasField("turn_detection"):
             changes.update(_turn_changes(config.turn_detection))
         for name in ("instructions", "voice", "responder", "output_sample_rate", "max_output_tokens",
-                     "max_session_s", "idle_timeout_s"):
+                     "max_session_s", "idle_timeout_s", "output_modality", "speed"):
             if config.HasField(name):
                 changes["output_rate" if name == "output_sample_rate" else name] = getattr(config, name)
+        if "max_output_tokens" in changes:
+            check_max_output_tokens(changes["max_output_tokens"])  # type: ignore[arg-type]
+        if "output_modality" in changes:
+            check_output_modality(changes["output_modality"])  # type: ignore[arg-type]
+        if "speed" in changes and not MIN_SPEED <= changes["speed"] <= MAX_SPEED:  # type: ignore[operator]
+            raise ConfigError("speed", f"speed={changes['speed']:.4g} is outside {MIN_SPEED:g}..{MAX_SPEED:g}")
         for name, (low, high) in SESSION_BOUNDS.items():
             value, cap = changes.get(name), (caps or {}).get(name, high)
-            if value is not None and not low <= value <= min(high, cap):  # type: ignore[operator]
+            if name in ZERO_ALLOWED or value is None:
+                continue
+            if not low <= value <= min(high, cap):  # type: ignore[operator]
                 limit = " (the server's maximum)" if cap < high else ""
                 raise ConfigError(name, f"{name}={value} is outside {low}..{min(high, cap)}{limit}")
+        if changes.get("turn_type", "server_vad") != "server_vad" and "idle_timeout_ms" not in changes:
+            changes["idle_timeout_ms"] = None  # it means nothing without server_vad
         result = dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        if result.idle_timeout_ms is not None and result.turn_type != "server_vad":
+            raise ConfigError("turn_detection.idle_timeout_ms", "turn_detection.idle_timeout_ms is for server_vad "
+                                                               f"turn detection only, not {result.turn_type}")
         voice = result.voice or next(iter(voices))
         if voice not in voices:
             raise ConfigError("voice", f"voice {result.voice!r} is not known; voices: {', '.join(sorted(voices))}")
@@ -117,11 +157,11 @@ class SessionSettings:
             turn_detection=realtime_pb2.TurnDetection(
                 type=turn_type, threshold=self.threshold, prefix_padding_ms=self.prefix_padding_ms,
                 silence_duration_ms=self.silence_duration_ms, create_response=self.create_response,
-                interrupt_response=self.interrupt_response,
+                interrupt_response=self.interrupt_response, idle_timeout_ms=self.idle_timeout_ms,
             ),
             instructions=self.instructions, voice=self.voice, responder=self.responder,
             max_output_tokens=self.max_output_tokens, max_session_s=self.max_session_s,
-            idle_timeout_s=self.idle_timeout_s,
+            idle_timeout_s=self.idle_timeout_s, output_modality=self.output_modality, speed=self.speed,
         )
 
 
@@ -141,4 +181,11 @@ def _turn_changes(turn: realtime_pb2.TurnDetection) -> dict[str, object]:
     for name in ("create_response", "interrupt_response"):
         if turn.HasField(name):
             changes[name] = getattr(turn, name)
+    if turn.HasField("idle_timeout_ms"):
+        value = turn.idle_timeout_ms
+        low, high = IDLE_TIMEOUT_MS_BOUNDS
+        if value != 0 and not low <= value <= high:
+            raise ConfigError("turn_detection.idle_timeout_ms", f"turn_detection.idle_timeout_ms={value} is outside "
+                                                               f"{low}..{high} (0 turns it off)")
+        changes["idle_timeout_ms"] = value or None
     return changes

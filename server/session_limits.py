@@ -22,6 +22,9 @@ class Limits:
     # fits the embedded LM's context beside the conversation and the reply.
     max_text_chars: int = 2000
     max_instructions_chars: int = 2000
+    # The audio of one conversation.item.create audio item: a turn's worth (its recogniser
+    # decodes it in one piece), well inside the server's 8 MiB message limit.
+    max_item_audio_ms: int = 60_000
     # Ids and names a client sends and the server may echo (event_id, response and item ids,
     # voice, responder), in bytes.
     max_id_bytes: int = 256

@@ -64,7 +64,7 @@ async def test_second_turn_prompt_holds_the_first_exchange(server, channel):
         c.send("conversation.item.create", item={"text": "What is my name?"})
         c.send("response.create")
         await c.wait_for("response.done", count=2, timeout=60)
-    assert first["status"] == "completed" and reply
+    assert first["status"] in ("completed", "incomplete") and reply  # incomplete: its 24 tokens ran out
     prompt = prompt_text(server)
     assert "terse assistant" in prompt
     assert prompt.index("My name is Ada.") < prompt.index(reply.strip()) < prompt.index("What is my name?")
@@ -110,7 +110,7 @@ async def test_waiting_for_a_slot_is_announced_and_served(channel):
     conversations = [await ask(n) for n in range(3)]
     try:
         done = [await c.wait_for("response.done", timeout=90) for c in conversations]
-        assert [d["status"] for d in done] == ["completed"] * 3
+        assert all(d["status"] in ("completed", "incomplete") for d in done), done  # 24 tokens may run out
         waiting = [e for c in conversations for e in c.of_type("response.waiting")]
         assert waiting and waiting[0]["reason"] == "lm_slot"
     finally:
@@ -164,7 +164,7 @@ async def test_transformers_directory_and_openai_server(tmp_path):
                 c.send("conversation.item.create", item={"text": "Hello tiny model"})
                 c.send("response.create")
                 done = await c.wait_for("response.done", timeout=30)
-                assert done["status"] == "completed", done
+                assert done["status"] in ("completed", "incomplete"), done  # random weights: 8 tokens or an end
             lane = server.scheduler.lanes["transformers"]
             assert "Hello tiny model" in lane.engine.tokenizer.decode(lane.prompts[-1])
     finally:

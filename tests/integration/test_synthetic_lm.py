@@ -20,7 +20,7 @@ async def test_synthetic_llm_answers_with_text(server, channel):
         c.send("conversation.item.create", item={"text": "Say something."})
         c.send("response.create")
         done = await c.wait_for("response.done", timeout=60)
-        assert done["status"] == "completed", done
+        assert done["status"] in ("completed", "incomplete"), done  # gibberish: usually all 12 tokens
         text = c.of_type("response.output_text.done")[0]["text"]
     assert text.strip(), text  # printable characters only: special tokens never win
     sample = server.metrics.registry.get_sample_value

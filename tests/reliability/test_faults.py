@@ -189,7 +189,8 @@ async def test_an_lm_decode_step_that_fails_or_hangs_fails_that_reply_and_the_se
         effects.append(oom)
         done = await reply(c, 1)
         assert done["status"] == "failed" and "the llm lane's decode step failed: MemoryError" in done["status_reason"]
-        assert (await reply(c, 2))["status"] == "completed", "the next reply of the same session works"
+        # The next reply of the same session works (to its end, or to the 8-token limit).
+        assert (await reply(c, 2))["status"] in ("completed", "incomplete")
         effects.append(hang)
         try:
             done = await reply(c, 3)
@@ -200,7 +201,7 @@ async def test_an_lm_decode_step_that_fails_or_hangs_fails_that_reply_and_the_se
             release.set()
         await until(lambda: not lane.health.hung, what="the lm lane's recovery")
         monkeypatch.undo()
-        assert (await reply(c, 5))["status"] == "completed"
+        assert (await reply(c, 5))["status"] in ("completed", "incomplete")
     assert await server.scheduler.check_health() == {}
 
 
@@ -225,7 +226,7 @@ async def test_an_asr_step_that_fails_is_an_error_event_and_the_next_turn_is_tra
         fail["next"] = True
         await c.stream(turn, rate, speed=4)
         c.send("input_audio_buffer.commit")
-        error = await c.wait_for("error", code="server_error")
+        error = await c.wait_for("conversation.item.input_audio_transcription.failed", code="engine_failed")
         assert "the asr lane's step failed: RuntimeError: injected recogniser failure" in error["message"]
         await c.wait_for("conversation.item.input_audio_transcription.completed")
         await c.stream(turn, rate, speed=4)

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 from rtmedia.engines.asr import AsrItem, AsrStream
-from rtmedia.engines.responder import EchoResponder, Message, ReplyRequest
+from rtmedia.engines.responder import EchoResponder, Incomplete, Message, ReplyRequest
 from rtmedia.server.engine_access import ASR, ASR_FINAL, Asr, Replies
 from rtmedia.server.metrics import Metrics
 from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler
@@ -83,3 +83,11 @@ async def test_a_reply_runs_on_its_stream_lane_and_stops_with_its_caller(schedul
     assert replies.names == ["echo", "slow"] and "slow" in replies and "llm" not in replies
     replies.pause("echo", "sess_1")  # not an LM: nothing to hold back, and no error
     replies.resume("echo", "sess_1")
+
+
+async def test_echo_stops_at_max_output_tokens_and_says_the_limit_did():
+    echo = EchoResponder()
+    request = ReplyRequest([Message("user", "one two three four", "item_1")], max_output_tokens=3)
+    assert [d async for d in echo.reply(request)] == ["You ", "said: ", "one", Incomplete()]
+    request.max_output_tokens = 6  # exactly the reply: its natural end
+    assert [d async for d in echo.reply(request)] == ["You ", "said: ", "one ", "two ", "three ", "four"]

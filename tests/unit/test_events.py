@@ -152,6 +152,53 @@ def test_response_done_cancelled_exact():
                             "usage": {"input_tokens": 12, "output_tokens": 7, "output_audio_ms": 2**40}}
 
 
+def test_response_done_incomplete_exact():
+    msg = server_event("response.done", response_id="resp_1", status="incomplete", status_reason="max_output_tokens",
+                       usage={"output_tokens": 3, "output_audio_ms": 900})
+    assert msg.response_done.status == realtime_pb2.RESPONSE_STATUS_INCOMPLETE
+    assert to_json(msg) == {"type": "response.done", "response_id": "resp_1", "status": "incomplete",
+                            "status_reason": "max_output_tokens",
+                            "usage": {"input_tokens": 0, "output_tokens": 3, "output_audio_ms": 900}}
+
+
+def test_item_events_exact():
+    """The conversation item events (docs/protocol.md#conversation-items), both ways."""
+    assert CLIENT_EVENTS["conversation.item.delete"] == "conversation_item_delete"
+    assert CLIENT_EVENTS["conversation.item.retrieve"] == "conversation_item_retrieve"
+    assert to_json(client_event("conversation.item.delete", item_id="item_1")) == {
+        "type": "conversation.item.delete", "item_id": "item_1"}
+    assert from_json({"type": "conversation.item.retrieve", "item_id": "x"}).conversation_item_retrieve.item_id == "x"
+    created = from_json({"type": "conversation.item.create", "item": {"id": "clip", "audio": "AQI="}})
+    assert created.conversation_item_create.item.audio == b"\x01\x02"
+    item = {"id": "item_2", "role": "user", "text": "hello"}
+    assert to_json(server_event("conversation.item.added", previous_item_id="item_1", item=item)) == {
+        "type": "conversation.item.added", "previous_item_id": "item_1", "item": {**item, "audio": ""}}
+    assert to_json(server_event("conversation.item.retrieved", item=item)) == {
+        "type": "conversation.item.retrieved", "item": {**item, "audio": ""}}
+    assert to_json(server_event("conversation.item.deleted", item_id="item_2")) == {
+        "type": "conversation.item.deleted", "item_id": "item_2"}
+    assert to_json(server_event("conversation.item.truncated", item_id="item_3", audio_end_ms=1500)) == {
+        "type": "conversation.item.truncated", "item_id": "item_3", "content_index": 0, "audio_end_ms": 1500}
+    assert to_json(server_event("conversation.item.input_audio_transcription.failed", item_id="item_4",
+                                code="engine_failed", message="the asr lane's step failed")) == {
+        "type": "conversation.item.input_audio_transcription.failed", "item_id": "item_4", "code": "engine_failed",
+        "message": "the asr lane's step failed"}
+
+
+def test_timeout_triggered_and_the_new_options_exact():
+    assert to_json(server_event("input_audio_buffer.timeout_triggered", item_id="item_5", audio_start_ms=1000,
+                                audio_end_ms=6000)) == {
+        "type": "input_audio_buffer.timeout_triggered", "item_id": "item_5", "audio_start_ms": 1000,
+        "audio_end_ms": 6000}
+    create = {"type": "response.create", "max_output_tokens": 0, "output_modality": "text", "conversation": "none"}
+    msg = from_json(create)
+    assert msg.response_create.HasField("max_output_tokens") and msg.response_create.max_output_tokens == 0
+    assert to_json(msg) == create, "an optional 0 is set, so it is shown"
+    update = {"type": "session.update", "session": {"output_modality": "text", "max_output_tokens": 0,
+                                                     "turn_detection": {"idle_timeout_ms": 6000}}}
+    assert to_json(from_json(update)) == update
+
+
 def test_server_events_show_plain_defaults():
     assert to_json(server_event("playback.acknowledged", response_id="r")) == {
         "type": "playback.acknowledged", "response_id": "r", "played_ms": 0}
@@ -234,7 +281,7 @@ def test_enum_short_names_derive_from_the_enum_name():
     assert names == {
         "AudioEncoding": ["g711_alaw", "g711_ulaw", "pcm16", "unspecified"],
         "TurnDetectionType": ["manual", "none", "server_vad", "unspecified"],
-        "ResponseStatus": ["cancelled", "completed", "failed", "unspecified"],
+        "ResponseStatus": ["cancelled", "completed", "failed", "incomplete", "unspecified"],
     }
 
 

@@ -1,7 +1,9 @@
 """The LM lane's kept conversations: a key's next generation prefills only what follows the tokens its
 slot already holds, and generates exactly what a fresh slot would; kept slots are given up least
 recently used first when a generation would wait, and when forgotten; prefills ahead of time never wait;
-a paused generation sits out decode steps.
+a paused generation sits out decode steps. Through the LM responder: a reply its token limit stops ends
+with Incomplete, and a conversation with an item deleted re-prefills from the deletion on and replies as
+a fresh slot would.
 
 A real LmEngine on a tiny random Llama saved to a temp dir."""
 
@@ -15,9 +17,10 @@ from pathlib import Path
 import pytest
 from rtmedia.engines.lm import LmEngine
 from rtmedia.engines.lm_models import tiny_llama_dir
-from rtmedia.engines.responder import Waiting
+from rtmedia.engines.responder import Incomplete, Message, ReplyRequest, Waiting
 from rtmedia.server.lm_lane import LmLane, common_prefix
 from rtmedia.server.metrics import Metrics
+from rtmedia.server.responders import LmResponder
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +189,35 @@ async def test_consumers_gone_before_their_prefill_free_their_slots_unprefilled(
         await first
     assert lane.prefills == [len(PROMPT)]
     assert lane.engine.slots_free == lane.engine.slots_total
+
+
+async def test_a_reply_its_token_limit_stops_ends_incomplete(lane: LmLane) -> None:
+    responder = LmResponder("llm", lane)
+    request = ReplyRequest([Message("user", "Hello tiny model", "item_1")], max_output_tokens=4)
+    deltas = [d async for d in responder.reply(request)]
+    assert deltas[-1] == Incomplete() and not any(isinstance(d, Incomplete) for d in deltas[:-1])
+    assert lane.prompts[-1] == responder.prompt(request, 4)
+
+
+async def test_a_deleted_item_re_prefills_from_where_the_prompt_changed(lane: LmLane) -> None:
+    """The kept slot is reused only as far as the new prompt is unchanged: deleting an item in
+    the middle of the history needs no invalidation of its own, and the reply is the one a fresh
+    slot gives."""
+    responder = LmResponder("llm", lane)
+    history = [Message("user", "My name is Ada.", "item_1"), Message("assistant", "Hi Ada.", "item_2"),
+               Message("user", "I like tea.", "item_3"), Message("assistant", "Tea is nice.", "item_4"),
+               Message("user", "What is my name?", "item_5")]
+
+    async def reply(messages: list[Message], key: str | None) -> str:
+        request = ReplyRequest(messages, max_output_tokens=6, conversation=key)
+        return "".join([d async for d in responder.reply(request) if isinstance(d, str)])
+
+    await reply(history, "s")
+    kept = lane.prompts[-1]
+    deleted = [m for m in history if m.item_id not in ("item_3", "item_4")]  # conversation.item.delete
+    lane.prefills.clear()
+    again = await reply(deleted, "s")
+    prompt = lane.prompts[-1]
+    assert lane.prefills == [len(prompt) - common_prefix(kept, prompt)] and common_prefix(kept, prompt) > 0
+    assert again == await reply(deleted, None), "reuse must generate what a fresh slot generates"
+    lane.forget("s")

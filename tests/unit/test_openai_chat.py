@@ -1,6 +1,7 @@
 """The `openai` responder against a chat-completions server started here: streamed deltas, the
-request it sends, every failure as a ResponderError naming the URL, and cancellation mid-stream
-closing the connection (the server sees the client go away)."""
+request it sends, a reply cut by the token limit (finish_reason "length") ending with Incomplete,
+every failure as a ResponderError naming the URL, and cancellation mid-stream closing the
+connection (the server sees the client go away)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from aiohttp import web
 from rtmedia.engines.lm_models import DEFAULT_INSTRUCTIONS
 from rtmedia.engines.openai_chat import OpenAIResponder, ResponderError
-from rtmedia.engines.responder import Message, ReplyRequest
+from rtmedia.engines.responder import Incomplete, Message, ReplyRequest
 from rtmedia.engines.responder import ResponderError as BaseResponderError
 
 REPLY = "Paris is the capital of France, and it is lovely in spring."
@@ -47,6 +48,9 @@ class FakeServer:
             return web.Response(status=404, text="no such route here")
         if mode == "nonstream":
             return web.json_response({"choices": [{"message": {"role": "assistant", "content": REPLY}}]})
+        if mode == "nonstream-length":
+            return web.json_response({"choices": [{"message": {"role": "assistant", "content": "Paris is"},
+                                                   "finish_reason": "length"}]})
         if mode == "slow":  # says nothing until the client gives up
             for _ in range(250):  # at most 5 s
                 if request.transport is None or request.transport.is_closing():
@@ -71,6 +75,12 @@ class FakeServer:
         elif mode == "finish-no-done":
             await send(json.dumps(chunk("Hello.")))
             await send(json.dumps({"choices": [{"delta": {}, "index": 0, "finish_reason": "stop"}]}))
+        elif mode in ("length", "length-no-done"):  # the token limit ended the reply
+            await send(json.dumps(chunk("Paris ")))
+            await send(json.dumps({"choices": [{"delta": {"content": "is"}, "index": 0, "finish_reason": "length"}]}))
+            if mode == "length":
+                await send(json.dumps({"choices": [], "usage": {"completion_tokens": 2}}))
+                await send("[DONE]")
         elif mode == "variety":  # a comment, a role-only delta, a multi-line event, a usage chunk
             await response.write(b": keep-alive\n\n")
             await send(json.dumps({"choices": [{"delta": {"role": "assistant"}, "index": 0}]}))
@@ -169,6 +179,14 @@ async def test_images_go_with_the_last_user_turn(server: FakeServer) -> None:
     ]
     await collect(OpenAIResponder(server.url, "ok", send_images=False), request(history, images=[jpeg]))
     assert server.requests[-1]["messages"][-1] == {"role": "user", "content": "What do you see?"}
+
+
+async def test_the_token_limit_ends_the_reply_with_incomplete(server: FakeServer) -> None:
+    for mode in ("length", "length-no-done", "nonstream-length"):
+        deltas = await collect(OpenAIResponder(server.url, mode), request(max_output_tokens=2))
+        assert "".join(d for d in deltas if isinstance(d, str)) == "Paris is", mode
+        assert deltas[-1] == Incomplete("max_output_tokens"), mode
+    assert not any(isinstance(d, Incomplete) for d in await collect(OpenAIResponder(server.url, "ok"), request()))
 
 
 async def test_sse_variety_and_a_non_streaming_server(server: FakeServer) -> None:

@@ -1,12 +1,13 @@
-"""What a reply leaves behind: Response.heard_text, played_ms and audible; and cancelling
-a response in the reply pipeline (epoch, events, history)."""
+"""What a reply leaves behind: Response.heard_text, played_ms, audible and playback_end; cancelling
+a response in the reply pipeline (epoch, events, history); text-only, out-of-band and
+token-limited (incomplete) replies."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-from rtmedia.engines.responder import Message
+from rtmedia.engines.responder import Incomplete, Message, ReplyRequest
 from rtmedia.protocol.events import to_json
 from rtmedia.server.outbox import Outbox
 from rtmedia.server.reply import ACK_FRESH_S, PLAYED_TOLERANCE_MS, ReplyPipeline, Response
@@ -96,16 +97,94 @@ async def test_cancel_fences_the_epoch_and_keeps_what_was_heard():
     assert [e["type"] for e in events] == ["output_audio_buffer.cleared", "response.done"]
     assert events[0]["audio_end_ms"] == 3000
     assert events[1]["status"] == "cancelled" and events[1]["status_reason"] == "turn_detected"
-    assert history[-1] == Message("assistant", "Hello there, how are")
-    assert generating.history_index == 1
+    assert history[-1] == Message("assistant", "Hello there, how are", "item_1")
 
 
 async def test_cancel_after_the_reply_was_generated_truncates_its_history():
-    history = [Message("user", "hi"), Message("assistant", "Hello there, how are you today?")]
+    history = [Message("user", "hi", "item_0"), Message("assistant", "Hello there, how are you today?", "item_1")]
     replies, outbox = pipeline(history)
-    replies.response = done = response(done=True, history_index=1, heard_ms=1000)
+    replies.response = done = response(done=True, heard_ms=1000)
     replies.cancel("turn_detected")
     assert replies.epoch == 1
-    assert history == [Message("user", "hi"), Message("assistant", "Hello there,")]
+    assert history == [Message("user", "hi", "item_0"), Message("assistant", "Hello there,", "item_1")]
     assert (await next_event(outbox))["type"] == "output_audio_buffer.cleared"
     assert done.done
+
+
+def test_a_text_only_reply_was_heard_as_far_as_it_was_sent():
+    text_only = Response("r", "i", 0, text_only=True, text="Hello  there, how")
+    assert text_only.heard_text() == "Hello there, how"
+
+
+def test_playback_end_follows_acks_truncation_clearing_and_the_clock():
+    sent = {"first_audio_at": 100.0, "done_at": 101.0}
+    assert response(**sent).playback_end() == 103.0  # 3 s of audio from the first delta
+    assert response(**sent, heard_ms=1000, heard_at=102.5).playback_end() == 104.5  # 2 s left after the ack
+    assert response(**sent, heard_ms=1000, heard_at=101.5, truncated=True).playback_end() == 101.5
+    assert response(**sent, cleared_at=101.2).playback_end() == 101.2
+    assert Response("r", "i", 0, done_at=50.0).playback_end() == 50.0  # no audio: when it ended
+    assert response(first_audio_at=100.0, done_at=104.0).playback_end() == 104.0  # never before it ended
+
+
+async def test_cancelling_a_text_only_or_out_of_band_reply():
+    history = [Message("user", "hi", "item_0")]
+    replies, outbox = pipeline(history)
+    replies.response = Response("resp_1", "item_1", 0, text_only=True, text="Sure, here")
+    replies.cancel("client_cancelled")
+    assert (await next_event(outbox))["type"] == "response.done", "no audio to clear"
+    assert history[-1] == Message("assistant", "Sure, here", "item_1")
+    replies.response = Response("resp_2", "item_2", 1, text_only=True, text="Aside", joins_history=False)
+    replies.cancel("client_cancelled")
+    assert history[-1].item_id == "item_1", "an out-of-band reply never joins the history"
+
+
+class _Replies:
+    """A responder lane that streams `deltas`."""
+
+    def __init__(self, deltas: list) -> None:
+        self.deltas = deltas
+
+    async def reply(self, name: str, request: ReplyRequest):
+        for delta in self.deltas:
+            yield delta
+
+    def pause(self, *args) -> None:
+        pass
+
+    def resume(self, *args) -> None:
+        pass
+
+
+async def run_reply(deltas: list, **start) -> tuple[list[dict], list[Message]]:
+    """One text-only reply (no TTS) through the pipeline: its events and the history after it."""
+    history = [Message("user", "hi", "item_0")]
+    outbox = Outbox(64)
+    tasks: list[asyncio.Task] = []
+    replies = ReplyPipeline(
+        "sess_1", outbox, history, Limits(), tts=None, replies=_Replies(deltas), metrics=_Metrics(),
+        settings=lambda: SessionSettings(output_modality="text"), request=lambda *a, **k: ReplyRequest(history),
+        spawn=lambda coro, name: tasks.append(asyncio.ensure_future(coro)) or tasks[-1],
+        new_id=lambda prefix: f"{prefix}_{len(tasks)}", on_done=outbox.close,
+    )
+    replies.start(None, **start)
+    await asyncio.gather(*tasks)
+    events = []
+    while (event := await asyncio.wait_for(outbox.get(0), 1)) is not None:
+        events.append(to_json(event))
+    return events, history
+
+
+async def test_a_reply_the_token_limit_stopped_is_incomplete_with_its_done_events():
+    events, history = await run_reply(["Hello ", "there", Incomplete()])
+    types = [e["type"] for e in events]
+    assert types == ["response.created", "response.output_text.delta", "response.output_text.delta",
+                     "response.output_text.done", "response.done"], "text only: no audio events"
+    assert events[-2]["text"] == "Hello there"
+    assert (events[-1]["status"], events[-1]["status_reason"]) == ("incomplete", "max_output_tokens")
+    assert history[-1] == Message("assistant", "Hello there", events[0]["item_id"])
+
+
+async def test_an_out_of_band_reply_leaves_the_history_as_it_was():
+    events, history = await run_reply(["Aside."], joins_history=False)
+    assert events[-1]["status"] == "completed" and events[-2]["text"] == "Aside."
+    assert history == [Message("user", "hi", "item_0")]

@@ -55,6 +55,8 @@ class _ResponseStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Respon
     RESPONSE_STATUS_COMPLETED: _ResponseStatus.ValueType  # 1
     RESPONSE_STATUS_CANCELLED: _ResponseStatus.ValueType  # 2
     RESPONSE_STATUS_FAILED: _ResponseStatus.ValueType  # 3
+    RESPONSE_STATUS_INCOMPLETE: _ResponseStatus.ValueType  # 4
+    """The token limit (max_output_tokens) stopped the reply before its natural end."""
 
 class ResponseStatus(_ResponseStatus, metaclass=_ResponseStatusEnumTypeWrapper): ...
 
@@ -62,6 +64,8 @@ RESPONSE_STATUS_UNSPECIFIED: ResponseStatus.ValueType  # 0
 RESPONSE_STATUS_COMPLETED: ResponseStatus.ValueType  # 1
 RESPONSE_STATUS_CANCELLED: ResponseStatus.ValueType  # 2
 RESPONSE_STATUS_FAILED: ResponseStatus.ValueType  # 3
+RESPONSE_STATUS_INCOMPLETE: ResponseStatus.ValueType  # 4
+"""The token limit (max_output_tokens) stopped the reply before its natural end."""
 Global___ResponseStatus: _TypeAlias = ResponseStatus  # noqa: Y015
 
 @_typing.final
@@ -74,6 +78,7 @@ class TurnDetection(_message.Message):
     SILENCE_DURATION_MS_FIELD_NUMBER: _builtins.int
     CREATE_RESPONSE_FIELD_NUMBER: _builtins.int
     INTERRUPT_RESPONSE_FIELD_NUMBER: _builtins.int
+    IDLE_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     type: Global___TurnDetectionType.ValueType
     threshold: _builtins.float
     """Speech probability that starts speech (0.05..0.95, default 0.5)."""
@@ -85,6 +90,12 @@ class TurnDetection(_message.Message):
     """Start a response when a turn ends (default true)."""
     interrupt_response: _builtins.bool
     """Speech during a response cancels it (default true)."""
+    idle_timeout_ms: _builtins.int
+    """server_vad only: once the last response's audio has finished playing at the client
+    and no speech came for this long, the server sends input_audio_buffer_timeout_triggered,
+    commits an empty turn and (with create_response) responds. 5000..30000 ms; unset: off,
+    and 0 in session_update turns it off. Not idle_timeout_s, which closes the session.
+    """
     def __init__(
         self,
         *,
@@ -94,13 +105,16 @@ class TurnDetection(_message.Message):
         silence_duration_ms: _builtins.int | None = ...,
         create_response: _builtins.bool | None = ...,
         interrupt_response: _builtins.bool | None = ...,
+        idle_timeout_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_create_response", b"_create_response", "_interrupt_response", b"_interrupt_response", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "create_response", b"create_response", "interrupt_response", b"interrupt_response", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_create_response", b"_create_response", "_idle_timeout_ms", b"_idle_timeout_ms", "_interrupt_response", b"_interrupt_response", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "create_response", b"create_response", "idle_timeout_ms", b"idle_timeout_ms", "interrupt_response", b"interrupt_response", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_create_response", b"_create_response", "_interrupt_response", b"_interrupt_response", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "create_response", b"create_response", "interrupt_response", b"interrupt_response", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_create_response", b"_create_response", "_idle_timeout_ms", b"_idle_timeout_ms", "_interrupt_response", b"_interrupt_response", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "create_response", b"create_response", "idle_timeout_ms", b"idle_timeout_ms", "interrupt_response", b"interrupt_response", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__create_response: _TypeAlias = _typing.Literal["create_response"]  # noqa: Y015
     _WhichOneofArgType__create_response: _TypeAlias = _typing.Literal["_create_response", b"_create_response"]  # noqa: Y015
+    _WhichOneofReturnType__idle_timeout_ms: _TypeAlias = _typing.Literal["idle_timeout_ms"]  # noqa: Y015
+    _WhichOneofArgType__idle_timeout_ms: _TypeAlias = _typing.Literal["_idle_timeout_ms", b"_idle_timeout_ms"]  # noqa: Y015
     _WhichOneofReturnType__interrupt_response: _TypeAlias = _typing.Literal["interrupt_response"]  # noqa: Y015
     _WhichOneofArgType__interrupt_response: _TypeAlias = _typing.Literal["_interrupt_response", b"_interrupt_response"]  # noqa: Y015
     _WhichOneofReturnType__prefix_padding_ms: _TypeAlias = _typing.Literal["prefix_padding_ms"]  # noqa: Y015
@@ -111,6 +125,8 @@ class TurnDetection(_message.Message):
     _WhichOneofArgType__threshold: _TypeAlias = _typing.Literal["_threshold", b"_threshold"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__create_response) -> _WhichOneofReturnType__create_response | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__idle_timeout_ms) -> _WhichOneofReturnType__idle_timeout_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__interrupt_response) -> _WhichOneofReturnType__interrupt_response | None: ...
     @_typing.overload
@@ -162,6 +178,8 @@ class SessionConfig(_message.Message):
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_SESSION_S_FIELD_NUMBER: _builtins.int
     IDLE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    OUTPUT_MODALITY_FIELD_NUMBER: _builtins.int
+    SPEED_FIELD_NUMBER: _builtins.int
     output_sample_rate: _builtins.int
     """0 means the voice's native rate."""
     instructions: _builtins.str
@@ -169,10 +187,19 @@ class SessionConfig(_message.Message):
     responder: _builtins.str
     """"llm" (default), "echo", "transformers", "openai"."""
     max_output_tokens: _builtins.int
+    """Longest reply in tokens, 1..4096 (default 256); 0 means "inf": up to the server's
+    ceiling (4096). A reply the limit stops ends with RESPONSE_STATUS_INCOMPLETE.
+    """
     max_session_s: _builtins.int
     """Longest session in seconds (default 3600)."""
     idle_timeout_s: _builtins.int
     """Close after this many seconds without input (default 60)."""
+    output_modality: _builtins.str
+    """"audio" (default: speech plus its text) or "text" (text only: nothing is synthesised,
+    no response_output_audio events).
+    """
+    speed: _builtins.float
+    """Speaking rate of the replies, 0.25..4.0 (default 1.0: the voice's own pace)."""
     @_builtins.property
     def input_audio_format(self) -> _common_pb2.AudioFormat: ...
     @_builtins.property
@@ -192,10 +219,12 @@ class SessionConfig(_message.Message):
         max_output_tokens: _builtins.int | None = ...,
         max_session_s: _builtins.int | None = ...,
         idle_timeout_s: _builtins.int | None = ...,
+        output_modality: _builtins.str | None = ...,
+        speed: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_sample_rate", b"_output_sample_rate", "_responder", b"_responder", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "output_sample_rate", b"output_sample_rate", "responder", b"responder", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_modality", b"_output_modality", "_output_sample_rate", b"_output_sample_rate", "_responder", b"_responder", "_speed", b"_speed", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "output_modality", b"output_modality", "output_sample_rate", b"output_sample_rate", "responder", b"responder", "speed", b"speed", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_sample_rate", b"_output_sample_rate", "_responder", b"_responder", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "output_sample_rate", b"output_sample_rate", "responder", b"responder", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_modality", b"_output_modality", "_output_sample_rate", b"_output_sample_rate", "_responder", b"_responder", "_speed", b"_speed", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "output_modality", b"output_modality", "output_sample_rate", b"output_sample_rate", "responder", b"responder", "speed", b"speed", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__idle_timeout_s: _TypeAlias = _typing.Literal["idle_timeout_s"]  # noqa: Y015
     _WhichOneofArgType__idle_timeout_s: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s"]  # noqa: Y015
@@ -205,10 +234,14 @@ class SessionConfig(_message.Message):
     _WhichOneofArgType__max_output_tokens: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens"]  # noqa: Y015
     _WhichOneofReturnType__max_session_s: _TypeAlias = _typing.Literal["max_session_s"]  # noqa: Y015
     _WhichOneofArgType__max_session_s: _TypeAlias = _typing.Literal["_max_session_s", b"_max_session_s"]  # noqa: Y015
+    _WhichOneofReturnType__output_modality: _TypeAlias = _typing.Literal["output_modality"]  # noqa: Y015
+    _WhichOneofArgType__output_modality: _TypeAlias = _typing.Literal["_output_modality", b"_output_modality"]  # noqa: Y015
     _WhichOneofReturnType__output_sample_rate: _TypeAlias = _typing.Literal["output_sample_rate"]  # noqa: Y015
     _WhichOneofArgType__output_sample_rate: _TypeAlias = _typing.Literal["_output_sample_rate", b"_output_sample_rate"]  # noqa: Y015
     _WhichOneofReturnType__responder: _TypeAlias = _typing.Literal["responder"]  # noqa: Y015
     _WhichOneofArgType__responder: _TypeAlias = _typing.Literal["_responder", b"_responder"]  # noqa: Y015
+    _WhichOneofReturnType__speed: _TypeAlias = _typing.Literal["speed"]  # noqa: Y015
+    _WhichOneofArgType__speed: _TypeAlias = _typing.Literal["_speed", b"_speed"]  # noqa: Y015
     _WhichOneofReturnType__voice: _TypeAlias = _typing.Literal["voice"]  # noqa: Y015
     _WhichOneofArgType__voice: _TypeAlias = _typing.Literal["_voice", b"_voice"]  # noqa: Y015
     @_typing.overload
@@ -220,9 +253,13 @@ class SessionConfig(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_session_s) -> _WhichOneofReturnType__max_session_s | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__output_modality) -> _WhichOneofReturnType__output_modality | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__output_sample_rate) -> _WhichOneofReturnType__output_sample_rate | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__responder) -> _WhichOneofReturnType__responder | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__speed) -> _WhichOneofReturnType__speed | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__voice) -> _WhichOneofReturnType__voice | None: ...
 
@@ -275,20 +312,27 @@ class ConversationItem(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    AUDIO_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     role: _builtins.str
     """"user" or "assistant"."""
     text: _builtins.str
+    audio: _builtins.bytes
+    """conversation_item_create only: a user turn's audio in the session's input audio format,
+    transcribed by the session's recogniser (text must then be empty). The history keeps the
+    transcript, not the audio: items the server sends carry text only.
+    """
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         role: _builtins.str = ...,
         text: _builtins.str = ...,
+        audio: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "role", b"role", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "id", b"id", "role", b"role", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -443,26 +487,46 @@ class ResponseCreateEvent(_message.Message):
 
     INSTRUCTIONS_FIELD_NUMBER: _builtins.int
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    OUTPUT_MODALITY_FIELD_NUMBER: _builtins.int
+    CONVERSATION_FIELD_NUMBER: _builtins.int
     instructions: _builtins.str
     max_output_tokens: _builtins.int
+    """For this response only: 1..4096, or 0 for "inf" (the server's ceiling, 4096)."""
+    output_modality: _builtins.str
+    """For this response only: "audio" or "text" (see SessionConfig.output_modality)."""
+    conversation: _builtins.str
+    """"auto" (default): the reply joins the conversation. "none": an out-of-band response,
+    answering from the history without joining it (its reply is not kept, and no buffered
+    audio is committed for it).
+    """
     def __init__(
         self,
         *,
         instructions: _builtins.str | None = ...,
         max_output_tokens: _builtins.int | None = ...,
+        output_modality: _builtins.str | None = ...,
+        conversation: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_conversation", b"_conversation", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_output_modality", b"_output_modality", "conversation", b"conversation", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "output_modality", b"output_modality"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_conversation", b"_conversation", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_output_modality", b"_output_modality", "conversation", b"conversation", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "output_modality", b"output_modality"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__conversation: _TypeAlias = _typing.Literal["conversation"]  # noqa: Y015
+    _WhichOneofArgType__conversation: _TypeAlias = _typing.Literal["_conversation", b"_conversation"]  # noqa: Y015
     _WhichOneofReturnType__instructions: _TypeAlias = _typing.Literal["instructions"]  # noqa: Y015
     _WhichOneofArgType__instructions: _TypeAlias = _typing.Literal["_instructions", b"_instructions"]  # noqa: Y015
     _WhichOneofReturnType__max_output_tokens: _TypeAlias = _typing.Literal["max_output_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_output_tokens: _TypeAlias = _typing.Literal["_max_output_tokens", b"_max_output_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__output_modality: _TypeAlias = _typing.Literal["output_modality"]  # noqa: Y015
+    _WhichOneofArgType__output_modality: _TypeAlias = _typing.Literal["_output_modality", b"_output_modality"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__conversation) -> _WhichOneofReturnType__conversation | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__instructions) -> _WhichOneofReturnType__instructions | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_output_tokens) -> _WhichOneofReturnType__max_output_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__output_modality) -> _WhichOneofReturnType__output_modality | None: ...
 
 Global___ResponseCreateEvent: _TypeAlias = ResponseCreateEvent  # noqa: Y015
 
@@ -558,6 +622,48 @@ class SessionCloseEvent(_message.Message):
 Global___SessionCloseEvent: _TypeAlias = SessionCloseEvent  # noqa: Y015
 
 @_typing.final
+class ConversationItemDeleteEvent(_message.Message):
+    """Remove an item from the conversation the responders see."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    item_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        item_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["item_id", b"item_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConversationItemDeleteEvent: _TypeAlias = ConversationItemDeleteEvent  # noqa: Y015
+
+@_typing.final
+class ConversationItemRetrieveEvent(_message.Message):
+    """Ask for an item as the conversation holds it (conversation_item_retrieved)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    item_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        item_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["item_id", b"item_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConversationItemRetrieveEvent: _TypeAlias = ConversationItemRetrieveEvent  # noqa: Y015
+
+@_typing.final
 class ConverseRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -573,6 +679,8 @@ class ConverseRequest(_message.Message):
     PLAYBACK_ACK_FIELD_NUMBER: _builtins.int
     CAMERA_FRAME_FIELD_NUMBER: _builtins.int
     SESSION_CLOSE_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ITEM_DELETE_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ITEM_RETRIEVE_FIELD_NUMBER: _builtins.int
     event_id: _builtins.str
     """Optional client-chosen id; errors refer to it."""
     @_builtins.property
@@ -597,6 +705,10 @@ class ConverseRequest(_message.Message):
     def camera_frame(self) -> Global___CameraFrameEvent: ...
     @_builtins.property
     def session_close(self) -> Global___SessionCloseEvent: ...
+    @_builtins.property
+    def conversation_item_delete(self) -> Global___ConversationItemDeleteEvent: ...
+    @_builtins.property
+    def conversation_item_retrieve(self) -> Global___ConversationItemRetrieveEvent: ...
     def __init__(
         self,
         *,
@@ -612,12 +724,14 @@ class ConverseRequest(_message.Message):
         playback_ack: Global___PlaybackAckEvent | None = ...,
         camera_frame: Global___CameraFrameEvent | None = ...,
         session_close: Global___SessionCloseEvent | None = ...,
+        conversation_item_delete: Global___ConversationItemDeleteEvent | None = ...,
+        conversation_item_retrieve: Global___ConversationItemRetrieveEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["camera_frame", b"camera_frame", "conversation_item_create", b"conversation_item_create", "conversation_item_truncate", b"conversation_item_truncate", "event", b"event", "input_audio_buffer_append", b"input_audio_buffer_append", "input_audio_buffer_clear", b"input_audio_buffer_clear", "input_audio_buffer_commit", b"input_audio_buffer_commit", "playback_ack", b"playback_ack", "response_cancel", b"response_cancel", "response_create", b"response_create", "session_close", b"session_close", "session_update", b"session_update"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["camera_frame", b"camera_frame", "conversation_item_create", b"conversation_item_create", "conversation_item_delete", b"conversation_item_delete", "conversation_item_retrieve", b"conversation_item_retrieve", "conversation_item_truncate", b"conversation_item_truncate", "event", b"event", "input_audio_buffer_append", b"input_audio_buffer_append", "input_audio_buffer_clear", b"input_audio_buffer_clear", "input_audio_buffer_commit", b"input_audio_buffer_commit", "playback_ack", b"playback_ack", "response_cancel", b"response_cancel", "response_create", b"response_create", "session_close", b"session_close", "session_update", b"session_update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["camera_frame", b"camera_frame", "conversation_item_create", b"conversation_item_create", "conversation_item_truncate", b"conversation_item_truncate", "event", b"event", "event_id", b"event_id", "input_audio_buffer_append", b"input_audio_buffer_append", "input_audio_buffer_clear", b"input_audio_buffer_clear", "input_audio_buffer_commit", b"input_audio_buffer_commit", "playback_ack", b"playback_ack", "response_cancel", b"response_cancel", "response_create", b"response_create", "session_close", b"session_close", "session_update", b"session_update"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["camera_frame", b"camera_frame", "conversation_item_create", b"conversation_item_create", "conversation_item_delete", b"conversation_item_delete", "conversation_item_retrieve", b"conversation_item_retrieve", "conversation_item_truncate", b"conversation_item_truncate", "event", b"event", "event_id", b"event_id", "input_audio_buffer_append", b"input_audio_buffer_append", "input_audio_buffer_clear", b"input_audio_buffer_clear", "input_audio_buffer_commit", b"input_audio_buffer_commit", "playback_ack", b"playback_ack", "response_cancel", b"response_cancel", "response_create", b"response_create", "session_close", b"session_close", "session_update", b"session_update"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_update", "input_audio_buffer_append", "input_audio_buffer_commit", "input_audio_buffer_clear", "conversation_item_create", "conversation_item_truncate", "response_create", "response_cancel", "playback_ack", "camera_frame", "session_close"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_update", "input_audio_buffer_append", "input_audio_buffer_commit", "input_audio_buffer_clear", "conversation_item_create", "conversation_item_truncate", "response_create", "response_cancel", "playback_ack", "camera_frame", "session_close", "conversation_item_delete", "conversation_item_retrieve"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
@@ -823,17 +937,23 @@ class ResponseCreatedEvent(_message.Message):
 
     RESPONSE_ID_FIELD_NUMBER: _builtins.int
     ITEM_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_EVENT_ID_FIELD_NUMBER: _builtins.int
     response_id: _builtins.str
     item_id: _builtins.str
+    request_event_id: _builtins.str
+    """The event_id of the response_create that asked for it; empty for a response the server
+    started itself (a turn's end, an idle timeout).
+    """
     def __init__(
         self,
         *,
         response_id: _builtins.str = ...,
         item_id: _builtins.str = ...,
+        request_event_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["item_id", b"item_id", "response_id", b"response_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["item_id", b"item_id", "request_event_id", b"request_event_id", "response_id", b"response_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1076,6 +1196,164 @@ class ResponseWaitingEvent(_message.Message):
 Global___ResponseWaitingEvent: _TypeAlias = ResponseWaitingEvent  # noqa: Y015
 
 @_typing.final
+class InputAudioBufferTimeoutTriggeredEvent(_message.Message):
+    """server_vad with idle_timeout_ms: no speech came for that long after the last response's
+    audio finished playing. An empty turn (item_id) is committed and answered next.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    AUDIO_START_MS_FIELD_NUMBER: _builtins.int
+    AUDIO_END_MS_FIELD_NUMBER: _builtins.int
+    item_id: _builtins.str
+    audio_start_ms: _builtins.int
+    """The idle stretch, as offsets in the session's input audio."""
+    audio_end_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        item_id: _builtins.str = ...,
+        audio_start_ms: _builtins.int = ...,
+        audio_end_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_end_ms", b"audio_end_ms", "audio_start_ms", b"audio_start_ms", "item_id", b"item_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputAudioBufferTimeoutTriggeredEvent: _TypeAlias = InputAudioBufferTimeoutTriggeredEvent  # noqa: Y015
+
+@_typing.final
+class ConversationItemAddedEvent(_message.Message):
+    """A client-created item joined the conversation (an audio item once transcribed, with its
+    transcript as text).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREVIOUS_ITEM_ID_FIELD_NUMBER: _builtins.int
+    ITEM_FIELD_NUMBER: _builtins.int
+    previous_item_id: _builtins.str
+    """The item before it in the conversation; empty when it is the first."""
+    @_builtins.property
+    def item(self) -> Global___ConversationItem: ...
+    def __init__(
+        self,
+        *,
+        previous_item_id: _builtins.str = ...,
+        item: Global___ConversationItem | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "previous_item_id", b"previous_item_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConversationItemAddedEvent: _TypeAlias = ConversationItemAddedEvent  # noqa: Y015
+
+@_typing.final
+class ConversationItemDeletedEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    item_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        item_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["item_id", b"item_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConversationItemDeletedEvent: _TypeAlias = ConversationItemDeletedEvent  # noqa: Y015
+
+@_typing.final
+class ConversationItemRetrievedEvent(_message.Message):
+    """An item as the conversation holds it: id, role and text (a user turn's transcript, a
+    reply's text as far as it was heard). Audio is not retained, so `audio` is empty.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEM_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def item(self) -> Global___ConversationItem: ...
+    def __init__(
+        self,
+        *,
+        item: Global___ConversationItem | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConversationItemRetrievedEvent: _TypeAlias = ConversationItemRetrievedEvent  # noqa: Y015
+
+@_typing.final
+class ConversationItemTruncatedEvent(_message.Message):
+    """Answers a successful conversation_item_truncate."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    CONTENT_INDEX_FIELD_NUMBER: _builtins.int
+    AUDIO_END_MS_FIELD_NUMBER: _builtins.int
+    item_id: _builtins.str
+    content_index: _builtins.int
+    audio_end_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        item_id: _builtins.str = ...,
+        content_index: _builtins.int = ...,
+        audio_end_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_end_ms", b"audio_end_ms", "content_index", b"content_index", "item_id", b"item_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConversationItemTruncatedEvent: _TypeAlias = ConversationItemTruncatedEvent  # noqa: Y015
+
+@_typing.final
+class ConversationItemInputAudioTranscriptionFailedEvent(_message.Message):
+    """Transcribing the turn (item_id) failed; the turn keeps what was recognised before, and
+    the session goes on.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    item_id: _builtins.str
+    code: _builtins.str
+    """"engine_failed", "out_of_memory" or "engine_unavailable" (retry)."""
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        item_id: _builtins.str = ...,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "item_id", b"item_id", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConversationItemInputAudioTranscriptionFailedEvent: _TypeAlias = ConversationItemInputAudioTranscriptionFailedEvent  # noqa: Y015
+
+@_typing.final
 class ErrorEvent(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1130,6 +1408,12 @@ class ConverseResponse(_message.Message):
     SESSION_CLOSED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     RESPONSE_WAITING_FIELD_NUMBER: _builtins.int
+    INPUT_AUDIO_BUFFER_TIMEOUT_TRIGGERED_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ITEM_ADDED_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ITEM_DELETED_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ITEM_RETRIEVED_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ITEM_TRUNCATED_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ITEM_INPUT_AUDIO_TRANSCRIPTION_FAILED_FIELD_NUMBER: _builtins.int
     event_id: _builtins.str
     @_builtins.property
     def session_created(self) -> Global___SessionCreatedEvent: ...
@@ -1169,6 +1453,18 @@ class ConverseResponse(_message.Message):
     def error(self) -> Global___ErrorEvent: ...
     @_builtins.property
     def response_waiting(self) -> Global___ResponseWaitingEvent: ...
+    @_builtins.property
+    def input_audio_buffer_timeout_triggered(self) -> Global___InputAudioBufferTimeoutTriggeredEvent: ...
+    @_builtins.property
+    def conversation_item_added(self) -> Global___ConversationItemAddedEvent: ...
+    @_builtins.property
+    def conversation_item_deleted(self) -> Global___ConversationItemDeletedEvent: ...
+    @_builtins.property
+    def conversation_item_retrieved(self) -> Global___ConversationItemRetrievedEvent: ...
+    @_builtins.property
+    def conversation_item_truncated(self) -> Global___ConversationItemTruncatedEvent: ...
+    @_builtins.property
+    def conversation_item_input_audio_transcription_failed(self) -> Global___ConversationItemInputAudioTranscriptionFailedEvent: ...
     def __init__(
         self,
         *,
@@ -1192,12 +1488,18 @@ class ConverseResponse(_message.Message):
         session_closed: Global___SessionClosedEvent | None = ...,
         error: Global___ErrorEvent | None = ...,
         response_waiting: Global___ResponseWaitingEvent | None = ...,
+        input_audio_buffer_timeout_triggered: Global___InputAudioBufferTimeoutTriggeredEvent | None = ...,
+        conversation_item_added: Global___ConversationItemAddedEvent | None = ...,
+        conversation_item_deleted: Global___ConversationItemDeletedEvent | None = ...,
+        conversation_item_retrieved: Global___ConversationItemRetrievedEvent | None = ...,
+        conversation_item_truncated: Global___ConversationItemTruncatedEvent | None = ...,
+        conversation_item_input_audio_transcription_failed: Global___ConversationItemInputAudioTranscriptionFailedEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "error", b"error", "event", b"event", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["conversation_item_added", b"conversation_item_added", "conversation_item_deleted", b"conversation_item_deleted", "conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_failed", b"conversation_item_input_audio_transcription_failed", "conversation_item_retrieved", b"conversation_item_retrieved", "conversation_item_truncated", b"conversation_item_truncated", "error", b"error", "event", b"event", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "input_audio_buffer_timeout_triggered", b"input_audio_buffer_timeout_triggered", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "error", b"error", "event", b"event", "event_id", b"event_id", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_item_added", b"conversation_item_added", "conversation_item_deleted", b"conversation_item_deleted", "conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_failed", b"conversation_item_input_audio_transcription_failed", "conversation_item_retrieved", b"conversation_item_retrieved", "conversation_item_truncated", b"conversation_item_truncated", "error", b"error", "event", b"event", "event_id", b"event_id", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "input_audio_buffer_timeout_triggered", b"input_audio_buffer_timeout_triggered", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_created", "session_updated", "input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", "input_audio_buffer_committed", "input_audio_buffer_cleared", "conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_completed", "response_created", "response_output_audio_delta", "response_output_text_delta", "response_output_text_done", "response_output_audio_done", "response_done", "output_audio_buffer_cleared", "playback_acknowledged", "session_closed", "error", "response_waiting"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_created", "session_updated", "input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", "input_audio_buffer_committed", "input_audio_buffer_cleared", "conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_completed", "response_created", "response_output_audio_delta", "response_output_text_delta", "response_output_text_done", "response_output_audio_done", "response_done", "output_audio_buffer_cleared", "playback_acknowledged", "session_closed", "error", "response_waiting", "input_audio_buffer_timeout_triggered", "conversation_item_added", "conversation_item_deleted", "conversation_item_retrieved", "conversation_item_truncated", "conversation_item_input_audio_transcription_failed"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
