@@ -169,3 +169,25 @@ class StreamEncoder:
         ended early); never raises."""
         with contextlib.suppress(Exception):
             self.close()
+
+
+class G711Encoder:
+    """PCM16 mono at 8 kHz to G.711 μ-law (`pcm_mulaw`) or A-law (`pcm_alaw`), a byte per sample,
+    chunk by chunk (the Realtime API's audio/pcmu and audio/pcma output)."""
+
+    RATE = 8000
+
+    def __init__(self, codec: str) -> None:
+        self._context = av.CodecContext.create(codec, "w")
+        self._context.sample_rate, self._context.format, self._context.layout = self.RATE, "s16", "mono"
+        self._context.open()
+        self._pts = 0
+
+    def encode(self, pcm: bytes) -> bytes:
+        samples = np.frombuffer(pcm, "<i2")
+        if not samples.size:
+            return b""
+        frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate, frame.pts, frame.time_base = self.RATE, self._pts, Fraction(1, self.RATE)
+        self._pts += samples.size
+        return b"".join(bytes(packet) for packet in self._context.encode(frame))

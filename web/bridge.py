@@ -73,6 +73,7 @@ from aiortc.sdp import SessionDescription
 from rtmedia.clients.client import CHANNEL_OPTIONS
 from rtmedia.clients.credentials import read_pem
 from rtmedia.protocol.tokens import (
+    OPENAI_KEY_PROTOCOL_PREFIX,
     WEBSOCKET_PROTOCOL_PREFIX,
     Token,
     TokenTable,
@@ -83,7 +84,9 @@ from rtmedia.protocol.tokens import (
 from rtmedia.web.openai_api import OpenAIConfig, OpenAIFront, Upstream, is_openai_path, openai_errors
 from rtmedia.web.openai_errors import http_error
 from rtmedia.web.peer import OfferError, Peer, VideoDefaults
-from rtmedia.web.tracks import set_audio_prefetch
+from rtmedia.web.realtime_calls import SECRET_KEY
+from rtmedia.web.realtime_events import Translator
+from rtmedia.web.tracks import PLAYOUT_RATE, set_audio_prefetch
 
 log = logging.getLogger("rtmedia.web")
 
@@ -362,7 +365,7 @@ class Bridge:
         app.router.add_delete("/whip/{peer_id}", self.delete)
         app.router.add_patch("/whip/{peer_id}", self.whip_patch)
         if self.config.openai is not None:
-            upstream = Upstream(self._channel, self.server_metadata, lambda: self.draining)
+            upstream = Upstream(self._channel, self.server_metadata, lambda: self.draining, calls=self)
             self.openai = OpenAIFront(upstream, self.config.openai)
             self.openai.add_routes(app)
         return app
@@ -419,7 +422,7 @@ class Bridge:
             self.draining = True
             log.info("web bridge draining", extra={"peers": len(self.peers), "grace_s": grace_s})
         deadline = time.monotonic() + max(0.0, grace_s)
-        while (self.peers or self._opening or (self.openai and self.openai.active)) \
+        while (self.peers or self._opening or (self.openai and (self.openai.active or self.openai.sockets))) \
                 and (left := deadline - time.monotonic()) > 0:
             # Offers already being answered become peers (or fail); every peer is waited for.
             closing = [asyncio.ensure_future(p.closed.wait()) for p in list(self.peers.values())]
@@ -534,10 +537,13 @@ class Bridge:
                               headers={"Allow": "DELETE"})
 
     def _own_peer(self, request: web.Request) -> Peer | None:
-        """The peer whose id is in the URL (the id is the credential); with tokens on, only for a
-        request carrying the same token's name that made it: another token's holder who learnt
-        an id sees no peer there."""
-        peer = self.peers.get(request.match_info["peer_id"])
+        return self.own_peer(request.match_info["peer_id"], request)
+
+    def own_peer(self, peer_id: str, request: web.Request) -> Peer | None:
+        """The peer of that id (the id is the credential); with tokens on, only for a request
+        carrying the same token's name that made it: another token's holder who learnt an id
+        sees no peer there."""
+        peer = self.peers.get(peer_id)
         token = request.get(TOKEN_KEY)
         if peer is None or (token is not None and peer.token_name != token.name):
             return None
@@ -591,6 +597,17 @@ class Bridge:
         /healthz, else 401. A presented token is kept on the request (BEARER_KEY) to be forwarded
         to the server, the matched token (TOKEN_KEY) for its name."""
         presented, protocol = presented_token(request)
+        if self.openai is not None and request.path.startswith("/v1/realtime") and \
+                (secret := self.openai.secrets.get(presented)) is not None:
+            # A Realtime client secret: its calls act as the token that asked for it.
+            request[SECRET_KEY] = presented  # type: ignore[assignment]
+            if secret.token is not None:
+                request[TOKEN_KEY] = secret.token
+            if secret.bearer is not None:
+                request[BEARER_KEY] = secret.bearer
+            if protocol:
+                request[WS_PROTOCOL_KEY] = protocol
+            return await handler(request)
         tokens = self.tokens  # one table for the whole request, whatever a reload does meanwhile
         if tokens.enabled:
             token = tokens.match(presented)
@@ -609,9 +626,11 @@ class Bridge:
         return await handler(request)
 
     # ---- peers ----------------------------------------------------------------------------------------------
-    async def answer(self, sdp: Any, request: web.Request | None = None) -> tuple[Peer, str]:
+    async def answer(self, sdp: Any, request: web.Request | None = None, translator: Translator | None = None
+                     ) -> tuple[Peer, str]:
         """Validate the offer, open a session, answer; raises OfferError. `request`: the offer's
-        (its token goes on the session's calls, its token's name to the peer's logs)."""
+        (its token goes on the session's calls, its token's name to the peer's logs); `translator`:
+        a call of the Realtime API (rtmedia.web.realtime_calls)."""
         if self.draining:
             self.refused += 1
             raise OfferError(503, "the bridge is shutting down (draining); connect again shortly",
@@ -623,10 +642,15 @@ class Bridge:
                                   "(--max-peers); try again when one has ended")
         token = request.get(TOKEN_KEY) if request is not None else None
         metadata = self.server_metadata(request)
+        if translator is not None:
+            metadata = (*metadata, ("rtmedia-transport", "openai-webrtc"))
+            translator.track_rates = (self.config.input_rate, PLAYOUT_RATE)
+        else:
+            metadata = (*metadata, ("rtmedia-transport", "webrtc"))
         self._opening += 1
         try:
             return await self._answer(sdp, any(m.kind == "video" and m.port != 0 for m in offer.media), metadata,
-                                      token.name if token else None)
+                                      token.name if token else None, translator)
         finally:
             self._opening -= 1
 
@@ -642,7 +666,7 @@ class Bridge:
         return self.channel
 
     async def _answer(self, sdp: str, video: bool, metadata: tuple[tuple[str, str], ...] = (),
-                      token_name: str | None = None) -> tuple[Peer, str]:
+                      token_name: str | None = None, translator: Translator | None = None) -> tuple[Peer, str]:
         servers = [ice_server(url) for url in self.config.ice_servers]
         # Every socket aioice opens for this peer (in this task and the tasks it starts) binds per self.ice.
         binding = _ICE_BINDING.set(self.ice)
@@ -651,7 +675,7 @@ class Bridge:
             peer_id = secrets.token_urlsafe(PEER_ID_BYTES)
             assert self.channel is not None, "start() the bridge first"
             peer = Peer(peer_id, pc, self.channel, self.config.input_rate, self.config.video, self._forget,
-                        metadata, token_name)
+                        metadata, token_name, translator)
             try:
                 try:
                     await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
@@ -732,14 +756,16 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 def presented_token(request: web.Request) -> tuple[str | None, str | None]:
     """The token a request presents, and the WebSocket subprotocol that carried it (None when the
     Authorization header did): `Authorization: Bearer TOKEN`, else, on a WebSocket handshake,
-    the first offered subprotocol `rtmedia.bearer.TOKEN`."""
+    the first offered subprotocol `rtmedia.bearer.TOKEN` or, as OpenAI's browser clients send
+    it, `openai-insecure-api-key.TOKEN`."""
     token = bearer(request.headers.get("Authorization"))
     if token is not None or request.headers.get("Upgrade", "").lower() != "websocket":
         return token, None
     for header in request.headers.getall("Sec-WebSocket-Protocol", ()):
         for protocol in (p.strip() for p in header.split(",")):
-            if protocol.startswith(WEBSOCKET_PROTOCOL_PREFIX) and len(protocol) > len(WEBSOCKET_PROTOCOL_PREFIX):
-                return protocol[len(WEBSOCKET_PROTOCOL_PREFIX):], protocol
+            for prefix in (WEBSOCKET_PROTOCOL_PREFIX, OPENAI_KEY_PROTOCOL_PREFIX):
+                if protocol.startswith(prefix) and len(protocol) > len(prefix):
+                    return protocol[len(prefix):], protocol
     return None, None
 
 

@@ -5,6 +5,8 @@ that speaks them) works against rtmedia by changing its base URL (docs/openai.md
   aac or flac, streamed as it is synthesised, or as SSE events;
 - `POST /v1/audio/transcriptions` (rtmedia.web.openai_transcription): an uploaded file of any
   container PyAV reads to text, in json, text, verbose_json, srt or vtt, or streamed as SSE;
+- `GET /v1/realtime` (rtmedia.web.realtime_ws): the Realtime API over a WebSocket, one
+  `Converse` session per socket;
 - `GET /v1/models`, `GET /v1/models/{id}`: the model names these accept.
 
 Like the WebRTC bridge beside it, the front is a gRPC client of the rtmedia server
@@ -17,20 +19,25 @@ own 404/405/413 and the front's 401 included.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from aiohttp import web
 from rtmedia.web.openai_errors import RETRY_AFTER_S, SERVER_ERROR, OpenAIError
+from rtmedia.web.realtime_calls import ClientSecrets
+from rtmedia.web.realtime_config import REALTIME_MODELS
+from rtmedia.web.realtime_ws import RealtimeLimits
 
 PREFIX = "/v1/"
 OWNER = "rtmedia"
 # Model names each endpoint accepts: rtmedia's own, and OpenAI's, which map onto the same engines.
 SPEECH_MODELS = ("rtmedia-piper", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 TRANSCRIPTION_MODELS = ("rtmedia-pocketsphinx", "whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
+MODELS = (*SPEECH_MODELS, *TRANSCRIPTION_MODELS, *REALTIME_MODELS)
 MAX_UPLOAD_BYTES = 25 * 1024 * 1024  # OpenAI's own limit on a transcription upload
 MAX_REQUESTS = 16  # concurrent requests on the front; one more is a 429
 MAX_AUDIO_SECONDS = 3600.0  # a transcription's decoded audio (a small file of a low bitrate can hold hours)
@@ -40,11 +47,13 @@ MAX_AUDIO_SECONDS = 3600.0  # a transcription's decoded audio (a small file of a
 class OpenAIConfig:
     """`max_upload_bytes`: the largest transcription upload (its multipart body);
     `max_audio_seconds`: the longest audio a transcription decodes; `max_requests`: requests
-    served at once by the front (speech and transcriptions together)."""
+    served at once by the front (speech and transcriptions together; a Realtime session is bounded
+    by the server's admission instead); `realtime`: the Realtime sockets' limits."""
 
     max_upload_bytes: int = MAX_UPLOAD_BYTES
     max_requests: int = MAX_REQUESTS
     max_audio_seconds: float = MAX_AUDIO_SECONDS
+    realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
 
     def __post_init__(self) -> None:
         if self.max_upload_bytes < 1024:
@@ -63,6 +72,7 @@ class Upstream:
     channel: Callable[[], grpc.aio.Channel]
     metadata: Callable[[web.Request], tuple[tuple[str, str], ...]]
     draining: Callable[[], bool] = lambda: False
+    calls: Any = None  # the WebRTC bridge, for Realtime calls (answer, own_peer); None: no calls
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -95,15 +105,25 @@ class OpenAIFront:
         self.config = config or OpenAIConfig()
         self.active = 0  # requests being served
         self.refused = 0  # requests answered 429 by the bound
+        self.sockets = 0  # Realtime sessions open
+        self.realtime = self.config.realtime
+        self.secrets = ClientSecrets()
 
     def add_routes(self, app: web.Application) -> None:
         from rtmedia.web.openai_speech import create_speech
         from rtmedia.web.openai_transcription import create_transcription
+        from rtmedia.web.realtime_calls import create_call, create_client_secret, hangup
+        from rtmedia.web.realtime_ws import realtime_socket
 
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/v1/audio/speech", self._bounded(create_speech))
         app.router.add_post("/v1/audio/transcriptions", self._bounded(create_transcription))
+        # Realtime sessions are bounded by the server's admission, not by `max_requests`.
+        app.router.add_get("/v1/realtime", functools.partial(realtime_socket, front=self))
+        app.router.add_post("/v1/realtime/calls", functools.partial(create_call, front=self))
+        app.router.add_post("/v1/realtime/calls/{call_id}/hangup", functools.partial(hangup, front=self))
+        app.router.add_post("/v1/realtime/client_secrets", functools.partial(create_client_secret, front=self))
 
     def _bounded(self, handler: Callable[[web.Request, OpenAIFront], Any]) -> Callable[[web.Request], Any]:
         async def bounded(request: web.Request) -> web.StreamResponse:
@@ -129,13 +149,17 @@ class OpenAIFront:
         finally:
             self.active -= 1
 
+    async def attach_call(self, request: web.Request, ws: web.WebSocketResponse) -> web.StreamResponse:
+        from rtmedia.web.realtime_calls import attach
+
+        return await attach(request, ws, self)
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [_model(m) for m in (*SPEECH_MODELS,
-                                                                                  *TRANSCRIPTION_MODELS)]})
+        return web.json_response({"object": "list", "data": [_model(m) for m in MODELS]})
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        check_model(name, (*SPEECH_MODELS, *TRANSCRIPTION_MODELS))
+        check_model(name, MODELS)
         return web.json_response(_model(name))
 
 

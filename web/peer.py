@@ -21,6 +21,12 @@ The page speaks canonical JSON (docs/protocol.md#events) on the `events` channel
 type starts with `bridge.` are the bridge's own (docs/protocol.md#events):
 `bridge.video.request` from the page; `bridge.peer`, `bridge.playback.cleared`,
 `bridge.video.*` and `bridge.error` to it.
+
+A call of OpenAI's Realtime API (`POST /v1/realtime/calls`, rtmedia.web.realtime_calls) is a
+peer with a `translator` (rtmedia.web.realtime_events): its `oai-events` channel speaks the
+API's events, the same media path carries the audio, and `output_audio_buffer.stopped` comes
+when the outgoing track has played a reply out. Control sockets (`realtime.connect(call_id=...)`)
+attached to the call (`attach`) see the same events and may send the same.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ from rtmedia.protocol.events import EventError, client_event, event_type, from_j
 from rtmedia.v1 import realtime_pb2, video_pb2
 from rtmedia.v1.realtime_pb2_grpc import RealtimeServiceStub
 from rtmedia.v1.video_pb2_grpc import VideoServiceStub
+from rtmedia.web.realtime_config import RealtimeError
+from rtmedia.web.realtime_events import Translator
 from rtmedia.web.tracks import (
     PLAYOUT_RATE,
     MicResampler,
@@ -119,7 +127,8 @@ class PeerStats:
 class Peer:
     def __init__(self, peer_id: str, pc: RTCPeerConnection, channel: grpc.aio.Channel, input_rate: int,
                  video: VideoDefaults, on_closed: Callable[[Peer], None],
-                 metadata: tuple[tuple[str, str], ...] = (), token_name: str | None = None) -> None:
+                 metadata: tuple[tuple[str, str], ...] = (), token_name: str | None = None,
+                 translator: Translator | None = None) -> None:
         self.id = peer_id  # the peer's capability: only its own client knows it (web/bridge.py)
         self.tag = peer_id[:8]  # what logs and task names call it
         self.metadata = metadata  # sent on every call to the server (the bearer token: never logged)
@@ -146,6 +155,9 @@ class Peer:
         self._session_open = asyncio.Event()
         self._server_closed = False  # session.closed (the session's last event) came
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.translator = translator
+        self.label = "oai-events" if translator is not None else "events"
+        self.sidebands: set[asyncio.Queue[str | None]] = set()  # attached control sockets' outboxes
         pc.on("track", self._on_track)
         pc.on("datachannel", self._on_datachannel)
         pc.on("connectionstatechange", self._on_connection_state)
@@ -159,13 +171,15 @@ class Peer:
         session = {**settings, "input_audio_format": {"encoding": "pcm16", "sample_rate": self.input_rate,
                                                      "channels": 1},
                    "output_sample_rate": PLAYOUT_RATE}
+        configure = client_event("session.update", event_id="bridge-config", session=session) \
+            if self.translator is None else self.translator.initial()
         try:
             # Read first: a refusal (quota, capacity, draining) then arrives as the server's own
             # status; a write racing it may get grpc's "Internal error from Core" instead
             # (grpc/grpc#36066).
             first = await asyncio.wait_for(self.call.read(), OPEN_TIMEOUT_S)
             if first is not grpc.aio.EOF and event_type(first) == "session.created":
-                await self.call.write(client_event("session.update", event_id="bridge-config", session=session))
+                await self.call.write(configure)
         except TimeoutError:
             self.call.cancel()
             raise SessionRefused(504, f"the rtmedia server did not open a session within {OPEN_TIMEOUT_S:.0f} s")\
@@ -177,7 +191,7 @@ class Peer:
             raise SessionRefused(502, f"the rtmedia server answered {event_type(first) or 'nothing'} "
                                       "instead of session.created")
         self.session_id = first.session_created.session_id
-        self.to_page(to_json(first))
+        self.to_page_event(first)
         self._session_open.set()
         self._start("reader", self._read)
         self._start("writer", self._write)
@@ -218,6 +232,8 @@ class Peer:
             self.call.cancel()  # the server frees the session's resources (docs/protocol.md#admission-and-lifecycle)
         self.audio_out.stop()
         self.video_out.stop()
+        for sideband in self.sidebands:
+            sideband.put_nowait(None)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.pc.close(), 5)
         self.closed.set()
@@ -268,7 +284,7 @@ class Peer:
                 return
 
     def _on_datachannel(self, channel: Any) -> None:
-        if channel.label != "events":
+        if channel.label != self.label:
             return
         self._channel = channel
         channel.on("message", self._on_page_message)
@@ -278,6 +294,9 @@ class Peer:
 
     def _on_page_message(self, message: str | bytes) -> None:
         self.stats.events_from_page += 1
+        if self.translator is not None:
+            self.on_api_message(message)
+            return
         try:
             obj = json.loads(message)
         except RecursionError:
@@ -302,6 +321,28 @@ class Peer:
         except asyncio.QueueFull:
             self.to_page(to_json(EventError("input_backpressure", "the bridge's queue to the server is full; "
                                                                   "event dropped").to_event(event_id)))
+
+    def on_api_message(self, message: str | bytes) -> None:
+        """An event of the Realtime API, from the call's channel or a control socket."""
+        assert self.translator is not None
+        try:
+            requests, local = self.translator.from_client(json.loads(message))
+        except RealtimeError as exc:
+            self.to_page(self.translator.error(exc, getattr(exc, "event_id", None)))
+            return
+        except (ValueError, RecursionError) as exc:
+            self.to_page(self.translator.error(RealtimeError("invalid_json", f"the event is not valid JSON: "
+                                                                             f"{str(exc)[:120]}")))
+            return
+        for request in requests:
+            try:
+                self._outgoing.put_nowait(request)
+            except asyncio.QueueFull:
+                self.to_page(self.translator.error(RealtimeError(
+                    "input_backpressure", "the call's queue to the server is full; the event was dropped"),
+                    request.event_id))
+        for event in local:
+            self.to_page(event)
 
     def _check_page_event(self, request: realtime_pb2.ConverseRequest) -> None:
         name = event_type(request)
@@ -361,7 +402,7 @@ class Peer:
             dropped = self.buffer.clear()
             if rid in self._replies:
                 self._replies[rid].done = True
-            self.to_page(to_json(msg))
+            self.to_page_event(msg)
             self.send_bridge("bridge.playback.cleared", response_id=rid,
                              dropped_ms=round(dropped * 1000 / PLAYOUT_RATE),
                              played_ms=self.buffer.played(rid) * 1000 // PLAYOUT_RATE)
@@ -373,7 +414,7 @@ class Peer:
         elif name == "session.closed":
             self.close_reason = msg.session_closed.reason
             self._server_closed = True
-        self.to_page(to_json(msg))
+        self.to_page_event(msg)
 
     def _on_audio(self, msg: realtime_pb2.ConverseResponse) -> None:
         ev = msg.response_output_audio_delta
@@ -391,6 +432,9 @@ class Peer:
             samples = np.frombuffer(float_to_pcm16(reply.resampler.process(pcm16_to_float(samples.tobytes()))),
                                     "<i2")
         self.buffer.push(ev.response_id, samples.astype(np.int16))
+        if self.translator is not None:
+            self.to_page_event(msg)
+            return
         # The audio travels on the media track; the page gets the delta without its bytes.
         light = realtime_pb2.ConverseResponse()
         light.CopyFrom(msg)
@@ -413,9 +457,27 @@ class Peer:
                     await self._outgoing.put(client_event("playback.ack", response_id=rid, played_ms=played))
                 if finished and played >= reply.acked_ms:
                     del self._replies[rid]
+                    if self.translator is not None:
+                        self.to_page(self.translator.stopped(rid))
+
+    def to_page_event(self, msg: realtime_pb2.ConverseResponse) -> None:
+        """A server event to the page: as it is, or as the Realtime API's events."""
+        if self.translator is None:
+            self.to_page(to_json(msg))
+            return
+        for event in self.translator.from_server(msg):
+            self.to_page(event)
 
     def to_page(self, obj: dict[str, Any]) -> None:
         text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+        for sideband in list(self.sidebands):
+            try:
+                sideband.put_nowait(text)
+            except asyncio.QueueFull:  # a control socket that does not read is let go
+                self.sidebands.discard(sideband)
+                while not sideband.empty():
+                    sideband.get_nowait()
+                sideband.put_nowait(None)
         channel = self._channel
         if channel is not None and channel.readyState == "open":
             channel.send(text)
@@ -427,6 +489,11 @@ class Peer:
         self._pending.append(text)
 
     def send_bridge(self, name: str, **fields: Any) -> None:
+        if self.translator is not None:  # a call hears of the bridge's trouble as the API's error
+            if name == "bridge.error":
+                self.to_page(self.translator.error(RealtimeError(fields.get("code", "server_error"),
+                                                                 fields.get("message", ""), type="server_error")))
+            return
         self.to_page({"type": name, **fields})
 
     def _flush_pending(self) -> None:

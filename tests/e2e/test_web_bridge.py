@@ -290,3 +290,26 @@ def test_the_readme_openai_examples_run_against_serve_web(served, tmp_path):
     assert wer("please open the kitchen window", result.text) <= 0.5, result.text
     assert result.segments and result.segments[0].end > result.segments[0].start
     assert {m.id for m in client.models.list()} >= {"tts-1", "whisper-1"}
+
+
+def test_the_readme_realtime_example_runs_against_serve_web(served):
+    """README's Realtime example (a text turn with the official SDK's async client) against the
+    real `rtmedia serve --web` process, whose echo responder says the question back."""
+    from openai import AsyncOpenAI
+
+    async def main() -> str:
+        client = AsyncOpenAI(base_url=f"{served['url']}/v1", api_key="unused", max_retries=0)
+        text = ""
+        async with client.realtime.connect(model="gpt-realtime") as conn:
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "What is the capital of France?"}]})
+            await conn.response.create(response={"output_modalities": ["text"]})
+            async for event in conn:
+                if event.type == "response.output_text.delta":
+                    text += event.delta
+                elif event.type == "response.done":
+                    assert event.response.status == "completed"
+                    return text
+        return text
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)).endswith("What is the capital of France?")

@@ -34,6 +34,7 @@ _LIMITS = ("max_sessions", "sessions_per_minute")
 BEARER = "bearer "
 # Browsers cannot set headers on a WebSocket: they offer the token as this subprotocol.
 WEBSOCKET_PROTOCOL_PREFIX = "rtmedia.bearer."
+OPENAI_KEY_PROTOCOL_PREFIX = "openai-insecure-api-key."  # the Realtime API's browser form
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,314 @@
+"""The session of OpenAI's Realtime API (docs/openai.md#realtime) on an rtmedia `Converse` session.
+
+`RealtimeConfig` is what a `/v1/realtime` client sees as its session: `session.update`'s
+object is checked here against what rtmedia serves, and becomes the `SessionConfig` fields
+the rtmedia session takes; `session_object()` is the API's session object that
+`session.created` / `session.updated` carry. An update with a field rtmedia does not serve
+(tools, `semantic_vad`, noise reduction, image input, MCP, `include`, other formats) is
+refused whole with an error naming the field, and the session stays as it was, as OpenAI's
+own server refuses an invalid update.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rtmedia.v1 import common_pb2
+
+# The API's model names a session accepts; all are served by the same engines.
+REALTIME_MODELS = ("rtmedia-realtime", "gpt-realtime", "gpt-realtime-mini", "gpt-realtime-2025-08-28",
+                   "gpt-4o-realtime-preview", "gpt-4o-mini-realtime-preview", "gpt-realtime-1.5",
+                   "gpt-realtime-2", "gpt-realtime-2.1", "gpt-realtime-2.1-mini")
+TRANSCRIPTION_MODELS = ("rtmedia-pocketsphinx", "whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe",
+                        "gpt-transcribe", "gpt-live-transcribe", "gpt-realtime-whisper")
+# OpenAI's built-in voices speak with the server's default voice; any other name is an rtmedia voice.
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
+# audio/pcm is 24 kHz PCM16; G.711 runs at 8 kHz.
+FORMATS: dict[str, tuple[int, int]] = {
+    "audio/pcm": (common_pb2.AUDIO_ENCODING_PCM16, 24000),
+    "audio/pcmu": (common_pb2.AUDIO_ENCODING_G711_ULAW, 8000),
+    "audio/pcma": (common_pb2.AUDIO_ENCODING_G711_ALAW, 8000),
+}
+ENCODINGS = {common_pb2.AUDIO_ENCODING_PCM16: "pcm16", common_pb2.AUDIO_ENCODING_G711_ULAW: "g711_ulaw",
+             common_pb2.AUDIO_ENCODING_G711_ALAW: "g711_alaw"}  # canonical JSON's short names
+SESSION_TTL_S = 3600  # OpenAI's sessions last an hour; so do rtmedia's by default (max_session_s)
+MAX_SPEED = (0.25, 1.5)  # the API's bounds of audio.output.speed
+
+
+class RealtimeError(Exception):
+    """A client event the front refuses: the API's `error` event (`type`, `code`, `message`, `param`)."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.code, self.message, self.param, self.type = code, message, param, type
+
+
+def refuse(param: str, what: str) -> RealtimeError:
+    """The error for a field of the API that rtmedia does not serve."""
+    return RealtimeError("unsupported_parameter", f"{param}: {what} is not served by rtmedia; the event was not "
+                         "applied and the session goes on (docs/openai.md#realtime)", param)
+
+
+def _invalid(param: str, message: str) -> RealtimeError:
+    return RealtimeError("invalid_value", f"{param}: {message}", param)
+
+
+def _object(value: Any, param: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _invalid(param, f"must be an object, not {type(value).__name__}")
+    return value
+
+
+def _unknown(obj: dict[str, Any], known: set[str], prefix: str) -> None:
+    for key in obj:
+        if key not in known:
+            raise RealtimeError("unknown_parameter", f"unknown parameter {prefix}{str(key)[:64]}", f"{prefix}{key}"[:200])
+
+
+def _number(value: Any, param: str, low: float, high: float, whole: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or (whole and not float(value).is_integer()):
+        raise _invalid(param, f"must be {'an integer' if whole else 'a number'}")
+    if not low <= value <= high:  # NaN fails too
+        raise _invalid(param, f"{value} is outside {low:g}..{high:g}")
+    return value
+
+
+def _bool(value: Any, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise _invalid(param, "must be true or false")
+    return value
+
+
+def audio_format(value: Any, param: str) -> str:
+    """The `type` of an audio format object the API allows and rtmedia serves."""
+    fmt = _object(value, param)
+    _unknown(fmt, {"type", "rate"}, param + ".")
+    kind = fmt.get("type", "audio/pcm")
+    if kind not in FORMATS:
+        raise refuse(param + ".type", f"the format {str(kind)[:40]!r} (served: {', '.join(FORMATS)})")
+    rate = fmt.get("rate")
+    if rate is not None and rate != FORMATS[kind][1]:
+        raise _invalid(param + ".rate", f"{kind} is {FORMATS[kind][1]} Hz; rate={rate!r} is not served")
+    return kind
+
+
+def max_tokens(value: Any, param: str) -> int:
+    """`max_output_tokens`: 1..4096 or "inf"; rtmedia's 0 is "inf" (the server's ceiling)."""
+    if value == "inf":
+        return 0
+    return int(_number(value, param, 1, 4096, whole=True))
+
+
+def modality(value: Any, param: str) -> str:
+    """`output_modalities`: ["audio"] (speech and its transcript) or ["text"]."""
+    if not isinstance(value, list) or len(value) != 1 or value[0] not in ("audio", "text"):
+        raise _invalid(param, 'must be ["audio"] or ["text"] (both at once are not allowed)')
+    return value[0]
+
+
+def check_tools(session: dict[str, Any], prefix: str) -> None:
+    """Tools are not served yet: an empty list and tool_choice auto/none are accepted, as they change nothing."""
+    if session.get("tools") not in (None, []):
+        raise refuse(prefix + "tools", "function and MCP tools")
+    if session.get("tool_choice") not in (None, "auto", "none"):
+        raise refuse(prefix + "tool_choice", "forcing a tool")
+
+
+@dataclass
+class TurnDetection:
+    """`audio.input.turn_detection`; None on the config means manual turns."""
+
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+    idle_timeout_ms: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "server_vad", **dataclasses.asdict(self)}
+
+
+@dataclass
+class RealtimeConfig:
+    """What a Realtime API client has set, in the API's terms."""
+
+    id: str
+    model: str
+    type: str = "realtime"  # or "transcription"
+    instructions: str = ""
+    output_modality: str = "audio"
+    max_output_tokens: int = 0  # 0: "inf"
+    input_format: str = "audio/pcm"
+    output_format: str = "audio/pcm"
+    voice: str = "alloy"
+    speed: float = 1.0
+    transcription: dict[str, Any] | None = None  # what the client set; None: no transcription events
+    turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
+    expires_at: int = field(default_factory=lambda: int(time.time()) + SESSION_TTL_S)
+
+    # ---- session.update -> rtmedia ------------------------------------------------------------------
+    def updated(self, session: Any) -> RealtimeConfig:
+        """This config with `session` (session.update's object) applied; RealtimeError names a bad field."""
+        session = _object(session, "session")
+        new = copy.deepcopy(self)
+        kind = session.get("type", self.type)
+        if kind not in ("realtime", "transcription"):
+            raise _invalid("session.type", 'must be "realtime" or "transcription"')
+        if kind != self.type:
+            raise _invalid("session.type", f"this is a {self.type} session; its type cannot change")
+        realtime = {"type", "model", "instructions", "output_modalities", "max_output_tokens", "audio", "tools",
+                    "tool_choice", "tracing", "truncation", "include", "prompt", "parallel_tool_calls", "reasoning"}
+        _unknown(session, realtime if kind == "realtime" else {"type", "audio", "include"}, "session.")
+        check_tools(session, "session.")
+        if session.get("include") not in (None, []):
+            raise refuse("session.include", "item.input_audio_transcription.logprobs")
+        for name, what in (("tracing", "tracing"), ("prompt", "prompt templates"), ("reasoning", "reasoning")):
+            if session.get(name) is not None:
+                raise refuse(f"session.{name}", what)
+        if session.get("truncation") not in (None, "auto"):
+            raise refuse("session.truncation", "a truncation strategy other than auto")
+        if "parallel_tool_calls" in session:
+            _bool(session["parallel_tool_calls"], "session.parallel_tool_calls")
+        if "model" in session:
+            if session["model"] not in REALTIME_MODELS:
+                raise RealtimeError("model_not_found", f"session.model: {str(session['model'])[:64]!r} is not a "
+                                    f"model here; models: {', '.join(REALTIME_MODELS)}", "session.model")
+            new.model = session["model"]
+        if "instructions" in session:
+            if not isinstance(session["instructions"], str):
+                raise _invalid("session.instructions", "must be a string")
+            new.instructions = session["instructions"]
+        if "output_modalities" in session:
+            new.output_modality = modality(session["output_modalities"], "session.output_modalities")
+        if "max_output_tokens" in session:
+            new.max_output_tokens = max_tokens(session["max_output_tokens"], "session.max_output_tokens")
+        if "audio" in session:
+            new._update_audio(_object(session["audio"], "session.audio"))
+        return new
+
+    def _update_audio(self, audio: dict[str, Any]) -> None:
+        _unknown(audio, {"input", "output"} if self.type == "realtime" else {"input"}, "session.audio.")
+        if "input" in audio:
+            put = _object(audio["input"], "session.audio.input")
+            _unknown(put, {"format", "transcription", "turn_detection", "noise_reduction"}, "session.audio.input.")
+            if "format" in put:
+                self.input_format = audio_format(put["format"], "session.audio.input.format")
+            if put.get("noise_reduction") is not None:
+                raise refuse("session.audio.input.noise_reduction", "noise reduction")
+            if "transcription" in put:
+                self.transcription = self._transcription(put["transcription"])
+            if "turn_detection" in put:
+                self.turn_detection = self._turn_detection(put["turn_detection"])
+        if "output" in audio:
+            out = _object(audio["output"], "session.audio.output")
+            _unknown(out, {"format", "voice", "speed"}, "session.audio.output.")
+            if "format" in out:
+                self.output_format = audio_format(out["format"], "session.audio.output.format")
+            if "voice" in out:
+                if not isinstance(out["voice"], str) or not out["voice"]:
+                    raise refuse("session.audio.output.voice", "a custom voice object")
+                self.voice = out["voice"]
+            if "speed" in out:
+                self.speed = _number(out["speed"], "session.audio.output.speed", *MAX_SPEED)
+
+    @staticmethod
+    def _transcription(value: Any) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        param = "session.audio.input.transcription"
+        spec = _object(value, param)
+        _unknown(spec, {"model", "language", "prompt", "delay", "keywords", "languages"}, param + ".")
+        model = spec.get("model", "whisper-1")
+        if model not in TRANSCRIPTION_MODELS:
+            raise RealtimeError("model_not_found", f"{param}.model: {str(model)[:64]!r} is not a model here; "
+                                f"models: {', '.join(TRANSCRIPTION_MODELS)}", param + ".model")
+        if spec.get("language") not in (None, "en"):
+            raise refuse(param + ".language", f"the language {str(spec['language'])[:16]!r} (served: en)")
+        for name in ("prompt", "delay", "keywords", "languages"):
+            if spec.get(name) not in (None, "", []):
+                raise refuse(f"{param}.{name}", f"transcription {name}")
+        return {"model": model, "language": spec.get("language"), "prompt": spec.get("prompt")}
+
+    def _turn_detection(self, value: Any) -> TurnDetection | None:
+        if value is None:
+            return None
+        param = "session.audio.input.turn_detection"
+        spec = _object(value, param)
+        kind = spec.get("type", "server_vad")
+        if kind == "semantic_vad":
+            raise refuse(param + ".type", "semantic_vad")
+        if kind != "server_vad":
+            raise _invalid(param + ".type", 'must be "server_vad", "semantic_vad" or null')
+        _unknown(spec, {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+                        "interrupt_response", "idle_timeout_ms"}, param + ".")
+        turn = copy.copy(self.turn_detection) if self.turn_detection is not None else TurnDetection()
+        if self.type == "transcription":
+            turn.create_response = turn.interrupt_response = False
+        bounds = {"threshold": (0.05, 0.95, False), "prefix_padding_ms": (0, 2000, True),
+                  "silence_duration_ms": (100, 5000, True), "idle_timeout_ms": (5000, 30000, True)}
+        for name, (low, high, whole) in bounds.items():
+            if spec.get(name) is not None:
+                number = _number(spec[name], f"{param}.{name}", low, high, whole)
+                setattr(turn, name, int(number) if whole else float(number))
+        for name in ("create_response", "interrupt_response"):
+            if spec.get(name) is not None:
+                if self.type == "transcription" and spec[name]:
+                    raise _invalid(f"{param}.{name}", "a transcription session makes no responses")
+                setattr(turn, name, _bool(spec[name], f"{param}.{name}"))
+        if "idle_timeout_ms" in spec and spec["idle_timeout_ms"] is None:
+            turn.idle_timeout_ms = None
+        return turn
+
+    def to_rtmedia(self) -> dict[str, Any]:
+        """The whole config as rtmedia `SessionConfig` fields (session.update's `session`)."""
+        encoding, rate = FORMATS[self.input_format]
+        out_rate = FORMATS[self.output_format][1]
+        turn: dict[str, Any] = {"type": "none"}
+        if self.turn_detection is not None:
+            t = self.turn_detection
+            turn = {"type": "server_vad", "threshold": t.threshold, "prefix_padding_ms": t.prefix_padding_ms,
+                    "silence_duration_ms": t.silence_duration_ms, "create_response": t.create_response,
+                    "interrupt_response": t.interrupt_response}
+            turn["idle_timeout_ms"] = t.idle_timeout_ms or 0  # 0: off
+        config: dict[str, Any] = {
+            "input_audio_format": {"encoding": ENCODINGS[encoding], "sample_rate": rate, "channels": 1},
+            "output_sample_rate": out_rate,
+            # rtmedia's responders answer the user's words: the session always transcribes, and the
+            # front passes the transcription events on only when the client asked for them.
+            "input_audio_transcription": {"enabled": True},
+            "turn_detection": turn,
+            "instructions": self.instructions,
+            "voice": "" if self.voice in OPENAI_VOICES else self.voice,
+            "speed": self.speed,
+        }
+        if self.type == "realtime":
+            config["output_modality"] = self.output_modality
+            config["max_output_tokens"] = self.max_output_tokens
+        return config
+
+    # ---- rtmedia -> the API's session object ------------------------------------------------------------
+    def session_object(self) -> dict[str, Any]:
+        turn = self.turn_detection.to_json() if self.turn_detection is not None else None
+        audio_in = {"format": self._format(self.input_format), "transcription": self.transcription,
+                    "noise_reduction": None, "turn_detection": turn}
+        if self.type == "transcription":
+            return {"type": "transcription", "object": "realtime.transcription_session", "id": self.id,
+                    "expires_at": self.expires_at, "audio": {"input": audio_in}, "include": None}
+        return {
+            "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
+            "expires_at": self.expires_at, "output_modalities": [self.output_modality],
+            "instructions": self.instructions,
+            "audio": {"input": audio_in, "output": {"format": self._format(self.output_format), "voice": self.voice,
+                                                    "speed": self.speed}},
+            "tools": [], "tool_choice": "auto", "tracing": None, "truncation": "auto", "prompt": None,
+            "include": None, "max_output_tokens": self.max_output_tokens or "inf",
+        }
+
+    @staticmethod
+    def _format(kind: str) -> dict[str, Any]:
+        return {"type": kind, "rate": FORMATS[kind][1]} if kind == "audio/pcm" else {"type": kind}
