@@ -1,11 +1,14 @@
 """`rtmedia loadtest`: many simulated people talking to a server at once, measured
-as docs/protocol.md#latency-definitions defines (RealtimeService.Converse through the generated stubs only).
+as docs/protocol.md#latency-definitions defines, over RealtimeService.Converse through the
+generated stubs (--transport grpc) or over OpenAI's Realtime API on the web front's
+`/v1/realtime` WebSocket (--transport openai-ws, rtmedia.clients.loadtest_openai).
 
-Each person is one Converse stream and two tasks: a sender that streams speech at
-real-time pace (one append event per --chunk-ms, silence between utterances, as a
-live microphone does) and acknowledges the reply it is "playing", and a reader
-that handles the server's events. Replies are played on a simulated clock that
-starts with their first audio delta.
+Each person is one session and two tasks: a sender that streams speech at real-time pace
+(one append event per --chunk-ms, silence between utterances, as a live microphone does)
+and acknowledges the reply it is "playing", and a reader that handles the server's events.
+Replies are played on a simulated clock that starts with their first audio delta. The
+transports differ only in how a person connects, what it sends and how it reads events;
+what it measures is the same code, so both give the same report.
 """
 
 from __future__ import annotations
@@ -52,9 +55,13 @@ from rtmedia.protocol.events import client_event
 from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc
 
 PROFILES = ("listen", "transcribe", "talk", "llm", "mixed", "barge-in")
+TRANSPORTS = ("grpc", "openai-ws")
+DEFAULT_WEB_URL = "http://127.0.0.1:8080"
 MIXED = ("listen", "listen", "transcribe", "talk")  # mixed: sessions take these in turn
 RESPONDERS = {"talk": "echo", "barge-in": "echo", "llm": "llm"}
 INPUT_RATES = (8000, 16000, 24000)
+DEFAULT_INPUT_RATE = 16000
+API_INPUT_RATE = 24000  # openai-ws: the Realtime API's audio/pcm is PCM16 at 24 kHz
 CONFIG_ID = "loadtest-config"
 PAUSE_S = (1.0, 2.5)  # silence between utterances when nothing answers
 GAP_S = (0.4, 1.2)  # after a reply has played, before speaking again
@@ -72,13 +79,13 @@ experience. Each session streams real speech (Piper-synthesised sentences, or th
 WAV files of --audio DIR, one utterance per file) at real-time pace in --chunk-ms
 chunks with 1-2.5 s silences between utterances (talking profiles: the next
 utterance follows 0.4-1.2 s after the reply has played), plays replies on a
-simulated clock and acknowledges them with playback.ack every 200 ms of play.
+simulated clock and (grpc) acknowledges them with playback.ack every 200 ms of play.
 
 Profiles (session config):
   listen       server VAD turn events only: transcription off, no responses
   transcribe   plus streaming transcription of every turn
-  talk         full turns answered by the echo responder
-  llm          full turns answered by the llm responder
+  talk         full turns answered by the echo responder (openai-ws: the server's default)
+  llm          full turns answered by the llm responder (grpc only)
   mixed        sessions take listen, listen, transcribe, talk in turn
   barge-in     talk, interrupting --barge-in-share of the replies 0.4-0.9 s into them
 
@@ -91,6 +98,25 @@ jitter (how much later than the previous delta's play time each reply audio
 delta arrived) and underruns (a reply delta arriving after the audio before it
 had finished playing). Percentiles are p50/p95/p99/max.
 
+Transports: grpc (default) speaks RealtimeService.Converse to --target. openai-ws
+speaks OpenAI's Realtime API (GA) to the web front (`rtmedia web`, `rtmedia serve
+--web`) at --web-url (https:// for TLS, with --ca and --cert/--key): each session is
+a WebSocket to /v1/realtime?model=gpt-realtime (with --token: Authorization: Bearer),
+set up with session.update (audio/pcm, PCM16 at 24 kHz both ways; server_vad or no
+turn detection; transcription where the profile transcribes) and fed
+input_audio_buffer.append events of base64 PCM16 at 24 kHz (the speech resampled;
+--input-rate may only be 24000); it ends by closing the socket. The API has no
+playback.ack: the client only plays its replies on its clock, and the server
+estimates each reply's playback from the wall clock since its first delta. A
+barge-in is the client's own: at speech_started during a reply it stops playing it
+and sends conversation.item.truncate with what it played; barge-in latency ends
+there (or at output_audio_buffer.cleared or the reply's cancelled response.done,
+if one comes first). A handshake refused with 429 counts as rejected. Replies come
+from the server's default responder (run the server with --responder echo for talk
+and barge-in); llm needs the llm responder chosen per session, which the API cannot
+do, so it is grpc only. The report has the same fields plus "transport"; its
+"target" is then the WebSocket URL.
+
 --find-capacity runs levels of sessions (starting at --sessions, growing 1.5x,
 then bisecting) until the SLO breaks: p95 of the profile's key latency (response
 latency; VAD start for listen, final transcript for transcribe) within
@@ -102,7 +128,11 @@ level that held.
 def add_loadtest_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("loadtest", help="many simulated sessions at once: latency percentiles and capacity",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"server gRPC address (default {DEFAULT_TARGET})")
+    p.add_argument("--transport", choices=TRANSPORTS, default="grpc",
+                   help="grpc (Converse, default) or openai-ws (OpenAI's Realtime API on --web-url's /v1/realtime)")
+    p.add_argument("--web-url", default=DEFAULT_WEB_URL,
+                   help=f"openai-ws: the web front's base URL, http:// or https:// (default {DEFAULT_WEB_URL})")
     p.add_argument("--sessions", type=int, default=10, help="concurrent sessions (default 10; the first "
                                                             "level with --find-capacity)")
     p.add_argument("--ramp-per-s", type=float, default=10.0, help="sessions started per second (default 10)")
@@ -111,7 +141,8 @@ def add_loadtest_parser(sub: argparse._SubParsersAction) -> None:
                         "they then finish their turn and close")
     p.add_argument("--profile", choices=PROFILES, default="talk", help="what the sessions do (default talk)")
     p.add_argument("--chunk-ms", type=int, default=20, help="audio per append event, 10..1000 (default 20)")
-    p.add_argument("--input-rate", type=int, default=16000, help="PCM16 input rate: 8000, 16000 (default), 24000")
+    p.add_argument("--input-rate", type=int, default=None,
+                   help="PCM16 input rate: 8000, 16000 (default), 24000; openai-ws: 24000 only (the default there)")
     p.add_argument("--turn-detection", choices=["server_vad", "none"], default="server_vad",
                    help="listen only: none streams audio with no turn detection (the frame-path benchmark)")
     p.add_argument("--barge-in-share", type=float, default=0.5,
@@ -134,17 +165,27 @@ def add_loadtest_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_loadtest)
 
 
+def input_rate(args: argparse.Namespace) -> int:
+    """The PCM16 rate the sessions stream: --input-rate, else the transport's default."""
+    if args.input_rate is not None:
+        return int(args.input_rate)
+    return API_INPUT_RATE if args.transport == "openai-ws" else DEFAULT_INPUT_RATE
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Impossible parameters are one-line errors."""
+    rate = input_rate(args)
+    if args.transport == "openai-ws":
+        from rtmedia.clients.loadtest_openai import check_openai_args
+
+        check_openai_args(args)
     problems = [
         (args.sessions < 1, f"--sessions must be at least 1, got {args.sessions}"),
         (args.ramp_per_s <= 0, f"--ramp-per-s must be positive, got {args.ramp_per_s:g}"),
         (args.duration <= 0, f"--duration must be positive, got {args.duration:g}"),
         (not 10 <= args.chunk_ms <= 1000, f"--chunk-ms must be 10..1000, got {args.chunk_ms}"),
-        (args.input_rate not in INPUT_RATES,
-         f"--input-rate must be one of {', '.join(map(str, INPUT_RATES))}, got {args.input_rate}"),
-        (args.input_rate * args.chunk_ms % 1000 != 0,
-         f"--chunk-ms {args.chunk_ms} is not a whole number of samples at {args.input_rate} Hz"),
+        (rate not in INPUT_RATES, f"--input-rate must be one of {', '.join(map(str, INPUT_RATES))}, got {rate}"),
+        (rate * args.chunk_ms % 1000 != 0, f"--chunk-ms {args.chunk_ms} is not a whole number of samples at {rate} Hz"),
         (not 0 <= args.barge_in_share <= 1, f"--barge-in-share must be 0..1, got {args.barge_in_share:g}"),
         (args.turn_detection == "none" and args.profile != "listen",
          "--turn-detection none is only for --profile listen"),
@@ -168,7 +209,7 @@ def session_config(profile: str, args: argparse.Namespace) -> dict[str, Any]:
     turn: dict[str, Any] = {"type": args.turn_detection}
     if profile in ("listen", "transcribe") and args.turn_detection == "server_vad":
         turn["create_response"] = False
-    config: dict[str, Any] = {"input_audio_format": {"sample_rate": args.input_rate},
+    config: dict[str, Any] = {"input_audio_format": {"sample_rate": input_rate(args)},
                               "input_audio_transcription": {"enabled": profile != "listen"},
                               "turn_detection": turn}
     if profile in RESPONDERS:
@@ -188,15 +229,19 @@ class Utterance:
 @dataclass
 class Reply(talk.Reply):
     """`rtmedia talk`'s simulated playback of a reply, plus when its last delta arrived
-    and how long it plays (for jitter)."""
+    and how long it plays (for jitter), and its assistant item (for a truncate)."""
 
     last_t: float = 0.0
     last_s: float = 0.0
+    item_id: str = ""
 
 
 class Person:
-    """One simulated user: one Converse stream, a sender (speech at real-time pace,
-    playback acks) and a reader (the server's events, measured as they arrive)."""
+    """One simulated user: a session, a sender (speech at real-time pace, playback acks) and
+    a reader (the server's events, measured as they arrive). This class is the Converse
+    stream; rtmedia.clients.loadtest_openai.SocketPerson is the same person on the Realtime
+    API's WebSocket. Both turn their events into the calls of "server events" below, where
+    everything is measured."""
 
     def __init__(self, run: Run, index: int, profile: str) -> None:
         self.run, self.index, self.profile = run, index, profile
@@ -279,6 +324,17 @@ class Person:
             self.ended = True
             self.opened.set()
 
+    # ---- what this transport sends -----------------------------------------------------------------
+    async def send(self, msg: Any) -> None:
+        """One client event: a chunk of run.clips or run.silence, or one this class made."""
+        await self.call.write(msg)
+
+    def config_event(self) -> Any:
+        return client_event("session.update", event_id=CONFIG_ID, session=self.run.configs[self.profile])
+
+    async def send_ack(self, reply: Reply, played_ms: int) -> None:
+        await self.send(client_event("playback.ack", response_id=reply.response_id, played_ms=played_ms))
+
     # ---- the sender ------------------------------------------------------------------------------
     async def speak(self) -> None:
         run, chunk_s = self.run, self.run.chunk_ms / 1000
@@ -288,7 +344,7 @@ class Person:
         await self.opened.wait()
         if self.ended:
             return
-        await self.call.write(client_event("session.update", event_id=CONFIG_ID, session=run.configs[self.profile]))
+        await self.send(self.config_event())
         t0 = time.perf_counter()
         self.next_speech = t0 + self.rng.uniform(0.3, 1.5)
         n = 0
@@ -302,7 +358,7 @@ class Person:
                 return
             msg = self.next_chunk(now, n, now < run.stop_at)
             self.sent_t.append(now)
-            await self.call.write(msg)
+            await self.send(msg)
             await self.acknowledge(now)
             n += 1
             self.stats.chunks += 1
@@ -346,9 +402,9 @@ class Person:
                 and self.replies_done(now) and now - self.last_end >= QUIET_S)
 
     async def acknowledge(self, now: float) -> None:
-        """playback.ack every ~200 ms of play, and once a reply has played out; replies
-        that are over (acknowledged to the end, cleared, or done without audio) leave
-        live_replies."""
+        """playback.ack every ~200 ms of play, and once a reply has played out (send_ack:
+        transports without acks only count); replies that are over (acknowledged to the end,
+        cleared, or done without audio) leave live_replies."""
         if not self.live_replies:
             return
         over = []
@@ -360,8 +416,7 @@ class Person:
                 finished = bool(reply.status) and not reply.playing(now)
                 if played - reply.acked_ms >= ACK_EVERY_MS or (finished and played > reply.acked_ms):
                     reply.acked_ms = played
-                    await self.call.write(client_event("playback.ack", response_id=reply.response_id,
-                                                       played_ms=played))
+                    await self.send_ack(reply, played)
                 if finished and reply.acked_ms >= reply.received_ms:
                     over.append(reply)
         if over:
@@ -381,64 +436,91 @@ class Person:
 
     # ---- server events ----------------------------------------------------------------------------
     def on_event(self, msg: Any, now: float) -> None:
+        """One ConverseResponse, as the calls below."""
         kind = msg.WhichOneof("event")
         ev = getattr(msg, kind) if kind else None
-        stats = self.stats
         if kind == "response_output_audio_delta":
-            self.on_audio(ev, now)
+            if ev.audio:
+                channels = max(1, ev.channels)
+                self.on_audio(ev.response_id, len(ev.audio) // (2 * channels), ev.sample_rate, now)
         elif kind == "input_audio_buffer_speech_started":
-            utterance = self.utterance_at(ev.audio_start_ms)
-            if utterance is not None and (ev.audio_start_ms > utterance.end_ms or utterance.vad_seen):
-                utterance = None  # started in the silence after it, or again inside it (not an onset)
-            self.last_started = (now, utterance)
-            if utterance is not None:
-                utterance.vad_seen = True
-                if (sent := self.sent_at(utterance.start_ms)) is not None:
-                    stats.record("vad_start_ms", now - sent, now)
+            self.on_speech_started(ev.audio_start_ms, now)
         elif kind == "input_audio_buffer_speech_stopped":
-            decision_ms = ev.audio_end_ms + self.silence_ms
-            utterance = self.utterance_at(decision_ms)
-            voiced_t = None
-            if utterance is not None and utterance.start_ms < decision_ms:
-                voiced_t = self.sent_at(min(utterance.end_ms, decision_ms - 1))
-            self.trigger = (now, voiced_t)
-            if self.transcribes:
-                self.stopped_at[ev.item_id] = now
+            self.on_speech_stopped(ev.item_id, ev.audio_end_ms, now)
         elif kind == "conversation_item_input_audio_transcription_completed":
-            if (stopped := self.stopped_at.pop(ev.item_id, None)) is not None:
-                stats.record("transcript_final_ms", now - stopped, now)
+            self.on_transcript(ev.item_id, now)
         elif kind == "response_created":
-            trigger_t, voiced_t = self.trigger or (None, None)
-            self.trigger, self.awaiting_since = None, None
-            self.live_replies.append(Reply(ev.response_id, now, trigger_t, voiced_t))
-            stats.responses += 1
+            self.on_response_created(ev.response_id, now)
         elif kind == "response_done":
-            if (reply := self.live_reply(ev.response_id)) is not None:
-                reply.status = "done"
-            if ev.status not in (realtime_pb2.RESPONSE_STATUS_COMPLETED, realtime_pb2.RESPONSE_STATUS_CANCELLED):
-                self.error("response_failed")
+            self.on_response_done(ev.response_id, ev.status in (realtime_pb2.RESPONSE_STATUS_COMPLETED,
+                                                                realtime_pb2.RESPONSE_STATUS_CANCELLED))
         elif kind == "output_audio_buffer_cleared":
-            self.on_cleared(ev, now)
+            self.on_cleared(ev.response_id, now)
         elif kind == "error":
-            if ev.event_id == CONFIG_ID:
-                self.run.fail(f"the server rejected the session config: {ev.message}")
-            self.error(ev.code)
+            self.on_error(ev.code, ev.message, ev.event_id)
         elif kind in ("session_created", "session_updated"):
-            self.admitted = True
-            self.opened.set()
-            self.silence_ms = ev.session.turn_detection.silence_duration_ms or self.silence_ms
+            self.on_session(ev.session.turn_detection.silence_duration_ms)
         elif kind == "session_closed":
             self.closed_reason = ev.reason
+
+    def on_speech_started(self, audio_start_ms: float, now: float) -> None:
+        utterance = self.utterance_at(audio_start_ms)
+        if utterance is not None and (audio_start_ms > utterance.end_ms or utterance.vad_seen):
+            utterance = None  # started in the silence after it, or again inside it (not an onset)
+        self.last_started = (now, utterance)
+        if utterance is not None:
+            utterance.vad_seen = True
+            if (sent := self.sent_at(utterance.start_ms)) is not None:
+                self.stats.record("vad_start_ms", now - sent, now)
+
+    def on_speech_stopped(self, item_id: str, audio_end_ms: float, now: float) -> None:
+        decision_ms = audio_end_ms + self.silence_ms
+        utterance = self.utterance_at(decision_ms)
+        voiced_t = None
+        if utterance is not None and utterance.start_ms < decision_ms:
+            voiced_t = self.sent_at(min(utterance.end_ms, decision_ms - 1))
+        self.trigger = (now, voiced_t)
+        if self.transcribes:
+            self.stopped_at[item_id] = now
+
+    def on_transcript(self, item_id: str, now: float) -> None:
+        if (stopped := self.stopped_at.pop(item_id, None)) is not None:
+            self.stats.record("transcript_final_ms", now - stopped, now)
+
+    def on_response_created(self, response_id: str, now: float) -> None:
+        trigger_t, voiced_t = self.trigger or (None, None)
+        self.trigger, self.awaiting_since = None, None
+        self.live_replies.append(Reply(response_id, now, trigger_t, voiced_t))
+        self.stats.responses += 1
+
+    def on_response_done(self, response_id: str, ok: bool) -> None:
+        """`ok`: completed or cancelled; anything else counts as a response_failed error."""
+        if (reply := self.live_reply(response_id)) is not None:
+            reply.status = "done"
+        if not ok:
+            self.error("response_failed")
+
+    def on_error(self, code: str, message: str, event_id: str) -> None:
+        if event_id == CONFIG_ID:
+            self.run.fail(f"the server rejected the session config: {message}")
+        self.error(code)
+
+    def on_session(self, silence_ms: int) -> None:
+        """session.created or .updated: admitted, with its turn detection's silence window."""
+        self.admitted = True
+        self.opened.set()
+        self.silence_ms = silence_ms or self.silence_ms
 
     def live_reply(self, response_id: str) -> Reply | None:
         return next((r for r in self.live_replies if r.response_id == response_id), None)
 
-    def on_audio(self, ev: Any, now: float) -> None:
-        reply = self.live_reply(ev.response_id)
-        if reply is None or reply.cleared or not ev.audio:
-            return
+    def on_audio(self, response_id: str, frames: int, rate: int, now: float) -> Reply | None:
+        """A reply audio delta of `frames` samples at `rate`; the reply it played into."""
+        reply = self.live_reply(response_id)
+        if reply is None or reply.cleared or frames <= 0 or rate <= 0:
+            return None
         stats = self.stats
-        seconds = len(ev.audio) / (2 * max(1, ev.channels) * ev.sample_rate)
+        seconds = frames / rate
         if reply.first_audio_t is None:
             reply.first_audio_t = reply.play_until = now
             if reply.trigger_t is not None:
@@ -454,20 +536,23 @@ class Person:
                 self.underruns += 1
                 stats.underruns += 1
             stats.record("jitter_ms", max(0.0, now - reply.last_t - reply.last_s), now)
-        reply.received_frames += len(ev.audio) // (2 * max(1, ev.channels))
-        reply.received_ms = reply.received_frames * 1000 // ev.sample_rate
+        reply.received_frames += frames
+        reply.received_ms = reply.received_frames * 1000 // rate
         reply.play_until = max(now, reply.play_until) + seconds
         reply.last_t, reply.last_s = now, seconds
+        return reply
 
-    def on_cleared(self, ev: Any, now: float) -> None:
-        reply = self.live_reply(ev.response_id)
-        if reply is None:
-            return
+    def on_cleared(self, response_id: str, now: float) -> Reply | None:
+        """The reply's playback stops here (a barge-in): the reply, unless it was already cut."""
+        reply = self.live_reply(response_id)
+        if reply is None or reply.cleared:
+            return None
         reply.received_ms, reply.play_until, reply.cleared = reply.played_ms(now), now, True
         if self.last_started is not None and self.last_started[0] >= reply.created_t:
             utterance = self.last_started[1]
             if utterance is not None and (sent := self.sent_at(utterance.start_ms)) is not None:
                 self.stats.record("barge_in_ms", now - sent, now)
+        return reply
 
     def summary(self) -> dict[str, Any]:
         latencies = sorted(self.latencies)
@@ -481,14 +566,19 @@ class Person:
 
 @dataclass
 class Run:
+    """One level: `sessions` people at once. `link` is what they connect through: the gRPC
+    channels, or (openai-ws) a rtmedia.clients.loadtest_openai.SocketLink; `clips` hold
+    that transport's append events."""
+
     args: argparse.Namespace
-    channels: list[grpc.aio.Channel]
+    link: Any
     clips: list[Clip]
     sessions: int
     stats: Stats = field(init=False)
     silence: Any = field(init=False)
     chunk_ms: int = field(init=False)
     configs: dict[str, dict[str, Any]] = field(init=False)
+    person: type[Person] = field(init=False)
     stop_at: float = 0.0
     drain_at: float = 0.0
     failure: str = ""
@@ -497,10 +587,23 @@ class Run:
     def __post_init__(self) -> None:
         self.chunk_ms = self.args.chunk_ms
         self.stats = Stats(time.perf_counter())
-        samples = self.args.input_rate * self.chunk_ms // 1000
-        self.silence = client_event("input_audio_buffer.append", audio=bytes(2 * samples))
-        self.configs = {p: session_config(p, self.args) for p in PROFILES if p != "mixed"}
-        self.stubs = [realtime_pb2_grpc.RealtimeServiceStub(c) for c in self.channels]
+        silence = bytes(2 * input_rate(self.args) * self.chunk_ms // 1000)
+        profiles = [p for p in PROFILES if p != "mixed"]
+        if self.args.transport == "openai-ws":
+            from rtmedia.clients.loadtest_openai import SocketPerson, api_session, append_event
+
+            self.person, self.silence = SocketPerson, append_event(silence)
+            self.configs = {p: api_session(p, self.args) for p in profiles}
+            self.stubs = []
+        else:
+            self.person, self.silence = Person, client_event("input_audio_buffer.append", audio=silence)
+            self.configs = {p: session_config(p, self.args) for p in profiles}
+            self.stubs = [realtime_pb2_grpc.RealtimeServiceStub(c) for c in self.link]
+
+    @property
+    def where(self) -> str:
+        """Where the sessions go: the gRPC target or the WebSocket URL."""
+        return str(self.link.url) if self.args.transport == "openai-ws" else str(self.args.target)
 
     def stub_for(self, index: int) -> realtime_pb2_grpc.RealtimeServiceStub:
         return self.stubs[index % len(self.stubs)]
@@ -519,7 +622,7 @@ class Run:
         self.stats.origin = origin
         self.stop_at = origin + args.duration
         self.drain_at = self.stop_at + max(15.0, args.reply_timeout)
-        people = [Person(self, n, self.profile_of(n)) for n in range(self.sessions)]
+        people = [self.person(self, n, self.profile_of(n)) for n in range(self.sessions)]
         tasks = [asyncio.create_task(p.live(origin + n / args.ramp_per_s), name=f"loadtest-{n}")
                  for n, p in enumerate(people)]
         everyone = asyncio.gather(*tasks)
@@ -536,8 +639,8 @@ class Run:
         await everyone  # a bug in a person surfaces here
         self.stats.tick(time.perf_counter())
         settings = {"profile": args.profile, "sessions": self.sessions, "ramp_per_s": args.ramp_per_s,
-                    "duration_s": args.duration, "chunk_ms": self.chunk_ms, "input_rate": args.input_rate,
-                    "turn_detection": args.turn_detection, "target": args.target,
+                    "duration_s": args.duration, "chunk_ms": self.chunk_ms, "input_rate": input_rate(args),
+                    "turn_detection": args.turn_detection, "transport": args.transport, "target": self.where,
                     "audio": str(args.audio) if args.audio else "built-in Piper sentences"}
         report = build_report(self.stats, settings, time.perf_counter() - origin, _cpu_s() - cpu0,
                               os.cpu_count() or 1, [p.summary() for p in people])
@@ -594,7 +697,7 @@ class Progress:
     def table(self, point: dict[str, Any], run: Run) -> Any:
         from rich.table import Table
 
-        table = Table(title=f"{self.label}rtmedia loadtest: {run.args.profile} at {run.args.target}, "
+        table = Table(title=f"{self.label}rtmedia loadtest: {run.args.profile} at {run.where}, "
                             f"{point['t_s']:.0f} s", title_justify="left")
         for col in ("active", "started", "rejected", "errors", "underruns", "late chunks"):
             table.add_column(col, justify="right")
@@ -638,20 +741,37 @@ async def _connect(args: argparse.Namespace, sessions: int, credentials: Credent
     return [first, *(channel() for _ in range(-(-sessions // SESSIONS_PER_CONNECTION) - 1))]
 
 
+async def _open(args: argparse.Namespace, sessions: int, credentials: Credentials) -> Any:
+    """The transport's link to a server that answers: gRPC channels, or a SocketLink."""
+    if args.transport == "openai-ws":
+        from rtmedia.clients.loadtest_openai import open_link
+
+        return await open_link(args, credentials)
+    return await _connect(args, sessions, credentials)
+
+
+async def _close(args: argparse.Namespace, link: Any) -> None:
+    if args.transport == "openai-ws":
+        await link.close()
+        return
+    for channel in link:
+        await channel.close()
+
+
 async def _loadtest(args: argparse.Namespace, clips: list[Clip], credentials: Credentials) -> dict[str, Any]:
     top = args.capacity_limit if args.find_capacity else args.sessions
-    channels = await _connect(args, top, credentials)
+    link = await _open(args, top, credentials)
     progress = Progress(args.quiet)
     try:
         if not args.find_capacity:
-            return await Run(args, channels, clips, args.sessions).go(progress)
+            return await Run(args, link, clips, args.sessions).go(progress)
         results: dict[int, bool] = {}
         levels: list[dict[str, Any]] = []
         best: dict[str, Any] | None = None
         level = next_level(results, args.sessions, 1.5, 0.1, args.capacity_limit)
         while level is not None:
             progress.label = f"[{level} sessions] "
-            report = await Run(args, channels, clips, level).go(progress)
+            report = await Run(args, link, clips, level).go(progress)
             held = report["slo"]["held"]
             results[level] = held
             metric = report["slo"]["metric"]
@@ -671,15 +791,18 @@ async def _loadtest(args: argparse.Namespace, clips: list[Clip], credentials: Cr
         final["capacity_levels"] = levels
         return final
     finally:
-        for channel in channels:
-            await channel.close()
+        await _close(args, link)
 
 
 def cmd_loadtest(args: argparse.Namespace) -> None:
     check_args(args)
     credentials = from_args(args)
     paths = wav_files(args.audio) if args.audio else synthesized()
-    clips = load_clips(paths, args.input_rate, args.chunk_ms)
+    clips = load_clips(paths, input_rate(args), args.chunk_ms)
+    if args.transport == "openai-ws":
+        from rtmedia.clients.loadtest_openai import socket_clips
+
+        clips = socket_clips(clips)
     report = asyncio.run(_loadtest(args, clips, credentials))
     if args.report:
         args.report.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

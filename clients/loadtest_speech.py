@@ -9,13 +9,13 @@ import os
 import wave
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rtmedia.clients.cli import CliError
 from rtmedia.clients.client import read_wav, write_wav
 from rtmedia.engines.resample import float_to_pcm16
 from rtmedia.protocol.events import client_event
-from rtmedia.v1 import realtime_pb2
 
 SENTENCES = [
     "Please remember to buy milk and bread on your way home.",
@@ -33,10 +33,11 @@ VOICED = 0.005 * 32768  # a sample is voiced above this amplitude (about -46 dBF
 @dataclass
 class Clip:
     """One utterance: its append events for a chunk size (the last one padded with
-    silence to a whole chunk) and where its voice starts and ends (ms from its start)."""
+    silence to a whole chunk) and where its voice starts and ends (ms from its start).
+    The events are ConverseRequests, or (openai-ws) the Realtime API's JSON text frames."""
 
     name: str
-    chunks: list[realtime_pb2.ConverseRequest]
+    chunks: list[Any]
     voice_start_ms: float
     voice_end_ms: float
 
