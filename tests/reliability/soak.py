@@ -17,6 +17,11 @@ decoder pools grow to their working size on first use); after the load the serve
 
     .venv/bin/python tests/reliability/soak.py [--minutes 30] [--sessions 13] [--llm]
 
+Each window also records what the server spent on it: CPU seconds of the process tree per
+session-second, and the mean engine step time of each lane (from /metrics). With
+`--control-min`, a fresh server then runs one window of the same load: whether a late window's
+latency is the long-running server's or this machine's at that hour.
+
 Prints one JSON object; exits 1 on a loadtest error, a failed loadtest run, a rejected session
 or a resource not back at the baseline.
 """
@@ -27,10 +32,14 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -43,10 +52,57 @@ from tests.reliability.resources import (  # noqa: E402
     settle,
     snapshot,
     tolerances_of,
+    tree,
 )
 from tests.support.serve import RTMEDIA, free_port, running_server  # noqa: E402
 
 REPORTED = ("response_latency_ms", "voice_to_voice_ms", "jitter_ms")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid`'s process tree so far (children still alive)."""
+    total = 0
+    for p in tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / CLOCK_TICKS
+
+
+def lane_steps(metrics_port: int) -> dict[str, tuple[float, float]]:
+    """(seconds, steps) so far of each lane's engine steps, from rtmedia_lane_step_seconds."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    sums: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "rtmedia_lane_step_seconds":
+            continue
+        for sample in family.samples:
+            lane = sample.labels.get("lane", "")
+            if sample.name.endswith("_sum"):
+                sums.setdefault(lane, [0.0, 0.0])[0] = sample.value
+            elif sample.name.endswith("_count"):
+                sums.setdefault(lane, [0.0, 0.0])[1] = sample.value
+    return {lane: (v[0], v[1]) for lane, v in sums.items()}
+
+
+def server_spend(before: tuple[float, dict[str, tuple[float, float]]], after: tuple[float, dict[str, tuple[float, float]]],
+                 session_s: float) -> dict[str, Any]:
+    """What the server spent between two readings: CPU ms per session-second and mean step ms per lane."""
+    steps = {}
+    for lane, (seconds, count) in after[1].items():
+        was = before[1].get(lane, (0.0, 0.0))
+        if count > was[1]:
+            steps[lane] = round((seconds - was[0]) / (count - was[1]) * 1000, 3)
+    return {"server_cpu_ms_per_session_s": round((after[0] - before[0]) * 1000 / session_s, 2) if session_s else None,
+            "mean_step_ms": steps}
+
+
+async def server_reading(pid: int, metrics_port: int) -> tuple[float, dict[str, tuple[float, float]]]:
+    return cpu_seconds(pid), await asyncio.to_thread(lane_steps, metrics_port)
 
 
 async def loadtest(target: str, args: argparse.Namespace, duration_s: float, seed: int) -> dict[str, Any]:
@@ -143,9 +199,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for n in range(math.ceil(total_s / (args.window_min * 60))):
                 begun = time.monotonic() - t0
                 duration = min(args.window_min * 60, total_s - n * args.window_min * 60)
+                reading = await server_reading(pid, metrics_port)
                 window = await loadtest(target, args, duration, seed=args.seed + n)
+                spent = server_spend(reading, await server_reading(pid, metrics_port), duration * args.sessions)
                 windows.append({"index": n, "start_s": round(begun, 1), "end_s": round(time.monotonic() - t0, 1),
-                                **window})
+                                **window, **spent})
                 if "failed" in window:
                     problems.append(f"window {n}: {window['failed']}")
                     break
@@ -157,6 +215,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         after, differences, waited = await settle(pid, metrics_port, baseline, tolerances, args.settle_s)
         if server.poll() is not None:
             problems.append(f"the server exited with {server.returncode}")
+    if args.control_min:
+        result["control"] = await control_window(args, responder)
+        if "failed" in result["control"]:
+            problems.append(f"control window: {result['control']['failed']}")
     measured = [w for w in windows if "failed" not in w]
     errors = sum(w["errors"] for w in measured)
     rejected = sum(w["sessions_rejected"] for w in measured)
@@ -187,6 +249,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+async def control_window(args: argparse.Namespace, responder: tuple[str, ...]) -> dict[str, Any]:
+    """One window of the same load on a fresh server (after the same primer)."""
+    metrics_port = free_port()
+    with running_server("--metrics-port", str(metrics_port), *responder, "--log-level", "WARNING") as (target, server):
+        if args.primer_s:
+            await loadtest(target, args, args.primer_s, seed=0)
+            await quiet(metrics_port, args.settle_s)
+        duration = args.control_min * 60
+        reading = await server_reading(server.pid, metrics_port)
+        window = await loadtest(target, args, duration, seed=args.seed)
+        return {**window, **server_spend(reading, await server_reading(server.pid, metrics_port),
+                                         duration * args.sessions)}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command's flags, checked."""
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
@@ -204,6 +280,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds of the same load before the baseline is taken; 0: none (default 15)")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between resource samples (default 5)")
     parser.add_argument("--seed", type=int, default=1, help="loadtest seed of the first window (default 1)")
+    parser.add_argument("--control-min", type=float, default=0.0,
+                        help="then one window of this many minutes on a fresh server; 0: none (default 0)")
     parser.add_argument("--llm", action="store_true",
                         help="serve the embedded LM (for --profile llm); default: --no-llm, echo responder")
     add_settle_flags(parser, "the load")

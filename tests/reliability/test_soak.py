@@ -22,5 +22,6 @@ async def test_four_talk_sessions_for_two_minutes_leave_nothing_behind():
     assert window["sessions_started"] == window["sessions_completed"] == 4
     assert window["errors"] == 0 and window["sessions_rejected"] == 0
     assert window["responses"] >= 4, "the sessions were not answered"
+    assert window["server_cpu_ms_per_session_s"] > 0 and window["mean_step_ms"]["tts"] > 0, window
     assert max(s["sessions_active"] for s in result["rss_timeline"]) == 4
     assert not result["not_returned"]
