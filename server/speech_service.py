@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
+import numpy as np
 from rtmedia.engines.asr import AsrEvent, AsrItem
 from rtmedia.engines.base import EngineError
 from rtmedia.engines.resample import (
@@ -28,6 +29,7 @@ from rtmedia.server.vad_recognition import VadRecognition
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+READ_AHEAD_REQUESTS = 256  # Transcribe requests read ahead of the recogniser (then grpc's flow control holds the client)
 ASR_RATE = 16000
 TRANSCRIBE_RATES = {
     common_pb2.AUDIO_ENCODING_PCM16: (8000, 16000, 24000, 48000),
@@ -146,18 +148,32 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
             stream = self.asr.open()
         except EngineError as exc:  # no recogniser worker is up
             await abort_fault(context, exc, "transcription failed")
+        # What the client sent while the last piece was being recognised goes to the recogniser as
+        # one piece: a client of many small requests costs a lane round trip per piece, not per request.
+        queue: asyncio.Queue[speech_pb2.TranscribeRequest | None] = asyncio.Queue(READ_AHEAD_REQUESTS)
+        reader = asyncio.create_task(_read_into(request_iterator, queue), name="transcribe-reader")
         try:
-            chunk_no = 0
-            async for request in request_iterator:
-                chunk_no += 1
-                if request.WhichOneof("request") != "audio":
-                    await abort(context, INVALID, "CONFIG_TWICE",
-                                f"request {chunk_no} carries config again; only the first request may")
-                self.metrics.bytes_total.labels("in").inc(len(request.audio))
-                try:
-                    samples = resampler.process(decode(request.audio))
-                except ValueError as exc:
-                    await abort(context, INVALID, "BAD_AUDIO", f"audio in request {chunk_no}: {exc}")
+            chunk_no, ended = 0, False
+            while not ended:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                pieces = []
+                for request in batch:
+                    if request is None:  # the stream's end, or how it failed (raised here, as before)
+                        ended = True
+                        await reader
+                        break
+                    chunk_no += 1
+                    if request.WhichOneof("request") != "audio":
+                        await abort(context, INVALID, "CONFIG_TWICE",
+                                    f"request {chunk_no} carries config again; only the first request may")
+                    self.metrics.bytes_total.labels("in").inc(len(request.audio))
+                    try:
+                        pieces.append(resampler.process(decode(request.audio)))
+                    except ValueError as exc:
+                        await abort(context, INVALID, "BAD_AUDIO", f"audio in request {chunk_no}: {exc}")
+                samples = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
                 if len(samples):
                     for event in await self._asr(stream, float_to_pcm16(samples), False, context):
                         if event.is_final or partials:
@@ -167,6 +183,9 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
                 if event.is_final or partials:
                     yield _transcript(event)
         finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
             await self.asr.close(stream)
 
     async def _transcribe_by_vad(self, config, partials: bool, requests,
@@ -242,3 +261,12 @@ def _transcript(event: AsrEvent, shift_ms: int = 0) -> speech_pb2.TranscribeResp
         words=[common_pb2.WordInfo(word=w, start_ms=s + shift_ms, end_ms=e + shift_ms, confidence=c)
                for w, s, e, c in event.words],
     )
+
+
+async def _read_into(requests, queue: asyncio.Queue) -> None:
+    """A stream's requests into `queue`, then None (also when the stream fails: the call then ends)."""
+    try:
+        async for request in requests:
+            await queue.put(request)
+    finally:
+        await queue.put(None)
