@@ -246,7 +246,7 @@ class Translator:
     def _response_create(self, event: dict[str, Any], eid: str) -> realtime_pb2.ConverseRequest:
         _fields(event, {"response"})
         if self.config.type == "transcription":
-            raise RealtimeError("invalid_request_error", "a transcription session makes no responses")
+            raise RealtimeError("invalid_state", "a transcription session makes no responses")
         spec = event.get("response") or {}
         if not isinstance(spec, dict):
             raise RealtimeError("invalid_value", "response must be an object", "response")

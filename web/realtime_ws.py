@@ -41,7 +41,7 @@ TRANSPORT = "openai-ws"
 SUBPROTOCOL = "realtime"
 # Close codes: 1000 for a session that ended, 1011 when the server failed it, 1008 for a client
 # that stopped reading.
-CLOSE_REASONS = {"client_too_slow": WSCloseCode.POLICY_VIOLATION}
+CLOSE_REASONS = {"client_too_slow": WSCloseCode.POLICY_VIOLATION, "server_error": WSCloseCode.INTERNAL_ERROR}
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,14 @@ class RealtimeSocket:
             self.closed_reason = "client_too_slow"
 
     async def _from_client(self) -> None:
+        try:
+            await self._read_client()
+        except TimeoutError:
+            self.closed_reason = "client_too_slow"
+        except ConnectionResetError:  # the client went away while the front answered it
+            pass
+
+    async def _read_client(self) -> None:
         async for message in self.ws:
             if message.type == WSMsgType.TEXT:
                 await self._client_event(message.data)
@@ -137,7 +145,7 @@ class RealtimeSocket:
             return
         try:
             event = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # nested too deeply is not valid JSON here either
             await self.send([self.translator.error(RealtimeError("invalid_json", f"the event is not valid JSON: "
                                                                                  f"{str(exc)[:120]}"))])
             return

@@ -19,3 +19,12 @@ def chromium() -> Path:
     except ImportError:
         pytest.fail("the browser tests need Playwright for Python: pip install -e '.[dev]' (make setup)")
     return CHROMIUM
+
+
+async def launch(playwright, chromium: Path, microphone_wav: Path):
+    """Headless Chromium whose fake microphone plays `microphone_wav` (looped) and whose pages may
+    play audio and take the microphone without a user's gesture."""
+    return await playwright.chromium.launch(executable_path=str(chromium), headless=True, args=[
+        "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={microphone_wav}", "--autoplay-policy=no-user-gesture-required",
+        "--no-sandbox"])

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.browser.conftest import launch
 from tests.support.speech import wer
 from tests.support.webrtc import serve_with_web
 
@@ -81,10 +82,7 @@ async def test_page_talks_and_barges_in(served, chromium, microphone_wav):
     wav, wav_s = microphone_wav
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     async with async_playwright() as p:
-        browser = await p.chromium.launch(executable_path=str(chromium), headless=True, args=[
-            "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-            f"--use-file-for-fake-audio-capture={wav}", "--autoplay-policy=no-user-gesture-required",
-            "--no-sandbox"])
+        browser = await launch(p, chromium, wav)
         try:
             page = await browser.new_page()
             console: list[str] = []

@@ -15,6 +15,7 @@ import aiohttp
 import numpy as np
 import pytest
 
+from tests.browser.conftest import launch
 from tests.support.speech import wer
 from tests.support.webrtc import serve_with_web
 
@@ -106,10 +107,7 @@ async def test_a_browser_call_is_answered_and_heard(served, chromium, microphone
             assert refused.status == 401 and (await refused.json())["error"]["code"] == "invalid_api_key"
 
     async with async_playwright() as p:
-        browser = await p.chromium.launch(executable_path=str(chromium), headless=True, args=[
-            "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-            f"--use-file-for-fake-audio-capture={microphone_wav}", "--autoplay-policy=no-user-gesture-required",
-            "--no-sandbox"])
+        browser = await launch(p, chromium, microphone_wav)
         try:
             page = await browser.new_page()
             # The example page, served from the web front's own origin (as an app would serve it).

@@ -27,6 +27,7 @@ from rtmedia.server.config import ServerConfig
 from rtmedia.v1 import speech_pb2
 from rtmedia.web.bridge import Bridge, BridgeConfig
 from rtmedia.web.openai_api import OpenAIConfig
+from rtmedia.web.realtime_ws import RealtimeLimits
 from yarl import URL
 
 from tests.reliability.doors import (
@@ -44,9 +45,11 @@ GOOD = "fuzz-good-token-0123456789"
 LIMITED = "fuzz-limited-token-0123456789"
 # Cases per door: the doors whose cases are cheap get more.
 EXAMPLES = {"converse": 40, "raw_bytes": 40, "flood": 6, "oversize": 10, "auth": 15, "web_offer": 25,
-            "web_whip": 20, "web_routes": 30, "openai_speech": 30, "openai_transcription": 30}
+            "web_whip": 20, "web_routes": 30, "openai_speech": 30, "openai_transcription": 30, "openai_realtime": 15}
 DEFAULT_EXAMPLES = 25
 UPLOAD_LIMIT = 256 * 1024  # the web front's upload bound here: an oversize case stays cheap
+# The Realtime sockets' frame limits here: oversize frames stay cheap (a spoken turn, ~350 KB, still fits).
+REALTIME_LIMITS = RealtimeLimits(max_event_bytes=512 * 1024, max_frame_bytes=1024 * 1024)
 FUZZ = {"deadline": None, "derandomize": True, "database": None, "suppress_health_check": list(HealthCheck)}
 
 
@@ -79,7 +82,8 @@ async def fuzz_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 async def fuzz_bridge(fuzz_server):
     bridge = Bridge(BridgeConfig(target=f"127.0.0.1:{fuzz_server.port}", port=0, max_peers=4,
-                                 openai=OpenAIConfig(max_upload_bytes=UPLOAD_LIMIT)), fuzz_server.tokens)
+                                 openai=OpenAIConfig(max_upload_bytes=UPLOAD_LIMIT, realtime=REALTIME_LIMITS)),
+                    fuzz_server.tokens)
     await bridge.start()
     yield bridge
     await bridge.stop()
@@ -116,7 +120,8 @@ async def target(fuzz_server, fuzz_bridge, error_log):
                      max_receive_bytes=fuzz_server.config.max_receive_bytes,
                      features=frozenset({"riva", "web", "auth", "openai"}),
                      web_url=f"http://127.0.0.1:{fuzz_bridge.port}", http=http, web_peers=peers,
-                     offer_sdp=await offer_sdp(), max_upload_bytes=UPLOAD_LIMIT)
+                     offer_sdp=await offer_sdp(), max_upload_bytes=UPLOAD_LIMIT,
+                     max_event_bytes=REALTIME_LIMITS.max_event_bytes, max_frame_bytes=REALTIME_LIMITS.max_frame_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +166,15 @@ def _door_test(name: str) -> Any:
 
 for _name in DOORS:
     globals()[f"test_door_{_name}"] = _door_test(_name)
+
+
+def test_the_targets_realtime_limits_are_serves():
+    """The long run (fuzz.py) fuzzes `serve --web`, whose Realtime limits are RealtimeLimits'
+    defaults: the Target's defaults are those, so its oversize frames are over them."""
+    target = Target(channel=None, token=None, limited_token=None, sessions=None, alive=None, errors_logged=None,
+                    latent_channels=1, max_receive_bytes=0, features=frozenset())
+    assert (target.max_event_bytes, target.max_frame_bytes) == (RealtimeLimits().max_event_bytes,
+                                                                RealtimeLimits().max_frame_bytes)
 
 
 def test_every_method_the_server_serves_is_a_raw_door(fuzz_server):
