@@ -236,17 +236,19 @@ class Door:
     cases: st.SearchStrategy[Any]
     run: Callable[[Target, Any], Awaitable[Outcome]]
     needs: frozenset[str] = frozenset()
+    peers: bool = False  # its cases make bridge peers, which only the whole bridge counts: one job at a time
 
 
 DOORS: dict[str, Door] = {}
 
 
-def door(name: str, cases: st.SearchStrategy[Any], needs: Iterable[str] = ()) -> Callable[[Any], Any]:
-    """Register the decorated runner as the door `name`, fuzzed with `cases`."""
+def door(name: str, cases: st.SearchStrategy[Any], needs: Iterable[str] = (), peers: bool = False
+         ) -> Callable[[Any], Any]:
+    """Register the decorated runner as the door `name`, fuzzed with `cases` (see Door for `peers`)."""
     def register(run: Callable[[Target, Any], Awaitable[Outcome]]) -> Callable[[Target, Any], Awaitable[Outcome]]:
         if name in DOORS:
             raise ValueError(f"door {name!r} is registered twice")
-        DOORS[name] = Door(name, cases, run, frozenset(needs))
+        DOORS[name] = Door(name, cases, run, frozenset(needs), peers)
         return run
     return register
 
@@ -1100,17 +1102,17 @@ async def _web(target: Target, call: WebCall) -> Outcome:
     return outcome
 
 
-@door("web_offer", WEB_OFFER, needs=["web"])
+@door("web_offer", WEB_OFFER, needs=["web"], peers=True)
 async def web_offer(target: Target, call: WebCall) -> Outcome:
     return await _web(target, call)
 
 
-@door("web_whip", WEB_WHIP, needs=["web"])
+@door("web_whip", WEB_WHIP, needs=["web"], peers=True)
 async def web_whip(target: Target, call: WebCall) -> Outcome:
     return await _web(target, call)
 
 
-@door("web_routes", WEB_ROUTES, needs=["web"])
+@door("web_routes", WEB_ROUTES, needs=["web"], peers=True)
 async def web_routes(target: Target, call: WebCall) -> Outcome:
     return await _web(target, call)
 

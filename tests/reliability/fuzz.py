@@ -7,8 +7,9 @@ process of its own) keeps talking with the right token.
 
 `--jobs N` runs N cases of a door at once (each job its own tokens and seed, `--cases` split
 between them), for the doors whose cases mostly wait (converse): a job's sessions are counted by
-its tokens (`rtmedia_token_sessions_active`), so each case is still judged alone. The web doors
-run one job at a time: the bridge's peers are counted for all.
+its tokens (`rtmedia_token_sessions_active`), so each case is still judged alone. The doors that
+make bridge peers (`Door.peers`) run one job at a time: the bridge's peers are counted for all.
+An error line the server logs is judged against the case that next looks, whichever job's it is.
 
 Prints one JSON object, and exits 1 when a case broke a rule or the server died: per door the cases run, crashes (the server exited or stopped answering
 health), leaked sessions and bridge peers, the statuses by code and ErrorInfo reason (HTTP
@@ -277,7 +278,7 @@ async def fuzz(args: argparse.Namespace, address: str, process: subprocess.Popen
                 continue
             stats = DoorStats(door.name)
             start, started = time.monotonic(), time.perf_counter()
-            targets = [target] if "web" in door.needs else jobs
+            targets = [target] if door.peers else jobs
             shares = [args.cases // len(targets) + (j < args.cases % len(targets)) for j in range(len(targets))]
             await asyncio.gather(*(asyncio.to_thread(drive, door, share, args.seed + j, loop, job, stats, process)
                                    for j, (job, share) in enumerate(zip(targets, shares, strict=True)) if share))
@@ -307,8 +308,8 @@ def main() -> int:
                         help=f"fuzz only this door (repeatable; default all: {', '.join(DOORS)})")
     parser.add_argument("--cases", type=int, default=10000, help="cases per door (default 10000)")
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0: the same cases every run)")
-    parser.add_argument("--jobs", type=int, default=1, help="cases of a door run at once (default 1; not the web "
-                                                            "doors'; see the module docstring)")
+    parser.add_argument("--jobs", type=int, default=1, help="cases of a door run at once (default 1; not the "
+                                                            "bridge doors'; see the module docstring)")
     parser.add_argument("--before-turns", type=int, default=5,
                         help="turns of the well-behaved session measured before the fuzzing (default 5)")
     parser.add_argument("--no-talker", action="store_true", help="no well-behaved session (no latency figures)")
