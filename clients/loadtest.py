@@ -274,31 +274,50 @@ class Person:
         self.underruns = 0
 
     # ---- lifecycle -------------------------------------------------------------------------------
+    # What a send raises when the session ended under the sender (the reader records why).
+    SENDER_ENDED: tuple[type[BaseException], ...] = (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError)
+
     async def live(self, start_at: float) -> None:
+        """The person's whole session: open at `start_at`, speak until the run stops, close."""
         await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         if time.perf_counter() >= self.run.stop_at:
             return
         stats = self.stats
         stats.started += 1
         stats.active += 1
-        self.call = self.run.stub_for(self.index).Converse()
-        reader = asyncio.create_task(self.read(), name=f"loadtest-{self.index}-read")
+        reader: asyncio.Task[None] | None = None
         try:
+            if not await self.open():
+                return
+            reader = asyncio.create_task(self.read(), name=f"loadtest-{self.index}-read")
             await self.speak()
             if not self.ended:
-                await self.call.write(client_event("session.close"))
-                await self.call.done_writing()
-                await asyncio.wait_for(asyncio.shield(reader), CLOSE_WAIT_S)
+                await self.end(reader)
         except TimeoutError:
             self.error("close_timeout")
-        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-            pass  # the stream ended under the sender: the reader recorded why
+        except self.SENDER_ENDED:
+            pass
         finally:
             stats.active -= 1
-            if not reader.done() and not self.call.done():  # a finished call: the reader records why
-                self.cancelled = True
-                self.call.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+            if reader is not None:
+                await self.stop_reader(reader)
+
+    async def open(self) -> bool:
+        """Start the session; False when it was refused (and counted as such)."""
+        self.call = self.run.stub_for(self.index).Converse()
+        return True
+
+    async def end(self, reader: asyncio.Task[None]) -> None:
+        """The client's end of the session, and the server's answer to it."""
+        await self.call.write(client_event("session.close"))
+        await self.call.done_writing()
+        await asyncio.wait_for(asyncio.shield(reader), CLOSE_WAIT_S)
+
+    async def stop_reader(self, reader: asyncio.Task[None]) -> None:
+        if not reader.done() and not self.call.done():  # a finished call: the reader records why
+            self.cancelled = True
+            self.call.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
 
     def error(self, code: str) -> None:
         self.errors += 1

@@ -215,39 +215,23 @@ class SocketPerson(Person):
         self.closing = False  # the client closed the socket
 
     # ---- lifecycle -------------------------------------------------------------------------------
-    async def live(self, start_at: float) -> None:
-        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
-        if time.perf_counter() >= self.run.stop_at:
-            return
-        stats = self.stats
-        stats.started += 1
-        stats.active += 1
-        reader: asyncio.Task[None] | None = None
-        try:
-            if not await self.connect():
-                return
-            reader = asyncio.create_task(self.read(), name=f"loadtest-{self.index}-read")
-            await self.speak()
-            if not self.ended:
-                await self.close()
-        except TimeoutError:
-            self.error("close_timeout")
-        except (aiohttp.ClientError, ConnectionError):
-            pass  # the socket ended under the sender: the reader recorded why
-        finally:
-            stats.active -= 1
-            if reader is not None:
-                if not reader.done():  # a socket that ended under the sender: its reader says how
-                    await asyncio.wait([reader], timeout=READER_WAIT_S)
-                if not reader.done():
-                    self.cancelled = True
-                    reader.cancel()
-                await asyncio.gather(reader, return_exceptions=True)
-            if self.ws is not None and not self.ws.closed:
-                self.closing = True
-                await asyncio.gather(asyncio.wait_for(self.ws.close(), CLOSE_WAIT_S), return_exceptions=True)
+    SENDER_ENDED = (aiohttp.ClientError, ConnectionError)
 
-    async def connect(self) -> bool:
+    async def end(self, reader: asyncio.Task[None]) -> None:
+        await self.close()
+
+    async def stop_reader(self, reader: asyncio.Task[None]) -> None:
+        if not reader.done():  # a socket that ended under the sender: its reader says how
+            await asyncio.wait([reader], timeout=READER_WAIT_S)
+        if not reader.done():
+            self.cancelled = True
+            reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        if self.ws is not None and not self.ws.closed:
+            self.closing = True
+            await asyncio.gather(asyncio.wait_for(self.ws.close(), CLOSE_WAIT_S), return_exceptions=True)
+
+    async def open(self) -> bool:
         """The handshake; False when it was refused (and counted as such)."""
         try:
             self.ws = await self.run.link.connect()

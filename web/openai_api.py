@@ -149,11 +149,6 @@ class OpenAIFront:
         finally:
             self.active -= 1
 
-    async def attach_call(self, request: web.Request, ws: web.WebSocketResponse) -> web.StreamResponse:
-        from rtmedia.web.realtime_calls import attach
-
-        return await attach(request, ws, self)
-
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [_model(m) for m in MODELS]})
 

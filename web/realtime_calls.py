@@ -28,9 +28,8 @@ from typing import Any
 from aiohttp import WSMsgType, web
 from rtmedia.protocol.tokens import Token
 from rtmedia.web.openai_errors import OpenAIError
-from rtmedia.web.realtime_config import RealtimeError
+from rtmedia.web.realtime_config import RealtimeConfig, RealtimeError, new_config
 from rtmedia.web.realtime_events import Translator
-from rtmedia.web.realtime_ws import new_config
 
 CALL_PREFIX = "rtc_"
 SECRET_PREFIX = "ek_"
@@ -89,7 +88,7 @@ async def create_client_secret(request: web.Request, front: Any) -> web.Response
         raise OpenAIError(400, f"expires_after.seconds must be an integer {low}..{high}",
                           param="expires_after.seconds", code="invalid_value")
     session = body.get("session")
-    config = _session_config(session, "session")
+    config = _session_config(session)
     key, secret = front.secrets.issue(seconds, session, request.get(TOKEN_KEY), request.get(BEARER_KEY))
     return web.json_response({"value": key, "expires_at": int(secret.expires_at),
                               "session": config.session_object()})
@@ -106,7 +105,7 @@ async def create_call(request: web.Request, front: Any) -> web.Response:
     secret = front.secrets.get(request.get(SECRET_KEY))
     if session is None and secret is not None:
         session = secret.session
-    config = _session_config(session, "session")
+    config = _session_config(session)
     translator = Translator(config, webrtc=True)
     try:
         peer, answer = await calls.answer(sdp, request, translator)
@@ -165,16 +164,10 @@ def _own_call(front: Any, call_id: str, request: web.Request) -> Any:
     return peer
 
 
-def _session_config(session: Any, param: str) -> Any:
+def _session_config(session: Any) -> RealtimeConfig:
     """The new session's config: the API's defaults, then `session` (session.update's object) applied."""
-    kind = session.get("type", "realtime") if isinstance(session, dict) else "realtime"
-    model = session.get("model", "rtmedia-realtime") if isinstance(session, dict) else "rtmedia-realtime"
-    config = new_config(model if isinstance(model, str) else "rtmedia-realtime",
-                        kind if kind in ("realtime", "transcription") else "realtime")
-    if session is None:
-        return config
     try:
-        return config.updated(session)
+        return new_config(session=session)
     except RealtimeError as exc:
         raise OpenAIError(400, exc.message, param=exc.param, code=exc.code) from None
 

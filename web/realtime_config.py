@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,8 @@ from typing import Any
 from rtmedia.v1 import common_pb2
 
 # The API's model names a session accepts; all are served by the same engines.
-REALTIME_MODELS = ("rtmedia-realtime", "gpt-realtime", "gpt-realtime-mini", "gpt-realtime-2025-08-28",
+DEFAULT_MODEL = "rtmedia-realtime"
+REALTIME_MODELS = (DEFAULT_MODEL, "gpt-realtime", "gpt-realtime-mini", "gpt-realtime-2025-08-28",
                    "gpt-4o-realtime-preview", "gpt-4o-mini-realtime-preview", "gpt-realtime-1.5",
                    "gpt-realtime-2", "gpt-realtime-2.1", "gpt-realtime-2.1-mini")
 TRANSCRIPTION_MODELS = ("rtmedia-pocketsphinx", "whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe",
@@ -312,3 +314,17 @@ class RealtimeConfig:
     @staticmethod
     def _format(kind: str) -> dict[str, Any]:
         return {"type": kind, "rate": FORMATS[kind][1]} if kind == "audio/pcm" else {"type": kind}
+
+
+def new_config(model: str = DEFAULT_MODEL, kind: str = "realtime", session: Any = None) -> RealtimeConfig:
+    """A new session's config: the defaults of its kind (`session`'s type where it names a valid
+    one, else `kind`) and model, then `session` (session.update's object, as calls and client
+    secrets take one) applied; RealtimeError names a bad field."""
+    if isinstance(session, dict):
+        kind = session["type"] if session.get("type") in ("realtime", "transcription") else kind
+        model = session["model"] if isinstance(session.get("model"), str) else model
+    config = RealtimeConfig(id="sess_" + secrets.token_urlsafe(12), model=model, type=kind)
+    if kind == "transcription":  # transcription sessions speak no replies and always transcribe
+        config.turn_detection = TurnDetection(create_response=False, interrupt_response=False)
+        config.transcription = {"model": "whisper-1", "language": None, "prompt": None}
+    return config if session is None else config.updated(session)

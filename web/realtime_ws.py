@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +32,14 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from rtmedia.v1 import realtime_pb2
 from rtmedia.v1.realtime_pb2_grpc import RealtimeServiceStub
 from rtmedia.web.openai_errors import SERVER_ERROR, OpenAIError, from_rpc
-from rtmedia.web.realtime_config import REALTIME_MODELS, RealtimeConfig, RealtimeError, TurnDetection
+from rtmedia.web.realtime_calls import attach
+from rtmedia.web.realtime_config import (
+    DEFAULT_MODEL,
+    REALTIME_MODELS,
+    RealtimeConfig,
+    RealtimeError,
+    new_config,
+)
 from rtmedia.web.realtime_events import Translator
 
 log = logging.getLogger(__name__)
@@ -170,8 +176,8 @@ async def realtime_socket(request: web.Request, front: Any) -> web.StreamRespons
         raise OpenAIError(400, "/v1/realtime is a WebSocket: connect with a WebSocket client (Upgrade: websocket)",
                           code="websocket_required")
     if "call_id" in request.query:
-        return await front.attach_call(request, ws)
-    model = request.query.get("model", "rtmedia-realtime")
+        return await attach(request, ws, front)
+    model = request.query.get("model", DEFAULT_MODEL)
     intent = request.query.get("intent", "")
     if intent not in ("", "transcription"):
         raise OpenAIError(400, f"intent={intent[:40]!r}: the intents are transcription, or none", param="intent",
@@ -181,14 +187,6 @@ async def realtime_socket(request: web.Request, front: Any) -> web.StreamRespons
                           param="model", code="model_not_found")
     config = new_config(model, intent or "realtime")
     return await serve_socket(request, ws, front, config, TRANSPORT)
-
-
-def new_config(model: str, kind: str) -> RealtimeConfig:
-    config = RealtimeConfig(id="sess_" + secrets.token_urlsafe(12), model=model, type=kind)
-    if kind == "transcription":  # transcription sessions speak no replies and always transcribe
-        config.turn_detection = TurnDetection(create_response=False, interrupt_response=False)
-        config.transcription = {"model": "whisper-1", "language": None, "prompt": None}
-    return config
 
 
 async def open_call(front: Any, request: web.Request, translator: Translator, transport: str

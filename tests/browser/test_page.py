@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import wave
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.browser.conftest import launch
-from tests.support.speech import wer
+from tests.support.speech import wer, write_wav
 from tests.support.webrtc import serve_with_web
 
 pytestmark = pytest.mark.e2e
@@ -38,14 +37,9 @@ def microphone_wav(tmp_path_factory, speaker) -> tuple[Path, float]:
 
     parts = [silence(3.0), speaker.say(SENTENCE, RATE), silence(4.5), speaker.say(SENTENCE, RATE), silence(1.3),
              speaker.say(INTERRUPTION, RATE), silence(6.0)]
-    path = tmp_path_factory.mktemp("mic") / "microphone.wav"
-    with wave.open(str(path), "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(RATE)
-        # At a microphone's level (peaks near -12 dBFS): the page's automatic gain control
-        # would push full-scale speech into clipping.
-        wav.writeframes((np.concatenate(parts) * 0.3).astype("<i2").tobytes())
+    # At a microphone's level (peaks near -12 dBFS): the page's automatic gain control would push
+    # full-scale speech into clipping.
+    path = write_wav(tmp_path_factory.mktemp("mic") / "microphone.wav", RATE, np.concatenate(parts) * 0.3)
     return path, sum(map(len, parts)) / RATE
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import wave
 
 import aiohttp
 import numpy as np
 import pytest
 
 from tests.browser.conftest import launch
-from tests.support.speech import wer
+from tests.support.speech import wer, write_wav
 from tests.support.webrtc import serve_with_web
 
 pytestmark = pytest.mark.e2e
@@ -71,13 +70,7 @@ def served(tmp_path_factory):
 @pytest.fixture(scope="module")
 def microphone_wav(tmp_path_factory, speaker):
     parts = [speaker.silence(3.0, RATE), speaker.say(SENTENCE, RATE), speaker.silence(8.0, RATE)]
-    path = tmp_path_factory.mktemp("mic") / "microphone.wav"
-    with wave.open(str(path), "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(RATE)
-        wav.writeframes((np.concatenate(parts) * 0.3).astype("<i2").tobytes())
-    return path
+    return write_wav(tmp_path_factory.mktemp("mic") / "microphone.wav", RATE, np.concatenate(parts) * 0.3)
 
 
 async def wait_event(page, kind: str, timeout: float) -> dict:

@@ -8,8 +8,9 @@ import asyncio
 
 import grpc
 from rtmedia.protocol.events import server_event
+from rtmedia.web.realtime_config import new_config
 from rtmedia.web.realtime_events import Translator
-from rtmedia.web.realtime_ws import RealtimeLimits, RealtimeSocket, new_config
+from rtmedia.web.realtime_ws import RealtimeLimits, RealtimeSocket
 
 
 class StuckSocket:
