@@ -26,6 +26,7 @@ import numpy as np
 from rtmedia.clients.cli import CliError
 from rtmedia.clients.client import DEFAULT_TARGET, RealtimeClient, read_wav, write_wav
 from rtmedia.clients.credentials import Credentials, add_credential_flags, from_args
+from rtmedia.clients.tools import Toolbox, ToolError, load_tools
 from rtmedia.protocol.events import client_event, event_type, to_json
 from rtmedia.v1 import realtime_pb2
 
@@ -69,6 +70,10 @@ output_audio_buffer.cleared. Without --realtime the file is sent faster than it
 plays, so voice-to-voice leaves out most of the silence window: use --realtime
 for numbers comparable with a live user.
 
+With --tools FILE the session offers FILE's public Python functions as tools (their
+docstrings and type hints are the declarations); each call the model makes runs here,
+is printed with its result, and its output goes back with response.create for the answer.
+
 --json prints one canonical JSON event per line (rtmedia.protocol.events.to_json)
 with "t_ms" added: the client clock in ms from sending the first audio chunk
 (negative before it). Audio deltas carry "audio_bytes" (the PCM16 byte count)
@@ -95,6 +100,8 @@ def add_talk_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-ms", type=int, default=20, help="audio per append event (default 20 ms)")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
     p.add_argument("--json", action="store_true", help="one JSON event per line, then a summary line")
+    p.add_argument("--tools", type=Path, default=None, metavar="FILE.py",
+                   help="offer FILE.py's public functions as tools and run the calls here")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="after the file is sent, wait at most this many seconds for the session to go idle "
                         "(default 60); then exit non-zero")
@@ -212,6 +219,9 @@ class Talk:
     failure: Exception | None = None
     early: list[tuple[dict[str, Any], float]] = field(default_factory=list)  # JSON lines before the origin
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    toolbox: Toolbox | None = None
+    tool_calls: list[dict[str, str]] = field(default_factory=list)  # name, arguments, output of each run
+    tool_tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     # ---- output helpers ---------------------------------------------------------
     def t(self, now: float) -> float:
@@ -276,6 +286,8 @@ class Talk:
             "responder": args.responder, "instructions": args.instructions, "voice": args.voice,
             "output_sample_rate": args.output_rate,
         }
+        if self.toolbox is not None:
+            session["tools"] = {"functions": self.toolbox.declarations}
         await self.write("session.update", event_id=CONFIG_ID, session=session)
         await self.configured.wait()
         if not self.config_error:
@@ -315,7 +327,7 @@ class Talk:
             self.last_chunk_t = sent
 
     def idle(self, now: float) -> bool:
-        if self.create_pending or self.last_chunk_t is None:
+        if self.create_pending or self.last_chunk_t is None or self.tool_tasks:
             return False
         for reply in self.replies.values():
             if not reply.status or reply.playing(now) or (not reply.cleared and reply.played_ms(now) > reply.acked_ms):
@@ -420,6 +432,10 @@ class Talk:
             self.say(now, f"rtmedia: {ev.text}{self.latency_note(reply)}")
         elif name == "response.done" and ev.response_id in self.replies:
             reply = self.replies[ev.response_id]
+            if ev.function_calls and self.toolbox is not None:
+                task = asyncio.create_task(self.run_calls(list(ev.function_calls)), name="talk-tools")
+                self.tool_tasks.add(task)
+                task.add_done_callback(self.tool_tasks.discard)
             reply.status = realtime_pb2.ResponseStatus.Name(ev.status).removeprefix("RESPONSE_STATUS_").lower()
             if reply.status == "cancelled":
                 heard = f" after {reply.played_ms(now) / 1000:.2f} s" if reply.first_audio_t else ""
@@ -433,6 +449,20 @@ class Talk:
             self.on_cleared(ev, now)
         elif name == "session.closed":
             self.closed_reason = ev.reason
+
+    async def run_calls(self, calls: list[realtime_pb2.ConversationItem]) -> None:
+        """Run a response's function calls here, send their outputs, and ask for the answer."""
+        assert self.toolbox is not None
+        for call in calls:
+            self.say(time.perf_counter(), f"call {call.name}({call.arguments})")
+            output = await self.toolbox.run(call.name, call.arguments)
+            self.say(time.perf_counter(), f"  -> {output}")
+            self.tool_calls.append({"name": call.name, "arguments": call.arguments, "output": output})
+            await self.write("conversation.item.create", item={"type": "function_call_output", "call_id": call.call_id,
+                                                               "output": output})
+        self.create_pending = True
+        self.trigger = (time.perf_counter(), None)
+        await self.write("response.create", event_id=CREATE_ID)
 
     def describe_config(self, config: realtime_pb2.SessionConfig) -> None:
         if self.args.json:
@@ -510,6 +540,7 @@ class Talk:
             "barge_in_ms": self.barge_in_ms,
             "errors": self.errors,
             "transcripts": self.transcripts,
+            "tool_calls": self.tool_calls,
             "reply_text": " ".join(r.text for r in replies if r.status == "completed" and r.text),
             "reply_audio_s": round(self.reply_bytes / 2 / self.audio_rate, 3) if self.audio_rate else 0.0,
             "reply_sample_rate": self.audio_rate,
@@ -524,8 +555,9 @@ class Talk:
         return sum(map(len, self.audio_parts))
 
 
-async def _converse(args: argparse.Namespace, audio: InputAudio, credentials: Credentials) -> Talk:
-    talk = Talk(args, audio)
+async def _converse(args: argparse.Namespace, audio: InputAudio, credentials: Credentials,
+                    toolbox: Toolbox | None = None) -> Talk:
+    talk = Talk(args, audio, toolbox=toolbox)
     async with RealtimeClient(args.target, credentials=credentials) as client:
         talk.call = client.converse()
         tasks = [asyncio.create_task(talk.drive(), name="talk-send"),
@@ -540,9 +572,9 @@ async def _converse(args: argparse.Namespace, audio: InputAudio, credentials: Cr
                 raise
             raise CliError(f"the server did not end the stream within {CLOSE_WAIT_S:.0f} s of session.close") from None
         finally:
-            for task in tasks:
+            for task in [*tasks, *talk.tool_tasks]:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)  # a failed write also fails the read above
+            await asyncio.gather(*tasks, *talk.tool_tasks, return_exceptions=True)  # a failed write fails the read
     return talk
 
 
@@ -552,7 +584,11 @@ def cmd_talk(args: argparse.Namespace) -> None:
     audio = load_input(args.input, args.chunk_ms, tail_ms=1000 if args.mode == "server_vad" else 0)
     if args.timeout <= 0:
         raise CliError(f"--timeout must be positive, got {args.timeout}")
-    talk = asyncio.run(_converse(args, audio, credentials))
+    try:
+        toolbox = load_tools(args.tools) if args.tools is not None else None
+    except ToolError as exc:
+        raise CliError(f"--tools: {exc}") from None
+    talk = asyncio.run(_converse(args, audio, credentials, toolbox))
     if sys.stderr.isatty() and not args.json and talk.partial:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     problem = ""

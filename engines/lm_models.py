@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .responder import Message, ResponderError
+from .responder import FunctionTool, Message, ResponderError, chat_messages
 
 log = logging.getLogger(__name__)
 
@@ -240,40 +240,54 @@ def load_causal_lm(model_dir: str | Path, dtype: torch.dtype = torch.float32) ->
 # --------------------------------------------------------------------------- chat prompts
 
 
-def _chat_messages(history: Sequence[Message], instructions: str) -> list[dict[str, str]]:
+def _chat_messages(history: Sequence[Message], instructions: str) -> list[dict[str, Any]]:
+    """The system message, then the history as chat messages (responder.chat_messages), each
+    call's arguments an object as Hugging Face templates take them."""
     system = instructions.strip() or DEFAULT_INSTRUCTIONS
-    return [{"role": "system", "content": system}] + [{"role": m.role, "content": m.text} for m in history]
+    messages = chat_messages(list(history))
+    for message in messages:
+        for call in message.get("tool_calls", ()):
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"] or "{}")
+            except ValueError:
+                pass  # as the client recorded it
+    return [{"role": "system", "content": system}, *messages]
 
 
-def chat_prompt_ids(tokenizer: Any, history: Sequence[Message], instructions: str = "") -> list[int]:
+def chat_prompt_ids(tokenizer: Any, history: Sequence[Message], instructions: str = "",
+                    tools: Sequence[FunctionTool] = ()) -> list[int]:
     """Token ids of the prompt for the next assistant turn: `instructions` (or
     DEFAULT_INSTRUCTIONS) as the system message, then `history`, through the tokenizer's chat
-    template with the generation prompt. A template that refuses a system role gets the
-    instructions prepended to the first user turn; a tokenizer without a template gets a
-    plain "System: / User: / Assistant:" transcript."""
+    template with the generation prompt (and `tools`, for a template that takes them). A
+    template that refuses a system role gets the instructions prepended to the first user
+    turn; a tokenizer without a template gets a plain "System: / User: / Assistant:" transcript."""
     messages = _chat_messages(history, instructions)
+    schemas = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                 "parameters": t.parameters}} for t in tools] or None
     if getattr(tokenizer, "chat_template", None):
         from jinja2 import TemplateError
 
         try:
-            return _apply_template(tokenizer, messages)
+            return _apply_template(tokenizer, messages, schemas)
         except TemplateError:  # e.g. "System role not supported"
             merged = _merge_system(messages)
             if merged is None:
                 raise
-            return _apply_template(tokenizer, merged)
-    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
+            return _apply_template(tokenizer, merged, schemas)
+    text = "".join(f"{m['role'].capitalize()}: {m['content'] or ''}\n" for m in messages) + "Assistant:"
     return list(tokenizer(text)["input_ids"])
 
 
-def _apply_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+def _apply_template(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                    ) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding despite return_dict=False
         ids = ids["input_ids"]
     return [int(i) for i in ids]
 
 
-def _merge_system(messages: list[dict[str, str]]) -> list[dict[str, str]] | None:
+def _merge_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
     system, rest = messages[0], [dict(m) for m in messages[1:]]
     for m in rest:
         if m["role"] == "user":
@@ -288,6 +302,7 @@ def truncate_history_to_fit(
     instructions: str,
     max_new_tokens: int,
     context: int,
+    tools: Sequence[FunctionTool] = (),
 ) -> tuple[list[Message], list[int]]:
     """(kept history, prompt ids) such that len(ids) + max_new_tokens <= context: the oldest
     turns are dropped first (never the system message, never the last turn), and a kept
@@ -301,7 +316,7 @@ def truncate_history_to_fit(
         return k
 
     def fits(k: int) -> tuple[bool, list[int]]:
-        ids = chat_prompt_ids(tokenizer, history[k:], instructions)
+        ids = chat_prompt_ids(tokenizer, history[k:], instructions, tools)
         return len(ids) + max_new_tokens <= context, ids
 
     ok, ids = fits(0)

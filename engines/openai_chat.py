@@ -9,6 +9,11 @@ message, then the conversation; camera frames,
 when the request has any, go with the last user turn as `image_url` data URLs (a
 text-only server may refuse them: pass `send_images=False`).
 
+With tools (docs/protocol.md#tools) the body carries them as `tools` (functions) and
+`tool_choice`, and the stream's `delta.tool_calls` become `CallDelta`s (the upstream's
+`index` is the call's); the history's function calls go back as the assistant message's
+`tool_calls`, each followed by its `tool` message (rtmedia.engines.responder.chat_messages).
+
 Every failure (a status other than 200, a malformed event, a refused connection, a
 timeout, an error event in the stream) raises ResponderError naming the URL and the
 problem, with the server's own error message when it sent one. Cancelling the task
@@ -26,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from .lm_models import DEFAULT_INSTRUCTIONS
-from .responder import Incomplete, ReplyRequest, ResponderError
+from .responder import CallDelta, Incomplete, ReplyRequest, ResponderError, chat_messages
 
 __all__ = ["OpenAIResponder", "ResponderError"]
 
@@ -37,6 +42,7 @@ class OpenAIResponder:
     """Replies from an OpenAI-compatible chat-completions server, streamed."""
 
     name = "openai"
+    calls_tools = True
 
     def __init__(
         self,
@@ -58,8 +64,7 @@ class OpenAIResponder:
         """The request's `messages`: the instructions (DEFAULT_INSTRUCTIONS when empty, as for
         the local LMs) as the system message, then the history."""
         system = request.instructions if request.instructions.strip() else DEFAULT_INSTRUCTIONS
-        out: list[dict[str, Any]] = [{"role": "system", "content": system}]
-        out += [{"role": m.role, "content": m.text} for m in request.history]
+        out: list[dict[str, Any]] = [{"role": "system", "content": system}, *chat_messages(request.history)]
         if self.send_images and request.images:
             last_user = next((i for i in range(len(out) - 1, -1, -1) if out[i]["role"] == "user"), None)
             if last_user is not None:
@@ -72,9 +77,15 @@ class OpenAIResponder:
         body: dict[str, Any] = {"model": self.model, "messages": self.messages(request), "stream": True}
         if request.max_output_tokens > 0:
             body["max_tokens"] = request.max_output_tokens
+        if request.tools:
+            body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                               "parameters": t.parameters}} for t in request.tools]
+            choice = request.tool_choice
+            body["tool_choice"] = choice if choice in ("auto", "none", "required") else \
+                {"type": "function", "function": {"name": choice}}
         return body
 
-    async def reply(self, request: ReplyRequest) -> AsyncIterator[str | Incomplete]:
+    async def reply(self, request: ReplyRequest) -> AsyncIterator[str | Incomplete | CallDelta]:
         headers = {"Accept": "text/event-stream"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -93,6 +104,8 @@ class OpenAIResponder:
                             text = _message_content(self.url, body)
                             if text:
                                 yield text
+                            for delta in self._calls(body["choices"][0]["message"].get("tool_calls"), body):
+                                yield delta
                             if _finish_reason(body) == "length":
                                 yield Incomplete()
                             return
@@ -114,7 +127,7 @@ class OpenAIResponder:
         except ValueError as e:  # e.g. a stream line over aiohttp's line-length limit
             raise ResponderError(f"{self.url}: unreadable response: {e}") from e
 
-    async def _events(self, response: aiohttp.ClientResponse) -> AsyncIterator[str | Incomplete]:
+    async def _events(self, response: aiohttp.ClientResponse) -> AsyncIterator[str | Incomplete | CallDelta]:
         """Text deltas from the SSE stream (then `Incomplete` if it finished for "length"). Each
         `data:` line is normally one JSON chunk; a chunk split over several `data:` lines of one
         event is joined at the blank line."""
@@ -126,11 +139,13 @@ class OpenAIResponder:
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             if not line:  # the end of an event, or of the stream
                 if pending:
-                    text, fin = self._chunk("\n".join(pending))
+                    text, fin, calls = self._chunk("\n".join(pending))
                     pending.clear()
                     finished = fin or finished
                     if text:
                         yield text
+                    for call in calls:
+                        yield call
                 if not raw:
                     break
                 continue
@@ -146,10 +161,12 @@ class OpenAIResponder:
                 except ValueError:
                     pending.append(data)  # perhaps the first line of a multi-line event
                     continue
-                text, fin = self._handle(chunk)
+                text, fin, calls = self._handle(chunk)
                 finished = fin or finished
                 if text:
                     yield text
+                for call in calls:
+                    yield call
             else:
                 pending.append(data)
         if not done and not finished:
@@ -157,15 +174,15 @@ class OpenAIResponder:
         if finished == "length":
             yield Incomplete()
 
-    def _chunk(self, data: str) -> tuple[str, str]:
+    def _chunk(self, data: str) -> tuple[str, str, list[CallDelta]]:
         try:
             chunk = json.loads(data)
         except ValueError:
             raise ResponderError(f"{self.url}: malformed stream event (not JSON): {data[:200]!r}") from None
         return self._handle(chunk)
 
-    def _handle(self, chunk: Any) -> tuple[str, str]:
-        """(the chunk's text, the finish_reason it carries or "")."""
+    def _handle(self, chunk: Any) -> tuple[str, str, list[CallDelta]]:
+        """(the chunk's text, the finish_reason it carries or "", its tool calls' deltas)."""
         if not isinstance(chunk, dict):
             raise ResponderError(f"{self.url}: malformed stream event (not an object): {str(chunk)[:200]!r}")
         if "error" in chunk:
@@ -174,11 +191,30 @@ class OpenAIResponder:
         if not isinstance(choices, list):
             raise ResponderError(f"{self.url}: malformed stream event (choices is not a list): {str(chunk)[:200]!r}")
         if not choices or not isinstance(choices[0], dict):
-            return "", ""
+            return "", "", []
         delta = choices[0].get("delta") or {}
         content = delta.get("content") if isinstance(delta, dict) else None
         reason = choices[0].get("finish_reason")
-        return (content if isinstance(content, str) else ""), (str(reason) if reason else "")
+        calls = self._calls(delta.get("tool_calls") if isinstance(delta, dict) else None, chunk)
+        return (content if isinstance(content, str) else ""), (str(reason) if reason else ""), calls
+
+    def _calls(self, tool_calls: Any, chunk: Any) -> list[CallDelta]:
+        """The `tool_calls` of a delta (or of a whole message) as CallDeltas."""
+        if tool_calls is None:
+            return []
+        if not isinstance(tool_calls, list):
+            raise ResponderError(f"{self.url}: malformed stream event (tool_calls is not a list): {str(chunk)[:200]!r}")
+        out = []
+        for n, call in enumerate(tool_calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            index = call.get("index", n) if isinstance(call, dict) else None
+            if not isinstance(function, dict) or isinstance(index, bool) or not isinstance(index, int):
+                raise ResponderError(f"{self.url}: malformed tool call in the stream: {str(call)[:200]!r}")
+            name, arguments = function.get("name") or "", function.get("arguments") or ""
+            if not isinstance(name, str) or not isinstance(arguments, str):
+                raise ResponderError(f"{self.url}: malformed tool call in the stream: {str(call)[:200]!r}")
+            out.append(CallDelta(index, name, arguments))
+        return out
 
     async def _http_error(self, response: aiohttp.ClientResponse) -> str:
         head = f"{self.url}: HTTP {response.status} {response.reason or ''}".rstrip()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem, AsrStream
-from rtmedia.engines.responder import Incomplete, ReplyRequest, Responder, Waiting
+from rtmedia.engines.responder import CallDelta, Incomplete, ReplyRequest, Responder, Waiting, calls_tools
 from rtmedia.engines.tts import TtsEngine, TtsItem, TtsStream, VoiceSpec
 from rtmedia.engines.vad import VadEngine, VadStream
 from rtmedia.engines.video import VaeInfo, VideoEngine, VideoOneShot, VideoStep, VideoStream
@@ -167,12 +167,17 @@ class Replies:
     def __contains__(self, name: object) -> bool:
         return name in self._responders
 
+    @property
+    def tool_callers(self) -> list[str]:
+        """The responders that can call functions (a session's tools are refused on the others)."""
+        return sorted(name for name, responder in self._responders.items() if calls_tools(responder))
+
     def _lm_lane(self, name: str) -> LmLane | None:
         responder = self._responders.get(name)
         return responder.lane if isinstance(responder, LmResponder) else None
 
     def reply(self, name: str, request: ReplyRequest, priority: Priority | None = None
-              ) -> AsyncIterator[str | Waiting | Incomplete]:
+              ) -> AsyncIterator[str | Waiting | Incomplete | CallDelta]:
         responder = self._responders[name]
         if isinstance(responder, LmResponder):
             return responder.reply(request)  # its compute is the LM lane's already

@@ -6,7 +6,9 @@ was heard under its response's item id, a created item under its own. `Conversat
 (one per session, a part of it like the reply pipeline) serves the client events that name
 items:
 
-- conversation.item.create: a typed text item joins the history at once; an audio item
+- conversation.item.create: a typed text item joins the history at once, and so do a
+  function call's output (`function_call_output`, for a call a response made: it answers the
+  call, server/tool_calls.py) and a function call the client records itself; an audio item
   (user audio in the session's input format) is transcribed first, by a recogniser stream of
   its own (so it never splits a turn being spoken), and joins with its transcript, after
   conversation.item.input_audio_transcription.completed. Either way conversation.item.added
@@ -27,13 +29,28 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-from rtmedia.engines.responder import Message
+from rtmedia.engines.responder import FunctionCall, Message
 from rtmedia.server.audio_input import BYTES_PER_SAMPLE, recognizer_pcm
 from rtmedia.server.recognition import Recognizer, Turn
 from rtmedia.server.scheduler import Priority
+from rtmedia.server.session_config import TOOL_NAME
+from rtmedia.server.tool_calls import Call
 
 if TYPE_CHECKING:
     from rtmedia.server.session import Session
+
+
+def item_of(message: Message) -> dict[str, str]:
+    """A history message as the item events carry it: a turn's words, a function call, or a
+    function's output."""
+    if message.call is not None:
+        call = message.call
+        return {"id": message.item_id, "type": "function_call", "call_id": call.call_id, "name": call.name,
+                "arguments": call.arguments}
+    if message.role == "tool":
+        return {"id": message.item_id, "type": "function_call_output", "call_id": message.call_id,
+                "output": message.text}
+    return {"id": message.item_id, "role": message.role, "text": message.text}
 
 
 class ConversationItems:
@@ -74,8 +91,7 @@ class ConversationItems:
         """A created item joins the history: conversation.item.added says after which item."""
         previous = self.history[-1].item_id if self.history else ""
         self.history.append(message)
-        self.session.send("conversation.item.added", previous_item_id=previous,
-                          item={"id": message.item_id, "role": message.role, "text": message.text})
+        self.session.send("conversation.item.added", previous_item_id=previous, item=item_of(message))
 
     # ---- client events -----------------------------------------------------
     def create(self, event: Any, event_id: str) -> None:
@@ -83,7 +99,13 @@ class ConversationItems:
         limits = s.limits
         role = item.role or "user"
         problem: tuple[str, str, str] | None = None  # (code, message, param)
-        if item.role not in ("", "user", "assistant"):
+        if item.type in ("function_call", "function_call_output"):
+            self._create_call_item(item, event_id)
+            return
+        if item.type not in ("", "message"):
+            problem = "invalid_value", (f"type {item.type[:32]!r} must be message, function_call or "
+                                        "function_call_output"), "item.type"
+        elif item.role not in ("", "user", "assistant"):
             problem = "invalid_value", f"role {item.role[:32]!r} must be user or assistant", "item.role"
         elif item.audio and item.text:
             problem = "invalid_value", "an item carries text or audio, not both", "item.audio"
@@ -107,6 +129,48 @@ class ConversationItems:
             self._transcribe(item_id, bytes(item.audio))
         else:
             self.add(Message(role, item.text.strip(), item_id))
+
+    def _create_call_item(self, item: Any, event_id: str) -> None:
+        """A function_call_output (the client's result of a call) or a function_call (one the
+        client records): each joins the history at once."""
+        s, kind = self.session, item.type
+        known = s.tools.calls.get(item.call_id)
+        problem: tuple[str, str] | None = None  # (message, param)
+        extra = [f for f in ("role", "text", "audio") if getattr(item, f)] + \
+            [f for f in (("name", "arguments") if kind == "function_call_output" else ("output",)) if getattr(item, f)]
+        if extra:
+            problem = f"a {kind} item has no {extra[0]}", f"item.{extra[0]}"
+        elif not item.call_id:
+            problem = f"a {kind} item needs its call_id", "item.call_id"
+        elif item.id and item.id in self.ids():
+            problem = f"item id {item.id!r} is already in use", "item.id"
+        elif kind == "function_call_output" and known is None:
+            problem = f"no function call has call_id {item.call_id[:64]!r}", "item.call_id"
+        elif kind == "function_call_output" and known is not None and known.answered:
+            problem = f"the call {item.call_id[:64]!r} already has its output", "item.call_id"
+        elif kind == "function_call_output" and len(item.output) > s.limits.max_tool_output_chars:
+            problem = (f"output has {len(item.output)} characters; the limit is {s.limits.max_tool_output_chars}",
+                       "item.output")
+        elif kind == "function_call" and known is not None:
+            problem = f"call_id {item.call_id[:64]!r} is already in use", "item.call_id"
+        elif kind == "function_call" and not TOOL_NAME.fullmatch(item.name):
+            problem = f"name {item.name[:64]!r} must be 1..64 letters, digits, '_' or '-'", "item.name"
+        elif kind == "function_call" and len(item.arguments) > s.limits.max_tool_output_chars:
+            problem = (f"arguments has {len(item.arguments)} characters; the limit is "
+                       f"{s.limits.max_tool_output_chars}", "item.arguments")
+        if problem is not None:
+            s.error("invalid_value", f"conversation.item.create: {problem[0]}", event_id, problem[1])
+            return
+        if item.id:
+            s.client_ids.add(item.id)
+        item_id = item.id or s.new_id("item")
+        if kind == "function_call":
+            call = FunctionCall(item.call_id, item.name, item.arguments)
+            s.tools.calls[call.call_id] = Call(call, item_id, "")
+            self.add(Message("assistant", "", item_id, call=call))
+        else:
+            s.tools.answer(item.call_id)
+            self.add(Message("tool", item.output, item_id, call_id=item.call_id))
 
     def _audio_problem(self, audio: bytes, role: str) -> tuple[str, str, str] | None:
         s = self.session
@@ -148,8 +212,7 @@ class ConversationItems:
         if (n := self.index(item_id)) is None:
             s.error("item_not_found", f"conversation.item.retrieve: no item {item_id!r}", event_id, "item_id")
             return
-        message = self.history[n]
-        s.send("conversation.item.retrieved", item={"id": item_id, "role": message.role, "text": message.text})
+        s.send("conversation.item.retrieved", item=item_of(self.history[n]))
 
     def truncate(self, event: Any, event_id: str) -> None:
         s = self.session

@@ -17,6 +17,13 @@ sent of its text is what was heard), out of band (`conversation` "none": its rep
 joins the history), or stopped by its token limit (the responder's `Incomplete`:
 response.done{incomplete, max_output_tokens}, after the .done events a completed one gets).
 The history holds a reply as the message with the response's item id.
+
+A reply may call functions (the responder's `CallDelta`s): each call is an output item of its
+own (response.output_item.added, .function_call_arguments.delta, then at the reply's end
+.function_call_arguments.done and .output_item.done), is not spoken, and joins the history
+after the reply's message; response.done lists the calls, and the session waits for their
+outputs (server/tool_calls.py). The server's own responses around a call (a filler, the
+apology when a call times out) speak a fixed text instead of the responder's.
 """
 
 from __future__ import annotations
@@ -29,17 +36,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rtmedia.engines.base import EngineError
-from rtmedia.engines.responder import Incomplete, Message, ReplyRequest, ResponderError, Waiting
+from rtmedia.engines.responder import (
+    CallDelta,
+    CallError,
+    FunctionCall,
+    Incomplete,
+    Message,
+    ReplyRequest,
+    ResponderError,
+    Waiting,
+)
 from rtmedia.engines.text_chunks import TextChunker
 from rtmedia.engines.tts import TtsItem
 from rtmedia.protocol.events import server_event
 from rtmedia.server.engine_access import Replies, Tts
+from rtmedia.server.items import item_of
 from rtmedia.server.metrics import Metrics
 from rtmedia.server.outbox import Outbox
 from rtmedia.server.recognition import Turn
 from rtmedia.server.scheduler import Priority
 from rtmedia.server.session_config import SessionSettings
 from rtmedia.server.session_limits import Limits
+from rtmedia.server.tool_calls import Call
 
 log = logging.getLogger(__name__)
 ACK_FRESH_S = 1.0  # an ack older than this no longer tells where playback is
@@ -69,6 +87,8 @@ class Response:
     text: str = ""  # the reply text sent so far
     done_at: float = 0.0  # perf_counter when it ended
     cleared_at: float = 0.0  # perf_counter of its output_audio_buffer.cleared (the client dropped the rest)
+    filler: bool = False  # the server's filler while a function call is out
+    calls: list[Call] = field(default_factory=list)  # the function calls it made, once it completed
 
     def played_ms(self, now: float) -> int:
         """Where the client's playback is: its ack while fresh (under ACK_FRESH_S old),
@@ -128,14 +148,14 @@ class ReplyPipeline:
 
     `conversation`: the session id (the responders' key); `settings`: the session's current
     settings; `request`: builds a ReplyRequest from the history; `spawn(coro, name)`: runs a
-    task the session owns; `new_id(prefix)`: a fresh id; `on_done()`: after a response's
+    task the session owns; `new_id(prefix)`: a fresh id; `on_done(response)`: after a response's
     response.done was queued."""
 
     def __init__(self, conversation: str, outbox: Outbox, history: list[Message], limits: Limits, *,
                  tts: Tts, replies: Replies, metrics: Metrics,
                  settings: Callable[[], SessionSettings], request: RequestFactory,
                  spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task[Any]],
-                 new_id: Callable[[str], str], on_done: Callable[[], None]) -> None:
+                 new_id: Callable[[str], str], on_done: Callable[[Response], None]) -> None:
         self.conversation = conversation
         self.outbox = outbox
         self.history = history  # the session's, shared
@@ -156,10 +176,10 @@ class ReplyPipeline:
     def generating(self) -> bool:
         return self.response is not None and not self.response.done
 
-    def _send(self, name: str, **fields: Any) -> None:
+    def _send(self, name: str, /, **fields: Any) -> None:
         self.outbox.control(server_event(name, **fields))
 
-    def _send_media(self, response: Response, name: str, **fields: Any) -> None:
+    def _send_media(self, response: Response, name: str, /, **fields: Any) -> None:
         self.outbox.media(response.epoch, server_event(name, **fields))
 
     # ---- responders -------------------------------------------------------------
@@ -175,28 +195,32 @@ class ReplyPipeline:
 
     # ---- a response ----------------------------------------------------------------
     def start(self, turn: Turn | None, instructions: str | None = None, max_tokens: int | None = None, *,
-              modality: str | None = None, joins_history: bool = True, request_event_id: str = "") -> Response:
+              modality: str | None = None, joins_history: bool = True, request_event_id: str = "",
+              say: str | None = None, filler: bool = False, reason: str = "") -> Response:
         """A new response to the turn (None: to the history as it is); `modality` overrides the
         session's output_modality for it, and `joins_history=False` makes it out of band;
-        `request_event_id`: the response.create that asked for it."""
+        `request_event_id`: the response.create that asked for it. `say`: the server's own words
+        instead of the responder's (a `filler`, an apology), and `reason` its response.done's
+        status_reason."""
         modality = modality or self._settings().output_modality
         response = Response(self._new_id("resp"), self._new_id("item"), self.epoch, text_only=modality == "text",
-                            joins_history=joins_history)
+                            joins_history=joins_history, filler=filler)
         self.responses[response.response_id] = response
         self.response = response
         self._send("response.created", response_id=response.response_id, item_id=response.item_id,
-                   request_event_id=request_event_id)
-        response.task = self._spawn(self._respond(response, turn, instructions, max_tokens), "response")
+                   request_event_id=request_event_id, filler=filler)
+        response.task = self._spawn(self._respond(response, turn, instructions, max_tokens, say, reason), "response")
         return response
 
     async def _respond(self, response: Response, turn: Turn | None, instructions: str | None,
-                       max_tokens: int | None) -> None:
+                       max_tokens: int | None, say: str | None = None, reason: str = "") -> None:
         """Transcript -> responder text -> TTS clause by clause -> audio deltas. A clause's audio
         is sent as soon as it is synthesised (a long sentence's window by window), while the
         responder produces the next text; the stream's items are synthesised in order, one at a
         time, and other sessions' items run between the windows of a long sentence."""
         settings = self._settings()
-        status, reason, text = "completed", "", ""
+        status, text = "completed", ""
+        calls: dict[int, Call] = {}  # by the responder's index
         text_only = response.text_only
         spoken: list[asyncio.Future[bytes]] = []
         texts: asyncio.Queue[tuple[str, bool] | None] = asyncio.Queue()  # chunks to speak, and whether final
@@ -267,7 +291,15 @@ class ReplyPipeline:
                     texts.put_nowait(None)
 
             chunker = TextChunker()
-            async for delta in self.replies.reply(settings.responder, request):
+            deltas = _words(say) if say is not None else self.replies.reply(settings.responder, request)
+            async for delta in deltas:
+                if isinstance(delta, CallDelta):
+                    self._call_delta(response, calls, delta)
+                    continue
+                if isinstance(delta, CallError):  # a local LM's malformed call: the reply goes on
+                    self._send_media(response, "error", code="invalid_function_call",
+                                     message=f"{response.response_id}: {delta.message}; the reply goes on without it")
+                    continue
                 if isinstance(delta, Waiting):  # every LM slot is taken: the client is told
                     self._send_media(response, "response.waiting", response_id=response.response_id,
                                      reason="lm_slot", queue_position=delta.position)
@@ -295,7 +327,28 @@ class ReplyPipeline:
             for task in [*spoken, *(t for t in (sender, synthesizer) if t is not None)]:
                 task.cancel()
             self.replies.resume(settings.responder, self.conversation)
+        if status != "failed":
+            response.calls = [calls[i] for i in sorted(calls)]
+            text = text.rstrip() if response.calls else text  # the space before a call is not the reply's
         self._finish(response, text, status, reason)
+
+    def _call_delta(self, response: Response, calls: dict[int, Call], delta: CallDelta) -> None:
+        """A function call of the reply begins or goes on: its item, then its arguments' deltas.
+        Its place in the response's output: the reply's message is 0, calls follow in the order
+        they began."""
+        call = calls.get(delta.index)
+        if call is None:
+            if not delta.name:
+                raise ResponderError(f"the responder's function call {delta.index} began without a name")
+            call = calls[delta.index] = Call(FunctionCall(self._new_id("call"), delta.name, ""),
+                                             self._new_id("item"), response.response_id, output_index=len(calls) + 1)
+            self._send_media(response, "response.output_item.added", response_id=response.response_id,
+                             output_index=call.output_index, item=call_item(call, arguments=False))
+        if delta.arguments:
+            call.call = FunctionCall(call.call.call_id, call.call.name, call.call.arguments + delta.arguments)
+            self._send_media(response, "response.function_call_arguments.delta", response_id=response.response_id,
+                             item_id=call.item_id, output_index=call.output_index, call_id=call.call.call_id,
+                             delta=delta.arguments)
 
     async def _send_audio(self, response: Response, clause: str, audio: bytes, rate: int,
                           turn: Turn | None) -> None:
@@ -336,10 +389,18 @@ class ReplyPipeline:
             self._send_media(response, "response.output_text.done", response_id=rid, item_id=item, text=text)
             if not response.text_only:
                 self._send_media(response, "response.output_audio.done", response_id=rid, item_id=item)
+        for call in response.calls:
+            self._send_media(response, "response.function_call_arguments.done", response_id=rid,
+                             item_id=call.item_id, output_index=call.output_index, call_id=call.call.call_id,
+                             name=call.call.name, arguments=call.call.arguments)
+            self._send_media(response, "response.output_item.done", response_id=rid, output_index=call.output_index,
+                             item=call_item(call))
+            if response.joins_history:
+                self.history.append(Message("assistant", "", call.item_id, call=call.call))
         usage = {"output_tokens": len(text.split()), "output_audio_ms": response.sent_ms}
         self._send_media(response, "response.done", response_id=rid, status=status, status_reason=reason,
-                         usage=usage)
-        self._on_done()
+                         usage=usage, function_calls=[call_item(c) for c in response.calls])
+        self._on_done(response)
 
     def cancel(self, reason: str) -> None:
         """Barge-in or response.cancel: stop generation, fence off its epoch, tell the client."""
@@ -362,7 +423,7 @@ class ReplyPipeline:
             text = response.heard_text()
             if text and response.joins_history:
                 self.history.append(Message("assistant", text, response.item_id))
-            self._on_done()
+            self._on_done(response)
         else:
             self.truncate_history(response)
 
@@ -372,3 +433,18 @@ class ReplyPipeline:
             if message.item_id == response.item_id:
                 self.history[n] = Message("assistant", response.heard_text(), response.item_id)
                 return
+
+
+def call_item(call: Call, arguments: bool = True) -> dict[str, str]:
+    """A function call as the events carry it: its conversation item (`arguments=False`: with
+    its arguments still empty, as response.output_item.added has it)."""
+    item = item_of(Message("assistant", "", call.item_id, call=call.call))
+    return item if arguments else {**item, "arguments": ""}
+
+
+async def _words(text: str) -> Any:
+    """The server's own words as a reply stream: one word per delta, like a responder's."""
+    words = text.split()
+    for n, word in enumerate(words):
+        yield word if n == len(words) - 1 else word + " "
+        await asyncio.sleep(0)

@@ -9,6 +9,12 @@ does not pass on, or at the limit: so all `max_new` tokens arriving means the li
 Kept KV slots need nothing from here when the conversation changes: the lane reuses
 only the longest common token prefix of the slot and the new prompt, so a deleted or
 truncated item simply re-prefills the prompt from where it differs.
+
+A model whose chat template takes tools (in a form engines/tool_parsers.py reads) can call
+functions: the prompt is rendered with the session's tools, and the reply's text goes through
+the form's parser as it streams, so the text before a call is spoken and the call is not.
+A local model cannot be made to call: tool_choice "required" or a function's name is asked
+for in the instructions.
 """
 
 from __future__ import annotations
@@ -19,7 +25,17 @@ from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
 from rtmedia.engines.lm_models import Detokenizer, truncate_history_to_fit
-from rtmedia.engines.responder import EchoResponder, Incomplete, Message, ReplyRequest, Responder, Waiting
+from rtmedia.engines.responder import (
+    CallDelta,
+    CallError,
+    EchoResponder,
+    Incomplete,
+    Message,
+    ReplyRequest,
+    Responder,
+    Waiting,
+)
+from rtmedia.engines.tool_parsers import parser_for
 from rtmedia.server.lm_lane import LmLane, common_prefix
 
 # Voice replies are short: the cap when a request leaves max_output_tokens at its default.
@@ -37,10 +53,21 @@ class LmResponder:
     def tokenizer(self) -> Any:
         return self.lane.engine.tokenizer
 
+    @property
+    def calls_tools(self) -> bool:
+        return parser_for(getattr(self.tokenizer, "chat_template", None)) is not None
+
     def prompt(self, request: ReplyRequest, max_new: int) -> list[int]:
-        """The chat prompt; the oldest turns go first when it would not fit the context."""
-        _, ids = truncate_history_to_fit(self.tokenizer, request.history, request.instructions, max_new,
-                                         self.lane.engine.context)
+        """The chat prompt (with the tools, unless tool_choice is "none"); the oldest turns go
+        first when it would not fit the context."""
+        tools = request.tools if request.tool_choice != "none" and self.calls_tools else ()
+        instructions = request.instructions
+        if tools and request.tool_choice != "auto":
+            which = "one of the functions" if request.tool_choice == "required" else \
+                f"the function {request.tool_choice}"
+            instructions = f"{instructions}\n\nCall {which} now.".strip()
+        _, ids = truncate_history_to_fit(self.tokenizer, request.history, instructions, max_new,
+                                         self.lane.engine.context, tools)
         return ids
 
     async def prepare(self, request: ReplyRequest) -> None:
@@ -58,25 +85,41 @@ class LmResponder:
     def forget(self, conversation: Hashable) -> None:
         self.lane.forget(conversation)
 
-    async def reply(self, request: ReplyRequest) -> AsyncIterator[str | Waiting | Incomplete]:
+    async def reply(self, request: ReplyRequest) -> AsyncIterator[str | Waiting | Incomplete | CallDelta | CallError]:
         max_new = _max_new(request)
         tokenizer = self.tokenizer
         prompt = await asyncio.to_thread(self.prompt, request, max_new)
         stop = {t for t in (tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None)) if t is not None}
         text = Detokenizer(tokenizer)
+        parser_class = parser_for(tokenizer.chat_template) if request.tools and request.tool_choice != "none" \
+            else None
+        parser = parser_class() if parser_class is not None else None
         started = False  # the reply's leading whitespace is dropped
         received = 0
+
+        def passed(outputs: list[str | CallDelta | CallError]) -> list[str | CallDelta | CallError]:
+            nonlocal started
+            out = []
+            for item in outputs:
+                if isinstance(item, str):
+                    item = item if started else item.lstrip()
+                    if not item:
+                        continue
+                    started = True
+                out.append(item)
+            return out
+
         async for token in self.lane.generate(prompt, max_new, sorted(stop), key=request.conversation):
             if isinstance(token, Waiting):
                 yield token
                 continue
             received += 1
             delta = text.push(token)
-            if not started:
-                delta = delta.lstrip()
-            if delta:
-                started = True
-                yield delta
+            for item in passed(parser.feed(delta) if parser is not None else [delta]):
+                yield item
+        if parser is not None:
+            for item in passed(parser.flush()):
+                yield item
         if received >= max_new:
             yield Incomplete()
 

@@ -11,7 +11,8 @@ and conversation history live here. The rest is in the parts it owns, one each:
 - the reply pipeline (server/reply.py): transcript -> responder -> TTS -> audio deltas;
 - the conversation items (server/items.py): item create (text or audio), delete, retrieve and
   truncate, over the history, whose messages carry their item ids;
-- the idle-turn timer (server/idle_turns.py): turn_detection.idle_timeout_ms.
+- the idle-turn timer (server/idle_turns.py): turn_detection.idle_timeout_ms;
+- the function calls out and their wait (server/tool_calls.py): the filler and the timeout.
 
 The session never calls an engine: it and its parts use the scheduler's typed handles
 (server/engine_access.py): its audio input is attached to the VAD tick, turn audio goes to
@@ -51,6 +52,7 @@ from rtmedia.server.session_config import (
     output_tokens,
 )
 from rtmedia.server.session_limits import Limits
+from rtmedia.server.tool_calls import ToolCalls
 from rtmedia.v1 import realtime_pb2
 
 # Re-exported: other modules import these from here (Limits: server/app.py and
@@ -112,6 +114,9 @@ class Session:
             spawn=self.spawn, new_id=self.new_id, on_done=self._response_done,
         )
         self.items = ConversationItems(self)
+        self.tools = ToolCalls(lambda: self.settings.tool_filler_ms, lambda: self.settings.tool_timeout_ms,
+                               self._tool_filler, self._tool_timeout)
+        self._fillers = itertools.cycle(self.limits.tool_fillers)
         self.idle = IdleTimer(self._idle_since, lambda: self.settings.idle_timeout_ms, self._idle_expired)
         self.recognizer = Recognizer(
             access.asr, fast_final=True, priority=Priority.REALTIME,
@@ -142,7 +147,7 @@ class Session:
             self.error("server_error", "an internal error stopped part of the session; the server logged it "
                        "with the session id")
 
-    def send(self, name: str, **fields: Any) -> None:
+    def send(self, name: str, /, **fields: Any) -> None:
         self.outbox.control(server_event(name, **fields))
 
     def error(self, code: str, message: str, event_id: str = "", param: str = "") -> None:
@@ -225,7 +230,7 @@ class Session:
         try:
             new = self.settings.updated(event.session, self.access.tts.rates, self.access.replies.names,
                                         self.limits.max_id_bytes, self.limits.max_instructions_chars,
-                                        self.limits.session_caps)
+                                        self.limits.session_caps, self.access.replies.tool_callers)
         except ConfigError as exc:
             self.error("invalid_value", str(exc), event_id, exc.param)
             return
@@ -285,6 +290,9 @@ class Session:
         self.items.retrieve(event, event_id)
 
     def on_response_create(self, event: Any, event_id: str) -> None:
+        filler = self.response if self.response is not None and self.response.filler else None
+        if filler is not None and not self.response_requested and filler.audible(time.perf_counter()):
+            self.replies.cancel("answer_started")  # the answer takes the filler's place, even mid-playback
         if self.responding:
             self.error("response_in_progress", "a response is already in progress; cancel it first", event_id)
             return
@@ -327,11 +335,13 @@ class Session:
     def _respond_to(self, turn: Turn | None, instructions: str | None, max_tokens: int | None,
                     event_id: str, start: dict[str, Any]) -> None:
         turn = turn or (self.pending_turns[-1] if self.pending_turns else None)
-        if turn is None and not any(m.text for m in self.history):
+        if turn is None and not any(m.text or m.call for m in self.history):
             self.error("invalid_state", "response.create: there is nothing to respond to (no audio, turn or text)",
                        event_id)
             return
         self.idle.cancel()
+        if start["joins_history"]:
+            self.tools.stop()  # the answer to the calls, or the user moved on: the wait ends
         self.replies.start(turn, instructions, max_tokens, **start, request_event_id=event_id)
 
     def on_response_cancel(self, event: Any, event_id: str) -> None:
@@ -413,6 +423,7 @@ class Session:
 
     def _on_speech_started(self, start_ms: int) -> None:
         self.idle.cancel()
+        self.tools.stop()  # the user moved on: no filler or apology over them
         turn = self._start_turn()
         self.send("input_audio_buffer.speech_started", item_id=turn.item_id, audio_start_ms=start_ms)
         self.speech_start_ms = start_ms
@@ -429,11 +440,13 @@ class Session:
         (0, "inf": the server's ceiling)."""
         settings = self.settings
         return ReplyRequest(
-            history=[m for m in self.history if m.text],
+            history=[m for m in self.history if m.text or m.call is not None or m.role == "tool"],
             instructions=settings.instructions if instructions is None else instructions,
             max_output_tokens=output_tokens(settings.max_output_tokens if max_tokens is None else max_tokens),
             images=list(self.camera),
             conversation=self.id,
+            tools=settings.tools,
+            tool_choice=settings.tool_function if settings.tool_choice == "function" else settings.tool_choice,
         )
 
     def _on_speech_stopped(self, end_ms: int) -> None:
@@ -479,6 +492,22 @@ class Session:
             self.replies.start(turn)
         else:
             self.idle.arm()
+
+    # ---- the wait for a function call's output (server/tool_calls.py) --------------
+    def _tool_filler(self) -> None:
+        """A call is still out after tool_filler_ms: a filler, unless something plays already."""
+        if not self.responding and self.closing_reason is None:
+            self.replies.start(None, joins_history=False, say=next(self._fillers), filler=True)
+
+    def _tool_timeout(self) -> None:
+        """A call went unanswered for tool_timeout_ms: the server's apology ends the wait (a
+        filler still playing gives way to it)."""
+        if self.closing_reason is not None:
+            return
+        if self.responding and self.response is not None and self.response.filler:
+            self.replies.cancel("tool_timeout")
+        if not self.responding:
+            self.replies.start(None, say=self.limits.tool_apology, reason="tool_timeout")
 
     # ---- recognition results (server/recognition.py) ---------------------------
     def on_transcript_delta(self, turn: Turn, delta: str) -> None:
@@ -542,10 +571,13 @@ class Session:
         if self.closing_reason == "server_shutdown" and not self.outbox.closed and not self.in_flight:
             self.outbox.close(server_event("session.closed", reason=self.closing_reason))
 
-    def _response_done(self) -> None:
-        """A response's response.done is queued: when draining, the session may close now; else
-        the idle-turn timer runs from the end of its playback."""
+    def _response_done(self, response: Response) -> None:
+        """A response's response.done is queued: one that called functions makes the session wait
+        for their outputs; when draining, the session may close now; else the idle-turn timer
+        runs from the end of its playback."""
         self._quiet_input_ms = self.input_ms
+        if response.calls and self.closing_reason is None:
+            self.tools.made(response.calls)
         self.close_if_drained()
         self.idle.arm()
 
@@ -568,6 +600,7 @@ class Session:
     async def close(self) -> None:
         """Free every resource of the session: tasks, VAD row, recogniser state."""
         self.idle.cancel()
+        self.tools.stop()
         self.access.vad.detach(self.input)
         tasks = list(self._tasks)
         for task in tasks:

@@ -4,9 +4,12 @@ and the proto form that session.created / session.updated carry."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from rtmedia.engines.responder import FunctionTool
 from rtmedia.engines.tts import MAX_SPEED, MIN_SPEED
 from rtmedia.v1 import common_pb2, realtime_pb2
 
@@ -27,6 +30,20 @@ SESSION_BOUNDS = {"max_output_tokens": (1, 4096), "max_session_s": (1, 86400), "
 # up to the server's ceiling (the upper bound above).
 ZERO_ALLOWED = {"max_output_tokens"}
 OUTPUT_MODALITIES = ("audio", "text")
+# Tools (docs/protocol.md#tools): at most MAX_TOOLS functions, each named by TOOL_NAME, its
+# description and JSON Schema within these sizes.
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_TOOL_DESCRIPTION_CHARS = 4096
+MAX_TOOL_PARAMETERS_BYTES = 16 * 1024
+TOOL_CHOICES = {
+    realtime_pb2.TOOL_CHOICE_MODE_AUTO: "auto",
+    realtime_pb2.TOOL_CHOICE_MODE_NONE: "none",
+    realtime_pb2.TOOL_CHOICE_MODE_REQUIRED: "required",
+    realtime_pb2.TOOL_CHOICE_MODE_FUNCTION: "function",
+}
+TOOL_TIMEOUT_MS_BOUNDS = (1000, 120000)
+TOOL_FILLER_MS_BOUNDS = (100, 10000)  # or 0: off
 
 
 def check_max_output_tokens(value: int, param: str = "max_output_tokens") -> None:
@@ -75,6 +92,11 @@ class SessionSettings:
     idle_timeout_ms: int | None = None  # turn_detection.idle_timeout_ms (server_vad); None: off
     output_modality: str = "audio"  # "audio" (speech and its text) or "text"
     speed: float = 1.0  # the replies' speaking rate (the TTS stream's length scale is divided by it)
+    tools: tuple[FunctionTool, ...] = ()
+    tool_choice: str = "auto"  # "auto", "none", "required" or "function" (tool_function)
+    tool_function: str = ""  # tool_choice "function": the function's name
+    tool_timeout_ms: int = 10000  # a call unanswered this long ends with the server's apology
+    tool_filler_ms: int = 800  # a call out this long gets a filler response; 0: off
 
     @property
     def input_format(self) -> tuple[int, int]:
@@ -82,12 +104,14 @@ class SessionSettings:
 
     def updated(self, config: realtime_pb2.SessionConfig, voices: dict[str, list[int]],
                 responders: Collection[str], max_name_chars: int = 256,
-                max_instructions_chars: int = 2000, caps: dict[str, int] | None = None) -> SessionSettings:
+                max_instructions_chars: int = 2000, caps: dict[str, int] | None = None,
+                tool_responders: Collection[str] = ()) -> SessionSettings:
         """The settings with `config`'s set fields applied; ConfigError names the first bad field.
         `voices` maps voice names (first: the default) to their supported output rates. A name
         (voice, responder) over `max_name_chars` or instructions over `max_instructions_chars`
         is refused without being echoed. `caps` lowers the upper bounds of SESSION_BOUNDS (the
-        server's maxima: max_session_s, idle_timeout_s)."""
+        server's maxima: max_session_s, idle_timeout_s). `tool_responders`: the responders that
+        can call functions (tools on any other are refused)."""
         for name, limit in (("voice", max_name_chars), ("responder", max_name_chars),
                             ("instructions", max_instructions_chars)):
             if config.HasField(name) and len(getattr(config, name)) > limit:
@@ -112,6 +136,7 @@ class SessionSettings:
             changes["transcription"] = config.input_audio_transcription.enabled
         if config.HasField("turn_detection"):
             changes.update(_turn_changes(config.turn_detection))
+        changes.update(_tool_changes(config))
         for name in ("instructions", "voice", "responder", "output_sample_rate", "max_output_tokens",
                      "max_session_s", "idle_timeout_s", "output_modality", "speed"):
             if config.HasField(name):
@@ -145,6 +170,13 @@ class SessionSettings:
         if result.responder not in responders:
             raise ConfigError("responder", f"responder {result.responder!r} is not available; "
                                            f"available: {', '.join(sorted(responders))}")
+        if result.tools and result.responder not in tool_responders:
+            able = ", ".join(sorted(tool_responders)) or "none on this server"
+            raise ConfigError("tools", f"the {result.responder} responder cannot call functions; the session goes "
+                                       f"on without tools (responders that can: {able})")
+        if result.tool_choice == "function" and result.tool_function not in {t.name for t in result.tools}:
+            raise ConfigError("tool_choice.name", f"tool_choice names {result.tool_function[:64]!r}, which is not "
+                                                  "one of the session's tools")
         return result
 
     def to_proto(self) -> realtime_pb2.SessionConfig:
@@ -162,6 +194,12 @@ class SessionSettings:
             instructions=self.instructions, voice=self.voice, responder=self.responder,
             max_output_tokens=self.max_output_tokens, max_session_s=self.max_session_s,
             idle_timeout_s=self.idle_timeout_s, output_modality=self.output_modality, speed=self.speed,
+            tools=realtime_pb2.Tools(functions=[
+                realtime_pb2.FunctionTool(name=t.name, description=t.description, parameters=json.dumps(t.parameters))
+                for t in self.tools]),
+            tool_choice=realtime_pb2.ToolChoice(
+                mode=next(k for k, v in TOOL_CHOICES.items() if v == self.tool_choice), name=self.tool_function),
+            tool_timeout_ms=self.tool_timeout_ms, tool_filler_ms=self.tool_filler_ms,
         )
 
 
@@ -189,3 +227,55 @@ def _turn_changes(turn: realtime_pb2.TurnDetection) -> dict[str, object]:
                                                                f"{low}..{high} (0 turns it off)")
         changes["idle_timeout_ms"] = value or None
     return changes
+
+
+def _tool_changes(config: realtime_pb2.SessionConfig) -> dict[str, object]:
+    """tools, tool_choice, tool_timeout_ms and tool_filler_ms of a session.update, checked."""
+    changes: dict[str, object] = {}
+    if config.HasField("tools"):
+        functions = config.tools.functions
+        if len(functions) > MAX_TOOLS:
+            raise ConfigError("tools", f"tools has {len(functions)} functions; the limit is {MAX_TOOLS}")
+        tools: list[FunctionTool] = []
+        for n, function in enumerate(functions):
+            tools.append(_tool(function, f"tools.functions[{n}]"))
+            if function.name in {t.name for t in tools[:-1]}:
+                raise ConfigError(f"tools.functions[{n}].name", f"tools: {function.name!r} is declared twice")
+        changes["tools"] = tuple(tools)
+    if config.HasField("tool_choice"):
+        choice = config.tool_choice
+        if choice.mode not in TOOL_CHOICES:
+            raise ConfigError("tool_choice.mode", f"tool_choice.mode={choice.mode} is not a tool choice")
+        if (choice.mode == realtime_pb2.TOOL_CHOICE_MODE_FUNCTION) != bool(choice.name):
+            raise ConfigError("tool_choice.name", "tool_choice.name names the function for mode function, and only "
+                                                  "then")
+        changes.update(tool_choice=TOOL_CHOICES[choice.mode], tool_function=choice.name)
+    for name, (low, high), off in (("tool_timeout_ms", TOOL_TIMEOUT_MS_BOUNDS, False),
+                                   ("tool_filler_ms", TOOL_FILLER_MS_BOUNDS, True)):
+        if config.HasField(name):
+            value = getattr(config, name)
+            if not (low <= value <= high or (off and value == 0)):
+                raise ConfigError(name, f"{name}={value} is outside {low}..{high}" + (" (or 0: off)" if off else ""))
+            changes[name] = value
+    return changes
+
+
+def _tool(function: realtime_pb2.FunctionTool, param: str) -> FunctionTool:
+    if not TOOL_NAME.fullmatch(function.name):
+        raise ConfigError(f"{param}.name", f"{param}.name {function.name[:80]!r} must be 1..64 letters, digits, "
+                                           "'_' or '-'")
+    if len(function.description) > MAX_TOOL_DESCRIPTION_CHARS:
+        raise ConfigError(f"{param}.description", f"{param}.description has {len(function.description)} characters; "
+                                                  f"the limit is {MAX_TOOL_DESCRIPTION_CHARS}")
+    if not function.parameters:
+        return FunctionTool(function.name, function.description)
+    if len(function.parameters.encode()) > MAX_TOOL_PARAMETERS_BYTES:
+        raise ConfigError(f"{param}.parameters", f"{param}.parameters is over {MAX_TOOL_PARAMETERS_BYTES} bytes")
+    try:
+        schema = json.loads(function.parameters)
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"{param}.parameters", f"{param}.parameters is not JSON: {str(exc)[:120]}") from None
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        raise ConfigError(f"{param}.parameters", f"{param}.parameters must be a JSON Schema of an object "
+                                                 "(\"type\": \"object\")")
+    return FunctionTool(function.name, function.description, schema)

@@ -44,6 +44,12 @@ class Limits:
     # the client's playback (acked position, or wall clock since the first delta).
     output_delta_ms: int = 200
     output_lead_ms: int = 1000
+    # A function call's output (and the arguments of a call the client records), in characters.
+    max_tool_output_chars: int = 8000
+    # What the server says while a function call is out (a filler, taken in turn) and when one
+    # goes unanswered for tool_timeout_ms (server/tool_calls.py).
+    tool_fillers: tuple[str, ...] = ("One moment.", "Let me check.", "Just a second.")
+    tool_apology: str = "Sorry, that is taking too long. Please ask me again in a moment."
 
     @property
     def session_caps(self) -> dict[str, int]:

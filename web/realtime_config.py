@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -112,12 +113,47 @@ def modality(value: Any, param: str) -> str:
     return value[0]
 
 
-def check_tools(session: dict[str, Any], prefix: str) -> None:
-    """Tools are not served yet: an empty list and tool_choice auto/none are accepted, as they change nothing."""
-    if session.get("tools") not in (None, []):
-        raise refuse(prefix + "tools", "function and MCP tools")
-    if session.get("tool_choice") not in (None, "auto", "none"):
-        raise refuse(prefix + "tool_choice", "forcing a tool")
+def tools_of(value: Any, param: str) -> list[dict[str, Any]]:
+    """`session.tools`: function tools ({type: function, name, description, parameters}), in the
+    API's form; MCP tools are refused. The server checks names and schemas."""
+    if not isinstance(value, list):
+        raise _invalid(param, "must be a list of tools")
+    tools = []
+    for n, tool in enumerate(value):
+        at = f"{param}[{n}]"
+        tool = _object(tool, at)
+        if tool.get("type", "function") != "function":
+            raise refuse(f"{at}.type", f"{str(tool.get('type'))[:32]} tools (function tools are served)")
+        _unknown(tool, {"type", "name", "description", "parameters", "strict"}, at + ".")
+        if not isinstance(tool.get("name"), str):
+            raise _invalid(f"{at}.name", "must be a string")
+        if not isinstance(tool.get("description", ""), str):
+            raise _invalid(f"{at}.description", "must be a string")
+        if not isinstance(tool.get("parameters", {}), dict):
+            raise _invalid(f"{at}.parameters", "must be a JSON Schema object")
+        tools.append({"type": "function", "name": tool["name"], "description": tool.get("description", ""),
+                      "parameters": tool.get("parameters", {"type": "object", "properties": {}})})
+    return tools
+
+
+def tool_choice_of(value: Any, param: str) -> str | dict[str, str]:
+    """`tool_choice`: "auto", "none", "required" or {type: function, name}."""
+    if value in ("auto", "none", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str) \
+            and set(value) <= {"type", "name"}:
+        return {"type": "function", "name": value["name"]}
+    if isinstance(value, dict) and value.get("type") == "mcp":
+        raise refuse(param, "MCP tools")
+    raise _invalid(param, 'must be "auto", "none", "required" or {"type": "function", "name": ...}')
+
+
+def check_response_tools(response: dict[str, Any]) -> None:
+    """A response's own tools: rtmedia offers a session's tools to each of its responses."""
+    if response.get("tools") is not None:
+        raise refuse("response.tools", "tools per response (set session.tools)")
+    if response.get("tool_choice") is not None:
+        raise refuse("response.tool_choice", "a tool choice per response (set session.tool_choice)")
 
 
 @dataclass
@@ -152,6 +188,12 @@ class RealtimeConfig:
     transcription: dict[str, Any] | None = None  # what the client set; None: no transcription events
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     expires_at: int = field(default_factory=lambda: int(time.time()) + SESSION_TTL_S)
+    tools: list[dict[str, Any]] = field(default_factory=list)  # the API's function tools
+    tool_choice: str | dict[str, str] = "auto"
+    # (rtmedia extensions) the wait for a function call's output: the filler is off here unless
+    # the session asks (clients written for OpenAI expect only the responses they create).
+    tool_filler_ms: int = 0
+    tool_timeout_ms: int = 10000
 
     # ---- session.update -> rtmedia ------------------------------------------------------------------
     def updated(self, session: Any) -> RealtimeConfig:
@@ -164,9 +206,16 @@ class RealtimeConfig:
         if kind != self.type:
             raise _invalid("session.type", f"this is a {self.type} session; its type cannot change")
         realtime = {"type", "model", "instructions", "output_modalities", "max_output_tokens", "audio", "tools",
-                    "tool_choice", "tracing", "truncation", "include", "prompt", "parallel_tool_calls", "reasoning"}
+                    "tool_choice", "tracing", "truncation", "include", "prompt", "parallel_tool_calls", "reasoning",
+                    "tool_filler_ms", "tool_timeout_ms"}
         _unknown(session, realtime if kind == "realtime" else {"type", "audio", "include"}, "session.")
-        check_tools(session, "session.")
+        if "tools" in session:
+            new.tools = tools_of(session["tools"] or [], "session.tools")
+        if "tool_choice" in session:
+            new.tool_choice = tool_choice_of(session["tool_choice"], "session.tool_choice")
+        for name in ("tool_filler_ms", "tool_timeout_ms"):
+            if name in session:
+                setattr(new, name, int(_number(session[name], f"session.{name}", 0, 120000, whole=True)))
         if session.get("include") not in (None, []):
             raise refuse("session.include", "item.input_audio_transcription.logprobs")
         for name, what in (("tracing", "tracing"), ("prompt", "prompt templates"), ("reasoning", "reasoning")):
@@ -291,6 +340,13 @@ class RealtimeConfig:
         if self.type == "realtime":
             config["output_modality"] = self.output_modality
             config["max_output_tokens"] = self.max_output_tokens
+            config["tools"] = {"functions": [{"name": t["name"], "description": t["description"],
+                                              "parameters": json.dumps(t["parameters"])} for t in self.tools]}
+            choice = self.tool_choice
+            config["tool_choice"] = {"mode": choice} if isinstance(choice, str) else \
+                {"mode": "function", "name": choice["name"]}
+            config["tool_filler_ms"] = self.tool_filler_ms
+            config["tool_timeout_ms"] = self.tool_timeout_ms
         return config
 
     # ---- rtmedia -> the API's session object ------------------------------------------------------------
@@ -307,7 +363,7 @@ class RealtimeConfig:
             "instructions": self.instructions,
             "audio": {"input": audio_in, "output": {"format": self._format(self.output_format), "voice": self.voice,
                                                     "speed": self.speed}},
-            "tools": [], "tool_choice": "auto", "tracing": None, "truncation": "auto", "prompt": None,
+            "tools": self.tools, "tool_choice": self.tool_choice, "tracing": None, "truncation": "auto", "prompt": None,
             "include": None, "max_output_tokens": self.max_output_tokens or "inf",
         }
 

@@ -9,6 +9,9 @@ the API's server events, each with a unique `event_id`: a reply's `response.crea
 `response.content_part.added`; its text deltas are `response.output_audio_transcript.delta`
 (audio responses) or `response.output_text.delta` (text-only); its end is the `.done` events
 of the part, item and response, the response object carrying `status_details` and `usage`.
+A reply's function calls are `function_call` items after its message (output_index 1, 2,
+...), with their argument deltas, and the client's results come back as
+`function_call_output` items.
 
 A client event's own `event_id` travels to the server, so that the server's errors name it;
 where the client gave none, the front gives the events it must follow (session.update,
@@ -32,7 +35,7 @@ from rtmedia.web.audio_encode import G711Encoder
 from rtmedia.web.realtime_config import (
     RealtimeConfig,
     RealtimeError,
-    check_tools,
+    check_response_tools,
     max_tokens,
     modality,
     refuse,
@@ -48,7 +51,9 @@ CLIENT_EVENTS = ("session.update", "input_audio_buffer.append", "input_audio_buf
                  "output_audio_buffer.clear")
 # rtmedia's error params in the API's terms, where they differ.
 PARAMS = {"audio": "audio", "item_id": "item_id", "audio_end_ms": "audio_end_ms", "voice": "session.audio.output.voice",
-          "instructions": "session.instructions", "item.text": "item.content", "item.id": "item.id"}
+          "instructions": "session.instructions", "item.text": "item.content", "item.id": "item.id",
+          "tools": "session.tools", "tool_choice.name": "session.tool_choice", "tool_filler_ms": "session.tool_filler_ms",
+          "tool_timeout_ms": "session.tool_timeout_ms"}
 
 
 @dataclass
@@ -63,6 +68,7 @@ class ResponseState:
     max_output_tokens: int = 0
     text: str = ""
     audio_started: bool = False
+    calls: dict[str, dict[str, Any]] = field(default_factory=dict)  # its function_call items, by item id
 
 
 @dataclass
@@ -179,8 +185,11 @@ class Translator:
         item = event.get("item")
         if not isinstance(item, dict):
             raise RealtimeError("invalid_value", "conversation.item.create: item must be an object", "item")
+        if item.get("type") in ("function_call", "function_call_output"):
+            return client_event("conversation.item.create", eid, item=_call_item(item))
         if item.get("type", "message") != "message":
-            raise refuse("item.type", f"{str(item.get('type'))[:40]!r} items (tools)")
+            raise RealtimeError("invalid_value", "item.type must be message, function_call or function_call_output",
+                                "item.type")
         _fields(item, {"id", "type", "role", "content", "status", "object"}, "item.")
         role = item.get("role")
         if role == "system":
@@ -252,7 +261,7 @@ class Translator:
             raise RealtimeError("invalid_value", "response must be an object", "response")
         _fields(spec, {"instructions", "max_output_tokens", "output_modalities", "conversation", "metadata", "audio",
                        "input", "tools", "tool_choice", "prompt", "parallel_tool_calls", "reasoning"}, "response.")
-        check_tools(spec, "response.")
+        check_response_tools(spec)
         for name, what in (("input", "input items for a response"), ("prompt", "prompt templates"),
                            ("reasoning", "reasoning")):
             if spec.get(name) is not None:
@@ -343,6 +352,8 @@ class Translator:
             self._creates.pop(eid, None)
         code = event.get("code") or "server_error"
         param = event.get("param") or None
+        if param and param.startswith("tools.functions["):  # tools.functions[N].name -> session.tools[N].name
+            param = "session.tools" + param.removeprefix("tools.functions")
         exc = RealtimeError(code, event.get("message", ""), PARAMS.get(param, param) if param else None,
                             "server_error" if code in SERVER_CODES else "invalid_request_error")
         return [self.error(exc, eid)]
@@ -422,7 +433,14 @@ class Translator:
                             audio_end_ms=e["audio_end_ms"])]
 
     def _api_item(self, item: dict[str, Any]) -> dict[str, Any]:
-        """An rtmedia conversation item (canonical JSON) as the API's message item."""
+        """An rtmedia conversation item (canonical JSON) as the API's item: a message, a function
+        call, or a function's output."""
+        if item.get("type") == "function_call":
+            return {"id": item["id"], "object": "realtime.item", "type": "function_call", "status": "completed",
+                    "call_id": item["call_id"], "name": item["name"], "arguments": item.get("arguments", "")}
+        if item.get("type") == "function_call_output":
+            return {"id": item["id"], "object": "realtime.item", "type": "function_call_output",
+                    "call_id": item["call_id"], "output": item.get("output", "")}
         role, text, item_id = item.get("role") or "user", item.get("text", ""), item.get("id", "")
         if role == "user":
             part = {"type": "input_audio", "transcript": text} if item_id in self._audio_items else \
@@ -479,7 +497,7 @@ class Translator:
     def _response_object(self, response: ResponseState, status: str, details: dict[str, Any] | None = None,
                          usage: dict[str, Any] | None = None) -> dict[str, Any]:
         output = [] if status == "in_progress" else [self._assistant_item(
-            response, "completed" if status == "completed" else "incomplete")]
+            response, "completed" if status == "completed" else "incomplete"), *response.calls.values()]
         return {"id": response.id, "object": "realtime.response", "status": status, "status_details": details,
                 "output": output, "conversation_id": None if response.conversation == "none" else self.config.id,
                 "output_modalities": [response.modality], "max_output_tokens": response.max_output_tokens or "inf",
@@ -560,6 +578,61 @@ class Translator:
 
     def _on_output_audio_buffer_cleared(self, e: dict[str, Any]) -> list[dict[str, Any]]:
         return [self._event("output_audio_buffer.cleared", response_id=e["response_id"])]
+
+    # ---- function calls -----------------------------------------------------------------------------------
+    def _on_response_output_item_added(self, e: dict[str, Any]) -> list[dict[str, Any]]:
+        response = self.responses.get(e["response_id"])
+        if response is None:
+            return []
+        item = {**self._api_item(e["item"]), "status": "in_progress"}
+        response.calls[item["id"]] = item
+        out = [self._event("response.output_item.added", response_id=response.id, output_index=e["output_index"],
+                           item=item)]
+        if response.conversation == "auto":
+            out.append(self._event("conversation.item.added", previous_item_id=self._previous(), item=item))
+            self.items.append(item["id"])
+        return out
+
+    def _on_response_function_call_arguments_delta(self, e: dict[str, Any]) -> list[dict[str, Any]]:
+        return [self._event("response.function_call_arguments.delta", response_id=e["response_id"],
+                            item_id=e["item_id"], output_index=e["output_index"], call_id=e["call_id"],
+                            delta=e["delta"])]
+
+    def _on_response_function_call_arguments_done(self, e: dict[str, Any]) -> list[dict[str, Any]]:
+        return [self._event("response.function_call_arguments.done", response_id=e["response_id"],
+                            item_id=e["item_id"], output_index=e["output_index"], call_id=e["call_id"],
+                            name=e["name"], arguments=e["arguments"])]
+
+    def _on_response_output_item_done(self, e: dict[str, Any]) -> list[dict[str, Any]]:
+        response = self.responses.get(e["response_id"])
+        if response is None:
+            return []
+        item = self._api_item(e["item"])
+        response.calls[item["id"]] = item
+        out = [self._event("response.output_item.done", response_id=response.id, output_index=e["output_index"],
+                           item=item)]
+        if response.conversation == "auto":
+            out.append(self._event("conversation.item.done", previous_item_id=self._previous(item["id"]),
+                                   item=item))
+        return out
+
+
+def _call_item(item: dict[str, Any]) -> dict[str, Any]:
+    """A function_call_output (the client's result of a call) or function_call item of the API
+    as rtmedia's conversation item."""
+    kind = item["type"]
+    names = ("call_id", "output") if kind == "function_call_output" else ("call_id", "name", "arguments")
+    _fields(item, {"id", "type", "object", "status", *names}, "item.")
+    fields: dict[str, Any] = {"type": kind}
+    for name in ("id", *names):
+        value = item.get(name)
+        if value is None and name != "id":
+            raise RealtimeError("missing_required_parameter", f"a {kind} item needs item.{name}", f"item.{name}")
+        if value is not None and not isinstance(value, str):
+            raise RealtimeError("invalid_value", f"item.{name} must be a string", f"item.{name}")
+        if value is not None:
+            fields[name] = value
+    return fields
 
 
 def _with_id(exc: RealtimeError, eid: Any) -> RealtimeError:

@@ -149,7 +149,8 @@ def test_response_done_cancelled_exact():
     assert msg.response_done.status == realtime_pb2.RESPONSE_STATUS_CANCELLED
     assert to_json(msg) == {"type": "response.done", "response_id": "resp_1", "status": "cancelled",
                             "status_reason": "barge_in",
-                            "usage": {"input_tokens": 12, "output_tokens": 7, "output_audio_ms": 2**40}}
+                            "usage": {"input_tokens": 12, "output_tokens": 7, "output_audio_ms": 2**40},
+                            "function_calls": []}
 
 
 def test_response_done_incomplete_exact():
@@ -158,7 +159,8 @@ def test_response_done_incomplete_exact():
     assert msg.response_done.status == realtime_pb2.RESPONSE_STATUS_INCOMPLETE
     assert to_json(msg) == {"type": "response.done", "response_id": "resp_1", "status": "incomplete",
                             "status_reason": "max_output_tokens",
-                            "usage": {"input_tokens": 0, "output_tokens": 3, "output_audio_ms": 900}}
+                            "usage": {"input_tokens": 0, "output_tokens": 3, "output_audio_ms": 900},
+                            "function_calls": []}
 
 
 def test_item_events_exact():
@@ -183,6 +185,32 @@ def test_item_events_exact():
                                 code="engine_failed", message="the asr lane's step failed")) == {
         "type": "conversation.item.input_audio_transcription.failed", "item_id": "item_4", "code": "engine_failed",
         "message": "the asr lane's step failed"}
+
+
+def test_function_call_events_exact():
+    """A function call, its output and the events around it (docs/protocol.md#tools)."""
+    call = {"id": "item_3", "type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": '{"city": "Paris"}'}
+    assert to_json(server_event("response.output_item.added", response_id="resp_1", output_index=1,
+                                item={**call, "arguments": ""})) == {
+        "type": "response.output_item.added", "response_id": "resp_1", "output_index": 1,
+        "item": {**call, "arguments": "", "role": "", "text": "", "audio": ""}}
+    assert to_json(server_event("response.function_call_arguments.delta", response_id="resp_1", item_id="item_3",
+                                output_index=1, call_id="call_1", delta='{"ci')) == {
+        "type": "response.function_call_arguments.delta", "response_id": "resp_1", "item_id": "item_3",
+        "output_index": 1, "call_id": "call_1", "delta": '{"ci'}
+    done = server_event("response.done", response_id="resp_1", status="completed", function_calls=[call])
+    assert to_json(done)["function_calls"] == [{**call, "role": "", "text": "", "audio": ""}]
+    output = {"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "call_1",
+                                                           "output": '{"temperature_c": 21}'}}
+    assert to_json(from_json(output)) == output
+    tools = {"type": "session.update", "session": {
+        "tools": {"functions": [{"name": "get_weather", "description": "The weather.", "parameters": "{}"}]},
+        "tool_choice": {"mode": "function", "name": "get_weather"}, "tool_timeout_ms": 5000, "tool_filler_ms": 0}}
+    assert to_json(from_json(tools)) == tools
+    assert to_json(server_event("response.created", response_id="resp_2", item_id="item_4", filler=True)) == {
+        "type": "response.created", "response_id": "resp_2", "item_id": "item_4", "request_event_id": "",
+        "filler": True}
 
 
 def test_timeout_triggered_and_the_new_options_exact():

@@ -5,9 +5,10 @@ token-limited (incomplete) replies."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
-from rtmedia.engines.responder import Incomplete, Message, ReplyRequest
+from rtmedia.engines.responder import CallDelta, CallError, FunctionCall, Incomplete, Message, ReplyRequest
 from rtmedia.protocol.events import to_json
 from rtmedia.server.outbox import Outbox
 from rtmedia.server.reply import ACK_FRESH_S, PLAYED_TOLERANCE_MS, ReplyPipeline, Response
@@ -77,7 +78,7 @@ def pipeline(history: list[Message]) -> tuple[ReplyPipeline, Outbox]:
     replies = ReplyPipeline(
         "sess_1", outbox, history, Limits(), tts=None, replies=None, metrics=_Metrics(),
         settings=SessionSettings, request=lambda *a, **k: None, spawn=lambda coro, name: None,
-        new_id=lambda prefix: prefix, on_done=lambda: None,
+        new_id=lambda prefix: prefix, on_done=lambda response: None,
     )
     return replies, outbox
 
@@ -160,11 +161,12 @@ async def run_reply(deltas: list, **start) -> tuple[list[dict], list[Message]]:
     history = [Message("user", "hi", "item_0")]
     outbox = Outbox(64)
     tasks: list[asyncio.Task] = []
+    ids = itertools.count(1)
     replies = ReplyPipeline(
         "sess_1", outbox, history, Limits(), tts=None, replies=_Replies(deltas), metrics=_Metrics(),
         settings=lambda: SessionSettings(output_modality="text"), request=lambda *a, **k: ReplyRequest(history),
         spawn=lambda coro, name: tasks.append(asyncio.ensure_future(coro)) or tasks[-1],
-        new_id=lambda prefix: f"{prefix}_{len(tasks)}", on_done=outbox.close,
+        new_id=lambda prefix: f"{prefix}_{next(ids)}", on_done=lambda response: outbox.close(),
     )
     replies.start(None, **start)
     await asyncio.gather(*tasks)
@@ -188,3 +190,54 @@ async def test_an_out_of_band_reply_leaves_the_history_as_it_was():
     events, history = await run_reply(["Aside."], joins_history=False)
     assert events[-1]["status"] == "completed" and events[-2]["text"] == "Aside."
     assert history == [Message("user", "hi", "item_0")]
+
+
+async def test_a_reply_that_calls_functions_streams_each_call_after_its_message():
+    events, history = await run_reply(["Let me look. ", CallDelta(0, "get_weather", '{"city": '),
+                                       CallDelta(1, "get_time", ""), CallDelta(0, "", '"Paris"}'),
+                                       CallDelta(1, "", "{}")])
+    types = [e["type"] for e in events]
+    assert types == ["response.created", "response.output_text.delta", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.delta",
+                     "response.output_text.done",
+                     "response.function_call_arguments.done", "response.output_item.done",
+                     "response.function_call_arguments.done", "response.output_item.done", "response.done"]
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    assert [(a["output_index"], a["item"]["name"], a["item"]["arguments"]) for a in added] == \
+        [(1, "get_weather", ""), (2, "get_time", "")]
+    done = events[-1]
+    assert done["status"] == "completed"
+    calls = done["function_calls"]
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    assert len({c["call_id"] for c in calls}) == 2 and all(c["call_id"].startswith("call_") for c in calls)
+    assert events[-2]["item"] == calls[1]
+    message = events[0]["item_id"]
+    assert history[1:] == [Message("assistant", "Let me look.", message),
+                           Message("assistant", "", calls[0]["id"], call=FunctionCall(calls[0]["call_id"],
+                                                                                      "get_weather", '{"city": "Paris"}')),
+                           Message("assistant", "", calls[1]["id"], call=FunctionCall(calls[1]["call_id"],
+                                                                                      "get_time", "{}"))]
+
+
+async def test_a_malformed_call_is_an_error_event_and_the_reply_goes_on():
+    events, history = await run_reply(["Sure. ", CallError("a function call is not valid JSON"), "Done."])
+    errors = [e for e in events if e["type"] == "error"]
+    assert errors[0]["code"] == "invalid_function_call" and "not valid JSON" in errors[0]["message"]
+    assert events[-1]["status"] == "completed" and not events[-1].get("function_calls")
+    assert history[-1].text == "Sure. Done."
+
+
+async def test_a_call_without_a_name_fails_the_response():
+    events, _ = await run_reply([CallDelta(0, "", "{}")])
+    assert events[-1]["status"] == "failed" and "without a name" in events[-1]["status_reason"]
+
+
+async def test_the_servers_own_words_are_spoken_instead_of_the_responders():
+    events, history = await run_reply(["never used"], say="One moment.", filler=True, joins_history=False)
+    assert events[0]["filler"] is True
+    assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == ["One ", "moment."]
+    assert len(history) == 1
+    events, history = await run_reply([], say="Sorry.", reason="tool_timeout")
+    assert (events[-1]["status"], events[-1]["status_reason"]) == ("completed", "tool_timeout")
+    assert history[-1].text == "Sorry."

@@ -75,6 +75,10 @@ SERVER_EVENTS: dict[str, str] = {
     "response.output_text.done": "response_output_text_done",
     "response.output_audio.done": "response_output_audio_done",
     "response.done": "response_done",
+    "response.output_item.added": "response_output_item_added",
+    "response.output_item.done": "response_output_item_done",
+    "response.function_call_arguments.delta": "response_function_call_arguments_delta",
+    "response.function_call_arguments.done": "response_function_call_arguments_done",
     "response.waiting": "response_waiting",  # (ext)
     "output_audio_buffer.cleared": "output_audio_buffer_cleared",
     "playback.acknowledged": "playback_acknowledged",  # (ext)
@@ -197,12 +201,12 @@ def from_json(obj: dict[str, Any] | str | bytes, kind: Kind = "client") -> Conve
     return _build(kind, name, {k: v for k, v in obj.items() if k != "type"}, native=False)
 
 
-def client_event(name: str, event_id: str = "", **fields: Any) -> ConverseRequest:
+def client_event(name: str, /, event_id: str = "", **fields: Any) -> ConverseRequest:
     """A ConverseRequest for event `name`; fields take Python values (bytes, nested dicts or messages)."""
     return _build("client", name, {"event_id": event_id, **fields} if event_id else fields, native=True)
 
 
-def server_event(name: str, event_id: str = "", **fields: Any) -> ConverseResponse:
+def server_event(name: str, /, event_id: str = "", **fields: Any) -> ConverseResponse:
     """A ConverseResponse for event `name`, e.g. server_event("response.done", response_id=r, status="cancelled").
 
     For `error`, `event_id` is the error's own field (the client event it refers to).

@@ -45,6 +45,35 @@ TURN_DETECTION_TYPE_NONE: TurnDetectionType.ValueType  # 3
 """Audio is only buffered; responses come only on response_create."""
 Global___TurnDetectionType: _TypeAlias = TurnDetectionType  # noqa: Y015
 
+class _ToolChoiceMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ToolChoiceModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ToolChoiceMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TOOL_CHOICE_MODE_UNSPECIFIED: _ToolChoiceMode.ValueType  # 0
+    TOOL_CHOICE_MODE_AUTO: _ToolChoiceMode.ValueType  # 1
+    """The responder decides (default)."""
+    TOOL_CHOICE_MODE_NONE: _ToolChoiceMode.ValueType  # 2
+    """No function is called."""
+    TOOL_CHOICE_MODE_REQUIRED: _ToolChoiceMode.ValueType  # 3
+    """The reply calls at least one function."""
+    TOOL_CHOICE_MODE_FUNCTION: _ToolChoiceMode.ValueType  # 4
+    """The reply calls the function `name`."""
+
+class ToolChoiceMode(_ToolChoiceMode, metaclass=_ToolChoiceModeEnumTypeWrapper): ...
+
+TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode.ValueType  # 0
+TOOL_CHOICE_MODE_AUTO: ToolChoiceMode.ValueType  # 1
+"""The responder decides (default)."""
+TOOL_CHOICE_MODE_NONE: ToolChoiceMode.ValueType  # 2
+"""No function is called."""
+TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.ValueType  # 3
+"""The reply calls at least one function."""
+TOOL_CHOICE_MODE_FUNCTION: ToolChoiceMode.ValueType  # 4
+"""The reply calls the function `name`."""
+Global___ToolChoiceMode: _TypeAlias = ToolChoiceMode  # noqa: Y015
+
 class _ResponseStatus:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -180,6 +209,10 @@ class SessionConfig(_message.Message):
     IDLE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     OUTPUT_MODALITY_FIELD_NUMBER: _builtins.int
     SPEED_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
+    TOOL_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    TOOL_FILLER_MS_FIELD_NUMBER: _builtins.int
     output_sample_rate: _builtins.int
     """0 means the voice's native rate."""
     instructions: _builtins.str
@@ -200,12 +233,31 @@ class SessionConfig(_message.Message):
     """
     speed: _builtins.float
     """Speaking rate of the replies, 0.25..4.0 (default 1.0: the voice's own pace)."""
+    tool_timeout_ms: _builtins.int
+    """How long a function call may go unanswered (no function_call_output) before the server
+    ends the wait with a short spoken apology of its own, 1000..120000 ms (default 10000).
+    """
+    tool_filler_ms: _builtins.int
+    """(ext) A call still out this long gets a filler response ("One moment."), cut when the
+    answer starts, 100..10000 ms; 0 turns it off (default 800).
+    """
     @_builtins.property
     def input_audio_format(self) -> _common_pb2.AudioFormat: ...
     @_builtins.property
     def input_audio_transcription(self) -> Global___InputAudioTranscription: ...
     @_builtins.property
     def turn_detection(self) -> Global___TurnDetection: ...
+    @_builtins.property
+    def tools(self) -> Global___Tools:
+        """Functions the responder may call (the openai responder, and transformers models whose
+        chat template takes tools); the client runs them. Set, it replaces the session's
+        functions (empty: none).
+        """
+
+    @_builtins.property
+    def tool_choice(self) -> Global___ToolChoice:
+        """Whether and which function the responder calls (default auto)."""
+
     def __init__(
         self,
         *,
@@ -221,10 +273,14 @@ class SessionConfig(_message.Message):
         idle_timeout_s: _builtins.int | None = ...,
         output_modality: _builtins.str | None = ...,
         speed: _builtins.float | None = ...,
+        tools: Global___Tools | None = ...,
+        tool_choice: Global___ToolChoice | None = ...,
+        tool_timeout_ms: _builtins.int | None = ...,
+        tool_filler_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_modality", b"_output_modality", "_output_sample_rate", b"_output_sample_rate", "_responder", b"_responder", "_speed", b"_speed", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "output_modality", b"output_modality", "output_sample_rate", b"output_sample_rate", "responder", b"responder", "speed", b"speed", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_modality", b"_output_modality", "_output_sample_rate", b"_output_sample_rate", "_responder", b"_responder", "_speed", b"_speed", "_tool_filler_ms", b"_tool_filler_ms", "_tool_timeout_ms", b"_tool_timeout_ms", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "output_modality", b"output_modality", "output_sample_rate", b"output_sample_rate", "responder", b"responder", "speed", b"speed", "tool_choice", b"tool_choice", "tool_filler_ms", b"tool_filler_ms", "tool_timeout_ms", b"tool_timeout_ms", "tools", b"tools", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_modality", b"_output_modality", "_output_sample_rate", b"_output_sample_rate", "_responder", b"_responder", "_speed", b"_speed", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "output_modality", b"output_modality", "output_sample_rate", b"output_sample_rate", "responder", b"responder", "speed", b"speed", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_modality", b"_output_modality", "_output_sample_rate", b"_output_sample_rate", "_responder", b"_responder", "_speed", b"_speed", "_tool_filler_ms", b"_tool_filler_ms", "_tool_timeout_ms", b"_tool_timeout_ms", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "output_modality", b"output_modality", "output_sample_rate", b"output_sample_rate", "responder", b"responder", "speed", b"speed", "tool_choice", b"tool_choice", "tool_filler_ms", b"tool_filler_ms", "tool_timeout_ms", b"tool_timeout_ms", "tools", b"tools", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__idle_timeout_s: _TypeAlias = _typing.Literal["idle_timeout_s"]  # noqa: Y015
     _WhichOneofArgType__idle_timeout_s: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s"]  # noqa: Y015
@@ -242,6 +298,10 @@ class SessionConfig(_message.Message):
     _WhichOneofArgType__responder: _TypeAlias = _typing.Literal["_responder", b"_responder"]  # noqa: Y015
     _WhichOneofReturnType__speed: _TypeAlias = _typing.Literal["speed"]  # noqa: Y015
     _WhichOneofArgType__speed: _TypeAlias = _typing.Literal["_speed", b"_speed"]  # noqa: Y015
+    _WhichOneofReturnType__tool_filler_ms: _TypeAlias = _typing.Literal["tool_filler_ms"]  # noqa: Y015
+    _WhichOneofArgType__tool_filler_ms: _TypeAlias = _typing.Literal["_tool_filler_ms", b"_tool_filler_ms"]  # noqa: Y015
+    _WhichOneofReturnType__tool_timeout_ms: _TypeAlias = _typing.Literal["tool_timeout_ms"]  # noqa: Y015
+    _WhichOneofArgType__tool_timeout_ms: _TypeAlias = _typing.Literal["_tool_timeout_ms", b"_tool_timeout_ms"]  # noqa: Y015
     _WhichOneofReturnType__voice: _TypeAlias = _typing.Literal["voice"]  # noqa: Y015
     _WhichOneofArgType__voice: _TypeAlias = _typing.Literal["_voice", b"_voice"]  # noqa: Y015
     @_typing.overload
@@ -261,9 +321,85 @@ class SessionConfig(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__speed) -> _WhichOneofReturnType__speed | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tool_filler_ms) -> _WhichOneofReturnType__tool_filler_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tool_timeout_ms) -> _WhichOneofReturnType__tool_timeout_ms | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__voice) -> _WhichOneofReturnType__voice | None: ...
 
 Global___SessionConfig: _TypeAlias = SessionConfig  # noqa: Y015
+
+@_typing.final
+class FunctionTool(_message.Message):
+    """A function the responder may call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """1..64 characters of letters, digits, "_" and "-"."""
+    description: _builtins.str
+    parameters: _builtins.str
+    """The arguments' JSON Schema, as JSON text: an object schema ("" means no arguments)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters", b"parameters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FunctionTool: _TypeAlias = FunctionTool  # noqa: Y015
+
+@_typing.final
+class Tools(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FUNCTIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def functions(self) -> _containers.RepeatedCompositeFieldContainer[Global___FunctionTool]: ...
+    def __init__(
+        self,
+        *,
+        functions: _abc.Iterable[Global___FunctionTool] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["functions", b"functions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tools: _TypeAlias = Tools  # noqa: Y015
+
+@_typing.final
+class ToolChoice(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    mode: Global___ToolChoiceMode.ValueType
+    name: _builtins.str
+    """mode function: the function's name."""
+    def __init__(
+        self,
+        *,
+        mode: Global___ToolChoiceMode.ValueType = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
 
 @_typing.final
 class SessionLimits(_message.Message):
@@ -313,6 +449,11 @@ class ConversationItem(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     AUDIO_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     role: _builtins.str
     """"user" or "assistant"."""
@@ -322,6 +463,19 @@ class ConversationItem(_message.Message):
     transcribed by the session's recogniser (text must then be empty). The history keeps the
     transcript, not the audio: items the server sends carry text only.
     """
+    type: _builtins.str
+    """"message" (or unset: a user or assistant turn), "function_call" (the responder calls a
+    function; role and text empty) or "function_call_output" (the client's result of a call,
+    in conversation_item_create; role and text empty). The fields below are set on the kinds
+    of item they belong to only.
+    """
+    call_id: _builtins.str
+    """function_call and function_call_output: the call's id (the server's, call_...)."""
+    name: _builtins.str
+    """function_call: the function and its arguments (JSON text)."""
+    arguments: _builtins.str
+    output: _builtins.str
+    """function_call_output: what the function returned (text, often JSON)."""
     def __init__(
         self,
         *,
@@ -329,12 +483,36 @@ class ConversationItem(_message.Message):
         role: _builtins.str = ...,
         text: _builtins.str = ...,
         audio: _builtins.bytes = ...,
+        type: _builtins.str | None = ...,
+        call_id: _builtins.str | None = ...,
+        name: _builtins.str | None = ...,
+        arguments: _builtins.str | None = ...,
+        output: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_arguments", b"_arguments", "_call_id", b"_call_id", "_name", b"_name", "_output", b"_output", "_type", b"_type", "arguments", b"arguments", "call_id", b"call_id", "name", b"name", "output", b"output", "type", b"type"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "id", b"id", "role", b"role", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_arguments", b"_arguments", "_call_id", b"_call_id", "_name", b"_name", "_output", b"_output", "_type", b"_type", "arguments", b"arguments", "audio", b"audio", "call_id", b"call_id", "id", b"id", "name", b"name", "output", b"output", "role", b"role", "text", b"text", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__arguments: _TypeAlias = _typing.Literal["arguments"]  # noqa: Y015
+    _WhichOneofArgType__arguments: _TypeAlias = _typing.Literal["_arguments", b"_arguments"]  # noqa: Y015
+    _WhichOneofReturnType__call_id: _TypeAlias = _typing.Literal["call_id"]  # noqa: Y015
+    _WhichOneofArgType__call_id: _TypeAlias = _typing.Literal["_call_id", b"_call_id"]  # noqa: Y015
+    _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
+    _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    _WhichOneofReturnType__output: _TypeAlias = _typing.Literal["output"]  # noqa: Y015
+    _WhichOneofArgType__output: _TypeAlias = _typing.Literal["_output", b"_output"]  # noqa: Y015
+    _WhichOneofReturnType__type: _TypeAlias = _typing.Literal["type"]  # noqa: Y015
+    _WhichOneofArgType__type: _TypeAlias = _typing.Literal["_type", b"_type"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__arguments) -> _WhichOneofReturnType__arguments | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__call_id) -> _WhichOneofReturnType__call_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__output) -> _WhichOneofReturnType__output | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__type) -> _WhichOneofReturnType__type | None: ...
 
 Global___ConversationItem: _TypeAlias = ConversationItem  # noqa: Y015
 
@@ -938,11 +1116,16 @@ class ResponseCreatedEvent(_message.Message):
     RESPONSE_ID_FIELD_NUMBER: _builtins.int
     ITEM_ID_FIELD_NUMBER: _builtins.int
     REQUEST_EVENT_ID_FIELD_NUMBER: _builtins.int
+    FILLER_FIELD_NUMBER: _builtins.int
     response_id: _builtins.str
     item_id: _builtins.str
     request_event_id: _builtins.str
     """The event_id of the response_create that asked for it; empty for a response the server
-    started itself (a turn's end, an idle timeout).
+    started itself (a turn's end, an idle timeout, a tool's filler or timeout).
+    """
+    filler: _builtins.bool
+    """(ext) A filler: the server speaks it while a function call is out, and cuts it when the
+    answer's response starts (response_done: cancelled, "answer_started").
     """
     def __init__(
         self,
@@ -950,10 +1133,11 @@ class ResponseCreatedEvent(_message.Message):
         response_id: _builtins.str = ...,
         item_id: _builtins.str = ...,
         request_event_id: _builtins.str = ...,
+        filler: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["item_id", b"item_id", "request_event_id", b"request_event_id", "response_id", b"response_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filler", b"filler", "item_id", b"item_id", "request_event_id", b"request_event_id", "response_id", b"response_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1071,12 +1255,21 @@ class ResponseDoneEvent(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     STATUS_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    FUNCTION_CALLS_FIELD_NUMBER: _builtins.int
     response_id: _builtins.str
     status: Global___ResponseStatus.ValueType
     status_reason: _builtins.str
-    """Why a response was cancelled or failed."""
+    """Why a response was cancelled or failed; (ext) "tool_timeout" on the server's apology
+    when a function call went unanswered for tool_timeout_ms.
+    """
     @_builtins.property
     def usage(self) -> Global___ResponseUsage: ...
+    @_builtins.property
+    def function_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConversationItem]:
+        """The function calls the response made, in order (each a function_call item): the session
+        then waits for their function_call_output items.
+        """
+
     def __init__(
         self,
         *,
@@ -1084,14 +1277,141 @@ class ResponseDoneEvent(_message.Message):
         status: Global___ResponseStatus.ValueType = ...,
         status_reason: _builtins.str = ...,
         usage: Global___ResponseUsage | None = ...,
+        function_calls: _abc.Iterable[Global___ConversationItem] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["response_id", b"response_id", "status", b"status", "status_reason", b"status_reason", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["function_calls", b"function_calls", "response_id", b"response_id", "status", b"status", "status_reason", b"status_reason", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResponseDoneEvent: _TypeAlias = ResponseDoneEvent  # noqa: Y015
+
+@_typing.final
+class ResponseOutputItemAddedEvent(_message.Message):
+    """A response's output item (a function_call) begins: `item` as far as it is known (arguments
+    empty).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_INDEX_FIELD_NUMBER: _builtins.int
+    ITEM_FIELD_NUMBER: _builtins.int
+    response_id: _builtins.str
+    output_index: _builtins.int
+    """The item's place in the response's output: 0 is the reply's message, calls follow."""
+    @_builtins.property
+    def item(self) -> Global___ConversationItem: ...
+    def __init__(
+        self,
+        *,
+        response_id: _builtins.str = ...,
+        output_index: _builtins.int = ...,
+        item: Global___ConversationItem | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "output_index", b"output_index", "response_id", b"response_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResponseOutputItemAddedEvent: _TypeAlias = ResponseOutputItemAddedEvent  # noqa: Y015
+
+@_typing.final
+class ResponseOutputItemDoneEvent(_message.Message):
+    """A response's output item is complete: the function_call with its arguments."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_INDEX_FIELD_NUMBER: _builtins.int
+    ITEM_FIELD_NUMBER: _builtins.int
+    response_id: _builtins.str
+    output_index: _builtins.int
+    @_builtins.property
+    def item(self) -> Global___ConversationItem: ...
+    def __init__(
+        self,
+        *,
+        response_id: _builtins.str = ...,
+        output_index: _builtins.int = ...,
+        item: Global___ConversationItem | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "output_index", b"output_index", "response_id", b"response_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResponseOutputItemDoneEvent: _TypeAlias = ResponseOutputItemDoneEvent  # noqa: Y015
+
+@_typing.final
+class ResponseFunctionCallArgumentsDeltaEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_INDEX_FIELD_NUMBER: _builtins.int
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    response_id: _builtins.str
+    item_id: _builtins.str
+    output_index: _builtins.int
+    call_id: _builtins.str
+    delta: _builtins.str
+    """Append-only JSON text."""
+    def __init__(
+        self,
+        *,
+        response_id: _builtins.str = ...,
+        item_id: _builtins.str = ...,
+        output_index: _builtins.int = ...,
+        call_id: _builtins.str = ...,
+        delta: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "delta", b"delta", "item_id", b"item_id", "output_index", b"output_index", "response_id", b"response_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResponseFunctionCallArgumentsDeltaEvent: _TypeAlias = ResponseFunctionCallArgumentsDeltaEvent  # noqa: Y015
+
+@_typing.final
+class ResponseFunctionCallArgumentsDoneEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_INDEX_FIELD_NUMBER: _builtins.int
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    response_id: _builtins.str
+    item_id: _builtins.str
+    output_index: _builtins.int
+    call_id: _builtins.str
+    name: _builtins.str
+    arguments: _builtins.str
+    """The whole arguments, JSON text."""
+    def __init__(
+        self,
+        *,
+        response_id: _builtins.str = ...,
+        item_id: _builtins.str = ...,
+        output_index: _builtins.int = ...,
+        call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "call_id", b"call_id", "item_id", b"item_id", "name", b"name", "output_index", b"output_index", "response_id", b"response_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResponseFunctionCallArgumentsDoneEvent: _TypeAlias = ResponseFunctionCallArgumentsDoneEvent  # noqa: Y015
 
 @_typing.final
 class OutputAudioBufferClearedEvent(_message.Message):
@@ -1414,6 +1734,10 @@ class ConverseResponse(_message.Message):
     CONVERSATION_ITEM_RETRIEVED_FIELD_NUMBER: _builtins.int
     CONVERSATION_ITEM_TRUNCATED_FIELD_NUMBER: _builtins.int
     CONVERSATION_ITEM_INPUT_AUDIO_TRANSCRIPTION_FAILED_FIELD_NUMBER: _builtins.int
+    RESPONSE_OUTPUT_ITEM_ADDED_FIELD_NUMBER: _builtins.int
+    RESPONSE_OUTPUT_ITEM_DONE_FIELD_NUMBER: _builtins.int
+    RESPONSE_FUNCTION_CALL_ARGUMENTS_DELTA_FIELD_NUMBER: _builtins.int
+    RESPONSE_FUNCTION_CALL_ARGUMENTS_DONE_FIELD_NUMBER: _builtins.int
     event_id: _builtins.str
     @_builtins.property
     def session_created(self) -> Global___SessionCreatedEvent: ...
@@ -1465,6 +1789,14 @@ class ConverseResponse(_message.Message):
     def conversation_item_truncated(self) -> Global___ConversationItemTruncatedEvent: ...
     @_builtins.property
     def conversation_item_input_audio_transcription_failed(self) -> Global___ConversationItemInputAudioTranscriptionFailedEvent: ...
+    @_builtins.property
+    def response_output_item_added(self) -> Global___ResponseOutputItemAddedEvent: ...
+    @_builtins.property
+    def response_output_item_done(self) -> Global___ResponseOutputItemDoneEvent: ...
+    @_builtins.property
+    def response_function_call_arguments_delta(self) -> Global___ResponseFunctionCallArgumentsDeltaEvent: ...
+    @_builtins.property
+    def response_function_call_arguments_done(self) -> Global___ResponseFunctionCallArgumentsDoneEvent: ...
     def __init__(
         self,
         *,
@@ -1494,12 +1826,16 @@ class ConverseResponse(_message.Message):
         conversation_item_retrieved: Global___ConversationItemRetrievedEvent | None = ...,
         conversation_item_truncated: Global___ConversationItemTruncatedEvent | None = ...,
         conversation_item_input_audio_transcription_failed: Global___ConversationItemInputAudioTranscriptionFailedEvent | None = ...,
+        response_output_item_added: Global___ResponseOutputItemAddedEvent | None = ...,
+        response_output_item_done: Global___ResponseOutputItemDoneEvent | None = ...,
+        response_function_call_arguments_delta: Global___ResponseFunctionCallArgumentsDeltaEvent | None = ...,
+        response_function_call_arguments_done: Global___ResponseFunctionCallArgumentsDoneEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["conversation_item_added", b"conversation_item_added", "conversation_item_deleted", b"conversation_item_deleted", "conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_failed", b"conversation_item_input_audio_transcription_failed", "conversation_item_retrieved", b"conversation_item_retrieved", "conversation_item_truncated", b"conversation_item_truncated", "error", b"error", "event", b"event", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "input_audio_buffer_timeout_triggered", b"input_audio_buffer_timeout_triggered", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["conversation_item_added", b"conversation_item_added", "conversation_item_deleted", b"conversation_item_deleted", "conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_failed", b"conversation_item_input_audio_transcription_failed", "conversation_item_retrieved", b"conversation_item_retrieved", "conversation_item_truncated", b"conversation_item_truncated", "error", b"error", "event", b"event", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "input_audio_buffer_timeout_triggered", b"input_audio_buffer_timeout_triggered", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_function_call_arguments_delta", b"response_function_call_arguments_delta", "response_function_call_arguments_done", b"response_function_call_arguments_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_item_added", b"response_output_item_added", "response_output_item_done", b"response_output_item_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_item_added", b"conversation_item_added", "conversation_item_deleted", b"conversation_item_deleted", "conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_failed", b"conversation_item_input_audio_transcription_failed", "conversation_item_retrieved", b"conversation_item_retrieved", "conversation_item_truncated", b"conversation_item_truncated", "error", b"error", "event", b"event", "event_id", b"event_id", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "input_audio_buffer_timeout_triggered", b"input_audio_buffer_timeout_triggered", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_item_added", b"conversation_item_added", "conversation_item_deleted", b"conversation_item_deleted", "conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_failed", b"conversation_item_input_audio_transcription_failed", "conversation_item_retrieved", b"conversation_item_retrieved", "conversation_item_truncated", b"conversation_item_truncated", "error", b"error", "event", b"event", "event_id", b"event_id", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "input_audio_buffer_timeout_triggered", b"input_audio_buffer_timeout_triggered", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_function_call_arguments_delta", b"response_function_call_arguments_delta", "response_function_call_arguments_done", b"response_function_call_arguments_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_item_added", b"response_output_item_added", "response_output_item_done", b"response_output_item_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_created", "session_updated", "input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", "input_audio_buffer_committed", "input_audio_buffer_cleared", "conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_completed", "response_created", "response_output_audio_delta", "response_output_text_delta", "response_output_text_done", "response_output_audio_done", "response_done", "output_audio_buffer_cleared", "playback_acknowledged", "session_closed", "error", "response_waiting", "input_audio_buffer_timeout_triggered", "conversation_item_added", "conversation_item_deleted", "conversation_item_retrieved", "conversation_item_truncated", "conversation_item_input_audio_transcription_failed"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_created", "session_updated", "input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", "input_audio_buffer_committed", "input_audio_buffer_cleared", "conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_completed", "response_created", "response_output_audio_delta", "response_output_text_delta", "response_output_text_done", "response_output_audio_done", "response_done", "output_audio_buffer_cleared", "playback_acknowledged", "session_closed", "error", "response_waiting", "input_audio_buffer_timeout_triggered", "conversation_item_added", "conversation_item_deleted", "conversation_item_retrieved", "conversation_item_truncated", "conversation_item_input_audio_transcription_failed", "response_output_item_added", "response_output_item_done", "response_function_call_arguments_delta", "response_function_call_arguments_done"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
