@@ -144,7 +144,9 @@ class RtmediaServer:
                                             max_instructions_chars=config.session_instructions_chars,
                                             max_id_bytes=config.session_id_bytes,
                                             max_session_s=config.session_max_duration_s,
-                                            max_idle_timeout_s=config.session_max_idle_s))
+                                            max_idle_timeout_s=config.session_max_idle_s,
+                                            tool_fillers=tuple(config.tool_fillers),
+                                            tool_apology=config.tool_apology))
         self.private_target: str | None = None  # the in-process web front's own socket (start(private=True))
         self._private_dir: str | None = None
         self.services = SERVICE_NAMES + (RIVA_SERVICE_NAMES if config.riva else [])

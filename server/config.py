@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 from rtmedia.engines.piper_bf16 import PRECISIONS
+from rtmedia.server.session_limits import Limits
 
 MiB = 1024 * 1024
 
@@ -66,6 +67,10 @@ class ServerConfig:
     # The longest max_session_s and idle_timeout_s a client may ask for, in seconds.
     session_max_duration_s: int = 14400
     session_max_idle_s: int = 1800
+    # What a session's server says while a function call is out (fillers, taken in turn) and when
+    # one goes unanswered for its tool_timeout_ms (docs/protocol.md#tools).
+    tool_fillers: list[str] = field(default_factory=lambda: list(Limits().tool_fillers))
+    tool_apology: str = Limits().tool_apology
     # Concurrent Converse sessions; one more is refused with RESOURCE_EXHAUSTED.
     max_sessions: int = 256
     # LM slots (a separate, smaller pool; sessions wait for one, never refused).
@@ -171,6 +176,11 @@ class ServerConfig:
         for name in ("session_max_duration_s", "session_max_idle_s"):
             if not 1 <= getattr(self, name) <= 86400:
                 raise ValueError(f"{name} must be within 1..86400, got {getattr(self, name)}")
+        for text in [*self.tool_fillers, self.tool_apology]:
+            if not isinstance(text, str) or not text.strip() or len(text) > 500:
+                raise ValueError(f"tool_fillers and tool_apology are sentences of 1..500 characters, got {text!r}")
+        if not self.tool_fillers:
+            raise ValueError("tool_fillers needs at least one sentence")
         if self.stream_window_bytes < 0:
             raise ValueError(f"stream_window_bytes must be at least 0, got {self.stream_window_bytes}")
         if self.tts_threads < 0:

@@ -3,7 +3,9 @@
 Two lanes: control events (lifecycle, errors, barge-in, acks) overtake queued media
 (transcription and reply deltas). Media carry the epoch of their response; cancelling a
 response bumps the session's epoch, so media of an older epoch still queued, or produced
-late by the cancelled response, are dropped rather than sent.
+late by the cancelled response, are dropped rather than sent; all but a response's
+response.done, which every response gets once (one that was all generated when a barge-in
+came may still have it queued behind its audio).
 
 Both lanes together are bounded in events and bytes: a client that stops reading fills
 them. The first event that does not fit is dropped and an `error{client_too_slow}` (let in
@@ -104,7 +106,7 @@ class Outbox:
             while self._media:
                 event_epoch, size, event = self._media.popleft()
                 self._taken(size, event)
-                if event_epoch == epoch:
+                if event_epoch == epoch or event.WhichOneof("event") == "response_done":
                     return event
             if self.closed:
                 last, self._last = self._last, None

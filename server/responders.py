@@ -14,7 +14,8 @@ A model whose chat template takes tools (in a form engines/tool_parsers.py reads
 functions: the prompt is rendered with the session's tools, and the reply's text goes through
 the form's parser as it streams, so the text before a call is spoken and the call is not.
 A local model cannot be made to call: tool_choice "required" or a function's name is asked
-for in the instructions.
+for in the instructions. A model whose template takes no tools sees none of the function
+items a client may record in its history.
 """
 
 from __future__ import annotations
@@ -61,13 +62,15 @@ class LmResponder:
         """The chat prompt (with the tools, unless tool_choice is "none"); the oldest turns go
         first when it would not fit the context."""
         tools = request.tools if request.tool_choice != "none" and self.calls_tools else ()
+        history = request.history if self.calls_tools else \
+            [m for m in request.history if m.call is None and m.role != "tool"]  # calls a client recorded
         instructions = request.instructions
         if tools and request.tool_choice != "auto":
             which = "one of the functions" if request.tool_choice == "required" else \
                 f"the function {request.tool_choice}"
             instructions = f"{instructions}\n\nCall {which} now.".strip()
-        _, ids = truncate_history_to_fit(self.tokenizer, request.history, instructions, max_new,
-                                         self.lane.engine.context, tools)
+        _, ids = truncate_history_to_fit(self.tokenizer, history, instructions, max_new, self.lane.engine.context,
+                                         tools)
         return ids
 
     async def prepare(self, request: ReplyRequest) -> None:

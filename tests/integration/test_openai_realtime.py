@@ -304,8 +304,9 @@ async def test_transcription_session(openai_client, speaker):
 
 
 REFUSED = [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "session.tools"),
-    ({"tool_choice": "required"}, "session.tool_choice"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "session.tools"),  # echo calls none
+    ({"tools": [{"type": "mcp", "server_label": "x"}]}, "session.tools[0].type"),
+    ({"tool_choice": {"type": "function", "name": "f"}}, "session.tool_choice"),
     ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "session.audio.input.turn_detection.type"),
     ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
     ({"include": ["item.input_audio_transcription.logprobs"]}, "session.include"),
@@ -334,8 +335,11 @@ async def test_refused_items_and_response_fields(connect):
     cases = [
         ({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
             {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}}, "item.content[0].type"),
-        ({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f", "call_id": "c",
-                                                       "arguments": "{}"}}, "item.type"),
+        ({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "nope",
+                                                       "output": "{}"}}, "item.call_id"),
+        ({"type": "conversation.item.create", "item": {"type": "function_call_output", "output": "{}"}},
+         "item.call_id"),
+        ({"type": "conversation.item.create", "item": {"type": "reasoning"}}, "item.type"),
         ({"type": "response.create", "response": {"tools": [{"type": "function", "name": "f"}]}}, "response.tools"),
         ({"type": "response.create", "response": {"input": []}}, "response.input"),
         ({"type": "conversation.item.create", "previous_item_id": "root", "item": {

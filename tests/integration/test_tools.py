@@ -1,10 +1,12 @@
 """Function calls in a Converse session (docs/protocol.md#tools), on the `openai` responder
 against a stand-in chat-completions server (tests/support/chat_upstream.py, the one fake):
 a call streamed out, the client's output, the spoken answer; parallel calls; tool_choice;
-a user who speaks on while a call is out; the filler and the timeout; and the refusals."""
+a user who speaks on while a call is out; the filler and the timeout; the refusals; and the
+same through OpenAI's Realtime API with the `openai` SDK."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -50,7 +52,7 @@ async def upstream():
 
 @pytest.fixture(scope="module")
 async def served(upstream):
-    server = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1, llm=False, default_responder="echo",
+    server = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1, llm=False, default_responder="openai",
                                         openai_url=upstream.url, openai_model="stand-in"))
     await server.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -297,3 +299,66 @@ async def test_a_spoken_question_gets_a_call(served, speaker):
         assert c.of_type("conversation.item.input_audio_transcription.completed")[0]["transcript"]
     finally:
         await c.__aexit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+async def front(served):
+    from rtmedia.web.bridge import Bridge, BridgeConfig
+
+    server, _ = served
+    bridge = Bridge(BridgeConfig(target=f"127.0.0.1:{server.port}", port=0))
+    await bridge.start()
+    yield bridge
+    await bridge.stop()
+
+
+async def test_the_realtime_api_calls_a_function_and_answers_with_its_output(front, upstream):
+    import openai
+
+    api_weather = {"type": "function", "name": "get_weather", "description": WEATHER["description"],
+                   "parameters": json.loads(WEATHER["parameters"])}
+    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{front.port}/v1", api_key="k", max_retries=0) as client:
+        async with client.realtime.connect(model="gpt-realtime") as conn:
+            events: list = []
+
+            async def until(kind: str, timeout: float = 30.0):
+                async def run():
+                    while True:
+                        events.append(event := await conn.recv())
+                        if event.type == kind:
+                            return event
+                return await asyncio.wait_for(run(), timeout)
+
+            await until("session.created")
+            await conn.session.update(session={"type": "realtime", "tools": [api_weather], "tool_choice": "auto",
+                                               "output_modalities": ["text"],
+                                               "audio": {"input": {"turn_detection": None}}})
+            updated = await until("session.updated")
+            assert updated.session.tools[0].name == "get_weather" and updated.session.tool_choice == "auto"
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Please check the weather in Paris"}]})
+            await conn.response.create()
+            done = await until("response.done")
+            assert done.response.status == "completed"
+            call = next(item for item in done.response.output if item.type == "function_call")
+            assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+            kinds = [e.type for e in events]
+            assert kinds.count("response.function_call_arguments.delta") >= 2
+            args_done = next(e for e in events if e.type == "response.function_call_arguments.done")
+            assert (args_done.call_id, args_done.arguments) == (call.call_id, call.arguments)
+            added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+            assert added[0].output_index == 1 and added[0].item.call_id == call.call_id
+
+            await conn.conversation.item.create(item={"type": "function_call_output", "call_id": call.call_id,
+                                                      "output": json.dumps({"temperature_c": 21})})
+            output = await until("conversation.item.added")
+            while output.item.type != "function_call_output":
+                output = await until("conversation.item.added")
+            assert output.item.call_id == call.call_id
+            await conn.response.create()
+            answer = await until("response.done")
+            text = answer.response.output[0].content[0].text
+            assert "21" in text and not [i for i in answer.response.output if i.type == "function_call"]
+            assert not [e for e in events if e.type == "error"]
+            filler_off = [e for e in events if e.type == "response.created"]
+            assert len(filler_off) == 2, "no filler on the OpenAI API unless the session asks"

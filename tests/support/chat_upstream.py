@@ -10,8 +10,10 @@ as its name and then its arguments in `pieces` parts), optionally after `delay_s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +52,27 @@ class ChatUpstream:
     async def __aexit__(self, *exc: object) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    @contextlib.contextmanager
+    def in_thread(self) -> Iterator[ChatUpstream]:
+        """Served from a thread of its own (for tests that are not async)."""
+        loop = asyncio.new_event_loop()
+        started, stop = threading.Event(), asyncio.Event()
+
+        async def serve() -> None:
+            async with self:
+                started.set()
+                await stop.wait()
+
+        thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+        thread.start()
+        started.wait(10)
+        try:
+            yield self
+        finally:
+            loop.call_soon_threadsafe(stop.set)
+            thread.join(10)
+            loop.close()
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

@@ -366,3 +366,36 @@ def test_detokenizer_deltas_add_up_and_decode_short_windows(smollm2: tuple[Any, 
     out = "".join(detok.push(t) for t in ids)
     assert out == decode(ids, skip_special_tokens=True)
     assert longest <= 6, longest
+
+
+# A ChatML template that takes tools in the Hermes form (as Qwen2.5's does, shortened).
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{{ messages[0]['content'] }}\n<tools>\n{% for tool in tools %}"
+    "{{ tool | tojson }}\n{% endfor %}</tools>\nCall a function with <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'system' and tools %}"
+    "{% elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>{{ message['content'] }}</tool_response>"
+    "<|im_end|>\n{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls', []) %}<tool_call>{{ call['function'] | tojson }}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_takes_tools_renders_them_and_the_calls_into_the_prompt():
+    from rtmedia.engines.responder import FunctionCall, FunctionTool
+    from rtmedia.engines.tool_parsers import HermesParser, parser_for
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    assert parser_for(tokenizer.chat_template) is HermesParser
+    weather = FunctionTool("get_weather", "The weather now.", {"type": "object", "properties": {"city": {}}})
+    history = [Message("user", "Weather in Paris?"), Message("assistant", "Looking.", "i1"),
+               Message("assistant", "", "i2", call=FunctionCall("call_1", "get_weather", '{"city": "Paris"}')),
+               Message("tool", "sunny", "i3", call_id="call_1")]
+    text = tokenizer.decode(chat_prompt_ids(tokenizer, history, "Be brief.", (weather,)))
+    assert '{"type": "function", "function": {"name": "get_weather", "description": "The weather now."' in text
+    assert 'Looking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
+    assert "<tool_response>sunny</tool_response>" in text and "Be brief." in text
+    without = tokenizer.decode(chat_prompt_ids(tokenizer, history[:1], "Be brief."))
+    assert "<tools>" not in without, "no tools: the template's own prompt"

@@ -18,7 +18,16 @@ import pytest
 from aiohttp import web
 from rtmedia.engines.lm_models import DEFAULT_INSTRUCTIONS
 from rtmedia.engines.openai_chat import OpenAIResponder, ResponderError
-from rtmedia.engines.responder import Incomplete, Message, ReplyRequest
+from rtmedia.engines.responder import (
+    NO_RESULT,
+    CallDelta,
+    FunctionCall,
+    FunctionTool,
+    Incomplete,
+    Message,
+    ReplyRequest,
+    chat_messages,
+)
 from rtmedia.engines.responder import ResponderError as BaseResponderError
 
 REPLY = "Paris is the capital of France, and it is lovely in spring."
@@ -260,3 +269,60 @@ async def test_cancel_mid_stream_closes_the_connection(server: FakeServer) -> No
     await asyncio.wait_for(server.client_gone.wait(), 2)  # and the server sees the client go away
     assert time.perf_counter() - t0 < 2
     assert got[:3] == ["w0 ", "w1 ", "w2 "] and len(got) < 50
+
+
+# ---- tools ---------------------------------------------------------------------------------------
+WEATHER = FunctionTool("get_weather", "The weather.", {"type": "object", "properties": {"city": {"type": "string"}}})
+
+
+def test_the_history_groups_calls_with_their_reply_and_outputs_follow_each_call():
+    call_a, call_b = FunctionCall("call_1", "get_weather", '{"city": "Paris"}'), FunctionCall("call_2", "t", "{}")
+    history = [Message("user", "weather?"), Message("assistant", "Let me look.", "i1"),
+               Message("assistant", "", "i2", call=call_a), Message("assistant", "", "i3", call=call_b),
+               Message("user", "hurry up"), Message("tool", "sunny", "i4", call_id="call_1"),
+               Message("tool", "orphan", "i5", call_id="call_gone"), Message("assistant", "", "i6",
+                                                                             call=FunctionCall("call_3", "t", "{}"))]
+    assert chat_messages(history) == [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "t", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},  # moved up to its call
+        {"role": "tool", "tool_call_id": "call_2", "content": NO_RESULT},  # not answered (yet)
+        {"role": "user", "content": "hurry up"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_3", "type": "function", "function": {"name": "t", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_3", "content": NO_RESULT},
+    ]
+
+
+def test_the_body_carries_the_tools_and_the_choice():
+    responder = OpenAIResponder("http://h/v1", "m")
+    body = responder.body(request(tools=(WEATHER,), tool_choice="get_weather"))
+    assert body["tools"] == [{"type": "function", "function": {"name": "get_weather", "description": "The weather.",
+                                                               "parameters": WEATHER.parameters}}]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert responder.body(request(tools=(WEATHER,), tool_choice="required"))["tool_choice"] == "required"
+    assert "tools" not in responder.body(request()) and "tool_choice" not in responder.body(request())
+
+
+async def test_streamed_and_whole_tool_calls_become_call_deltas():
+    from tests.support.chat_upstream import Calls, ChatUpstream
+
+    async with ChatUpstream(lambda body: ["Checking. ", Calls([("get_weather", {"city": "Paris"}), ("t", {})])]) as up:
+        out = await collect(OpenAIResponder(up.url, "m"), request(tools=(WEATHER,)))
+    assert out[0] == "Checking. "
+    calls: dict[int, list[str]] = {}
+    for delta in out[1:]:
+        assert isinstance(delta, CallDelta)
+        calls.setdefault(delta.index, [delta.name, ""])[1] += delta.arguments
+    assert calls == {0: ["get_weather", '{"city": "Paris"}'], 1: ["t", "{}"]}
+    assert len([d for d in out[1:] if d.index == 0]) > 2, "the arguments came in pieces"
+
+
+async def test_malformed_tool_calls_are_a_responder_error(server: FakeServer) -> None:
+    responder = OpenAIResponder(server.url, "m")
+    for bad in ({"tool_calls": {"index": 0}}, {"tool_calls": [{"index": 0, "function": "x"}]},
+                {"tool_calls": [{"index": "0", "function": {}}]}):
+        with pytest.raises(ResponderError, match="tool"):
+            responder._handle({"choices": [{"delta": bad}]})

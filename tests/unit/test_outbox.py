@@ -55,6 +55,16 @@ async def test_media_of_an_older_epoch_is_never_returned():
     assert late is not fresh
 
 
+async def test_a_fenced_responses_done_still_goes_out():
+    """A response all generated when a barge-in came may have its response.done queued behind its
+    audio: the rest of its media is dropped, its response.done is not."""
+    outbox = Outbox(16)
+    outbox.media(0, delta("queued audio"))
+    outbox.media(0, done := server_event("response.done", response_id="r", status="completed"))
+    outbox.close()
+    assert await drain(outbox, 1) == [done]
+
+
 async def test_close_sends_last_after_what_is_queued():
     outbox = Outbox(16)
     media, ctl = delta("a"), control("client")
