@@ -31,11 +31,13 @@ NO_FILLER = {"tool_filler_ms": 0}
 
 def script(body: dict) -> list:
     """Calls get_weather (and get_time when asked about time) until the outputs are in, then
-    answers with them; with tool_choice none, answers at once."""
+    answers with them; with tool_choice none, or a call left unanswered, answers at once."""
     if body.get("tool_choice") == "none" or "tools" not in body:
         return ["I cannot look that up."]
     results = tool_results(body)
-    if results and NO_RESULT not in results:
+    if NO_RESULT in results:  # the user moved on
+        return ["All right."]
+    if results:
         return ["The answer is ", " and ".join(results), "."]
     last = next(m["content"] for m in reversed(body["messages"]) if m["role"] == "user")
     calls = [("get_weather", {"city": "Paris"})]
@@ -362,3 +364,32 @@ async def test_the_realtime_api_calls_a_function_and_answers_with_its_output(fro
             assert not [e for e in events if e.type == "error"]
             filler_off = [e for e in events if e.type == "response.created"]
             assert len(filler_off) == 2, "no filler on the OpenAI API unless the session asks"
+
+
+async def test_a_barge_in_on_the_filler_cancels_it_only_and_the_turn_is_answered(served, upstream, speaker):
+    _, channel = served
+    c = await Conversation(channel).__aenter__()
+    try:
+        c.send("session.update", session={"responder": "openai", "tools": {"functions": [WEATHER]},
+                                          "input_audio_format": {"encoding": "pcm16", "sample_rate": RATE},
+                                          "tool_filler_ms": 100, "tool_timeout_ms": 30000})
+        await c.wait_for("session.updated")
+        ask(c, "weather in Paris")
+        [call] = (await c.wait_for("response.done", timeout=30))["function_calls"]
+        filler = await c.wait_for("response.created", count=2, timeout=10)
+        assert filler["filler"]
+        pcm = np.concatenate([speaker.say("Actually never mind.", RATE), speaker.silence(1.2, RATE)]).tobytes()
+        await c.stream(pcm, RATE, speed=2.0)
+        cut = await c.wait_for("response.done", response_id=filler["response_id"], timeout=15)
+        assert (cut["status"], cut["status_reason"]) == ("cancelled", "turn_detected") or cut["status"] == "completed"
+        turn = await c.wait_for("response.created", count=3, timeout=15)
+        assert not turn["filler"]
+        await c.wait_for("response.done", response_id=turn["response_id"], timeout=30)
+        assert tool_results(upstream.bodies[-1]) == [NO_RESULT], "the call stays in the history, unanswered"
+        await asyncio.sleep(0.3)
+        assert len(c.of_type("response.created")) == 3, "no filler or apology after the user moved on"
+        c.send("conversation.item.create", item={"type": "function_call_output", "call_id": call["call_id"],
+                                                 "output": "late"})
+        assert (await c.wait_for("conversation.item.added", count=2))["item"]["output"] == "late"
+    finally:
+        await c.__aexit__(None, None, None)

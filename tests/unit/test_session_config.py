@@ -85,3 +85,61 @@ def test_idle_timeout_ms_is_for_server_vad_only(kind):
 ])
 def test_transport_of_a_call(metadata, transport):
     assert transport_of(metadata) == transport
+
+
+def tools(*functions: realtime_pb2.FunctionTool) -> realtime_pb2.Tools:
+    return realtime_pb2.Tools(functions=list(functions))
+
+
+def with_tools(settings: SessionSettings, **fields) -> SessionSettings:
+    return settings.updated(realtime_pb2.SessionConfig(responder="openai", **fields), VOICES, ["echo", "openai"],
+                            tool_responders=["openai"])
+
+
+def test_tools_their_choice_and_the_wait_are_checked_and_echoed():
+    f = realtime_pb2.FunctionTool(name="get_weather", description="d", parameters='{"type": "object"}')
+    settings = with_tools(SessionSettings(), tools=tools(f), tool_timeout_ms=1000, tool_filler_ms=0,
+                          tool_choice=realtime_pb2.ToolChoice(mode=realtime_pb2.TOOL_CHOICE_MODE_FUNCTION,
+                                                              name="get_weather"))
+    assert [t.name for t in settings.tools] == ["get_weather"] and settings.tools[0].parameters == {"type": "object"}
+    assert (settings.tool_choice, settings.tool_function) == ("function", "get_weather")
+    assert (settings.tool_timeout_ms, settings.tool_filler_ms) == (1000, 0)
+    echoed = settings.to_proto()
+    assert echoed.tools.functions[0].name == "get_weather" and echoed.tool_choice.name == "get_weather"
+    with pytest.raises(ConfigError, match="not one of the session's tools"):
+        with_tools(settings, tools=tools())  # the choice would name a function that is gone
+    auto = realtime_pb2.ToolChoice(mode=realtime_pb2.TOOL_CHOICE_MODE_AUTO)
+    assert with_tools(settings, tools=tools(), tool_choice=auto).tools == (), "setting tools replaces them all"
+    assert with_tools(SessionSettings(), tools=tools(realtime_pb2.FunctionTool(name="f"))).tools[0].parameters == {
+        "type": "object", "properties": {}}, "no parameters: none"
+
+
+@pytest.mark.parametrize(("fields", "param", "part"), [
+    ({"tools": tools(*[realtime_pb2.FunctionTool(name=f"f{n}") for n in range(129)])}, "tools", "limit is 128"),
+    ({"tools": tools(realtime_pb2.FunctionTool(name="f", description="x" * 4097))}, "tools.functions[0].description",
+     "4096"),
+    ({"tools": tools(realtime_pb2.FunctionTool(name="f", parameters='{"a": "' + "x" * 17000 + '"}'))},
+     "tools.functions[0].parameters", "bytes"),
+    ({"tool_choice": realtime_pb2.ToolChoice(mode=realtime_pb2.TOOL_CHOICE_MODE_AUTO, name="f")}, "tool_choice.name",
+     "mode function"),
+    ({"tool_choice": realtime_pb2.ToolChoice(mode=realtime_pb2.TOOL_CHOICE_MODE_FUNCTION)}, "tool_choice.name",
+     "mode function"),
+    ({"tool_choice": realtime_pb2.ToolChoice(mode=9)}, "tool_choice.mode", "not a tool choice"),
+    ({"tool_timeout_ms": 999}, "tool_timeout_ms", "1000..120000"),
+    ({"tool_filler_ms": 99}, "tool_filler_ms", "or 0: off"),
+    ({"tool_filler_ms": 10001}, "tool_filler_ms", "100..10000"),
+])
+def test_bad_tool_settings_name_the_field(fields, param, part):
+    with pytest.raises(ConfigError, match=part) as err:
+        with_tools(SessionSettings(), **fields)
+    assert err.value.param == param
+
+
+def test_tools_on_a_responder_that_cannot_call_them_name_it():
+    f = realtime_pb2.FunctionTool(name="f")
+    with pytest.raises(ConfigError, match="the echo responder cannot call functions") as err:
+        SessionSettings().updated(realtime_pb2.SessionConfig(responder="echo", tools=tools(f)), VOICES, ["echo"])
+    assert err.value.param == "tools" and "none on this server" in str(err.value)
+    settings = with_tools(SessionSettings(), tools=tools(f))
+    with pytest.raises(ConfigError, match="echo responder"):
+        settings.updated(realtime_pb2.SessionConfig(responder="echo"), VOICES, ["echo", "openai"], tool_responders=["openai"])
