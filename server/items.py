@@ -171,6 +171,7 @@ class ConversationItems:
         else:
             s.tools.answer(item.call_id)
             self.add(Message("tool", item.output, item_id, call_id=item.call_id))
+            s.idle.arm()  # no call out any more: the session may be quiet
 
     def _audio_problem(self, audio: bytes, role: str) -> tuple[str, str, str] | None:
         s = self.session

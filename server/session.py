@@ -469,10 +469,11 @@ class Session:
     def _idle_since(self) -> float | None:
         """When this session became quiet for turn_detection.idle_timeout_ms: the end of the
         last response's playback or the last speech stop or timeout, whichever came last; None
-        while not quiet (no response yet, a turn or response in progress, closing)."""
+        while not quiet (no response yet, a turn or response in progress, a function call out,
+        closing)."""
         response = self.response
         if self.settings.turn_type != "server_vad" or self.closing_reason is not None or response is None \
-                or not response.done or self.turn is not None or self.responding:
+                or not response.done or self.turn is not None or self.responding or self.tools.out:
             return None
         return max(response.playback_end(), self._quiet_since)
 
