@@ -2,15 +2,7 @@
 
 from __future__ import annotations
 
-import re
-import threading
-from collections import Counter as Tally
-from collections.abc import Iterator
-from pathlib import Path
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 # Buckets around the realtime frame budget (5-100 ms), with a tail for slow steps.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.032, 0.05, 0.08, 0.1, 0.2, 0.5, 1.0, 2.5)
@@ -20,35 +12,6 @@ RPC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 
 # Values of rtmedia_transport_sessions_active{transport}: what a client may say in the
 # rtmedia-transport metadata (anything else counts as "other"; none: "grpc").
 TRANSPORTS = ("grpc", "webrtc", "openai-ws", "openai-webrtc", "other")
-# A Python thread's pool: its name less the number each pool gives its threads ("asyncio_3",
-# "vad-run_1", "Thread-7 (serve)").
-_THREAD_NUMBER = re.compile(r"[-_]\d+(?= \(|$)")
-
-
-def thread_pool(name: str) -> str:
-    """The pool a thread named `name` belongs to."""
-    return _THREAD_NUMBER.sub("", name, count=1)
-
-
-class ThreadsCollector(Collector):
-    """rtmedia_threads{pool}: the process's threads by the pool that started them, counted at each
-    scrape; `native` are the threads outside Python (gRPC's core, ONNX Runtime's and torch's pools).
-    Pools start threads on demand up to their size and keep them, so a count that stops at a
-    pool's size is that pool at work; one that climbs with uptime is a leak, and the label names it."""
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily("rtmedia_threads", "The server process's threads by pool (native: outside "
-                                   "Python)", labels=["pool"])
-        python = Tally(thread_pool(t.name) for t in threading.enumerate())
-        try:
-            native = sum(1 for _ in Path("/proc/self/task").iterdir()) - sum(python.values())
-        except OSError:  # no procfs: the Python threads only
-            native = None
-        for pool, count in sorted(python.items()):
-            family.add_metric([pool], count)
-        if native is not None:
-            family.add_metric(["native"], native)
-        yield family
 
 
 class Metrics:
@@ -57,7 +20,6 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        r.register(ThreadsCollector())
         self.lane_queue_depth = Gauge(
             "rtmedia_lane_queue_depth", "Work items waiting in a lane", ["lane"], registry=r
         )

@@ -53,7 +53,6 @@ from tests.reliability.resources import (  # noqa: E402
     Snapshot,
     Tolerances,
     add_settle_flags,
-    described,
     quiet,
     scrape,
     settle,
@@ -162,7 +161,7 @@ async def peak_sessions(metrics_port: int, done: asyncio.Event) -> float:
     """The most sessions open at once at the server until `done`."""
     peak = 0.0
     while not done.is_set():
-        gauges, _ = await asyncio.to_thread(scrape, metrics_port)
+        gauges = await asyncio.to_thread(scrape, metrics_port)
         peak = max(peak, gauges.get("rtmedia_sessions_active", 0.0))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), 0.2)
@@ -231,7 +230,7 @@ async def run(rounds: int, attack: Attack, llm: bool = False, settle_s: float = 
             result["rounds"].append(detail)
             if differences:
                 problems.append(f"round {n + 1}: not back at the baseline after {waited:g} s: "
-                                + described(differences))
+                                + ", ".join(f"{k} {v['baseline']} -> {v['now']}" for k, v in differences.items()))
             if detail["silent"]["not_closed_by_idle_timeout"]:
                 problems.append(f"round {n + 1}: {len(detail['silent']['not_closed_by_idle_timeout'])} silent "
                                 "clients were not closed by their idle timeout")

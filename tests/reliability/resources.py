@@ -4,16 +4,14 @@ A snapshot reads /proc for the server's main process and for each of its child p
 separately (the ASR workers, multiprocessing's resource tracker): resident memory, threads and
 open file descriptors; and the server's /metrics: open and draining sessions, LM KV-cache slots
 by state, every lane's queue depth and every `rtmedia_asr_*` gauge (the ASR workers' streams and
-decoders), whatever labels they carry; and the main process's threads by pool
-(`rtmedia_threads`), which name what a thread count off its baseline is.
+decoders), whatever labels they carry.
 
 `compare` holds a snapshot against a baseline and names what did not return:
 - gauges and the set of processes must be exactly as at the baseline;
 - file descriptors too, in the main process and in each worker;
 - threads may differ by `Tolerances.thread_slack` in the main process (gRPC's and the
   executors' pools start threads on demand and keep some of them; a leak grows with every
-  round, which is what repeated rounds catch), the pools that changed named beside, and must be
-  exact in the workers;
+  round, which is what repeated rounds catch) and must be exact in the workers;
 - resident memory is a ratio to the baseline's, per process (a heap that fragments a little
   is not a leak; one that keeps every closed session's state is).
 
@@ -105,22 +103,18 @@ def process_resources(pid: int, role_: str) -> ProcessResources | None:
     return ProcessResources(pid, role_, round(rss_kib / 1024, 1), threads, fds)
 
 
-def scrape(metrics_port: int, host: str = "127.0.0.1") -> tuple[dict[str, float], dict[str, float]]:
-    """The kept gauges of the server's /metrics, keyed `name{label="value",...}`, and its threads
-    by pool (the scrape's own request thread among them, at every scrape alike)."""
+def scrape(metrics_port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """The kept gauges of the server's /metrics, keyed `name{label="value",...}`."""
     with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     gauges: dict[str, float] = {}
-    pools: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name == "rtmedia_threads":
-            pools = {sample.labels["pool"]: sample.value for sample in family.samples}
         if family.type != "gauge" or not (family.name in GAUGES or family.name.startswith(GAUGE_PREFIXES)):
             continue
         for sample in family.samples:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
             gauges[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return gauges, pools
+    return gauges
 
 
 @dataclass
@@ -129,7 +123,6 @@ class Snapshot:
 
     processes: dict[str, ProcessResources]  # "main", "worker0", "worker1", ..., "resource_tracker"
     gauges: dict[str, float]
-    thread_pools: dict[str, float] = field(default_factory=dict)  # the main process's, rtmedia_threads{pool}
     t: float = field(default_factory=time.monotonic)
 
     @property
@@ -147,8 +140,7 @@ class Snapshot:
     def to_json(self) -> dict[str, Any]:
         return {"processes": {name: asdict(p) for name, p in self.processes.items()},
                 "process_count": len(self.processes), "tree_rss_mib": self.tree_rss_mib,
-                "workers_rss_mib": self.workers_rss_mib, "gauges": dict(sorted(self.gauges.items())),
-                "thread_pools": dict(sorted(self.thread_pools.items()))}
+                "workers_rss_mib": self.workers_rss_mib, "gauges": dict(sorted(self.gauges.items()))}
 
 
 def snapshot(pid: int, metrics_port: int) -> Snapshot:
@@ -169,7 +161,7 @@ def snapshot(pid: int, metrics_port: int) -> Snapshot:
             name = f"{name}_{child}"
         workers += kind == "worker"
         processes[name] = found
-    return Snapshot(processes, *scrape(metrics_port))
+    return Snapshot(processes, scrape(metrics_port))
 
 
 @dataclass(frozen=True)
@@ -218,31 +210,12 @@ def compare(baseline: Snapshot, now: Snapshot, tolerances: Tolerances = Toleranc
             if not ok:
                 out[f"{name}.{what}"] = {"baseline": getattr(then, what), "now": getattr(current, what),
                                          "allowed": allowed}
-    if "main.threads" in out:
-        out["main.threads"]["pools"] = pools_changed(baseline.thread_pools, now.thread_pools)
     for key in sorted(set(baseline.gauges) | set(now.gauges)):
         # A labelled gauge first set during the run (a lane's queue seen busy) is back at 0.
         then_value, now_value = baseline.gauges.get(key, 0.0), now.gauges.get(key, 0.0)
         if then_value != now_value:
             out[key] = {"baseline": then_value, "now": now_value, "allowed": "exact"}
     return out
-
-
-def pools_changed(then: dict[str, float], now: dict[str, float]) -> dict[str, list[float]]:
-    """The thread pools whose count differs between two snapshots: {pool: [then, now]}."""
-    return {pool: [then.get(pool, 0.0), now.get(pool, 0.0)] for pool in sorted(set(then) | set(now))
-            if then.get(pool, 0.0) != now.get(pool, 0.0)}
-
-
-def described(differences: dict[str, dict[str, Any]]) -> str:
-    """What `compare` found, on one line: each resource's baseline and value now, and the thread
-    pools that changed."""
-    parts = []
-    for key, value in differences.items():
-        pools = "".join(f" ({', '.join(f'{p} {a:g} -> {b:g}' for p, (a, b) in value['pools'].items())})"
-                        for _ in [0] if value.get("pools"))
-        parts.append(f"{key} {value['baseline']} -> {value['now']}{pools}")
-    return ", ".join(parts)
 
 
 async def settle(pid: int, metrics_port: int, baseline: Snapshot, tolerances: Tolerances = Tolerances(),
