@@ -166,7 +166,7 @@ class ConversationItems:
         item_id = item.id or s.new_id("item")
         if kind == "function_call":
             call = FunctionCall(item.call_id, item.name, item.arguments)
-            s.tools.calls[call.call_id] = Call(call, item_id, "")
+            s.tools.calls[call.call_id] = Call(call, item_id)
             self.add(Message("assistant", "", item_id, call=call))
         else:
             s.tools.answer(item.call_id)

@@ -341,7 +341,7 @@ class ReplyPipeline:
             if not delta.name:
                 raise ResponderError(f"the responder's function call {delta.index} began without a name")
             call = calls[delta.index] = Call(FunctionCall(self._new_id("call"), delta.name, ""),
-                                             self._new_id("item"), response.response_id, output_index=len(calls) + 1)
+                                             self._new_id("item"), output_index=len(calls) + 1)
             self._send_media(response, "response.output_item.added", response_id=response.response_id,
                              output_index=call.output_index, item=call_item(call, arguments=False))
         if delta.arguments:

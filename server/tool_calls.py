@@ -30,7 +30,6 @@ class Call:
 
     call: FunctionCall
     item_id: str
-    response_id: str
     output_index: int = 1  # its place in the response's output (0: the reply's message)
     answered: bool = False
 
