@@ -42,6 +42,8 @@ ONSET_AHEAD_MS = 300  # ... or after it, when the VAD fired on quiet audio
 CLOSE_WAIT_S = 10.0  # after session.close, how long the server has to end the stream
 CONFIG_ID, COMMIT_ID, CREATE_ID = "talk-config", "talk-commit", "talk-response-create"
 
+VAD_MODES = ("server_vad", "semantic_vad")  # the server finds the turns
+
 DESCRIPTION = """\
 Open a duplex speech session, stream IN.wav to it as the user's voice, and show
 what happens: your turns as the server transcribed them, its replies, latencies
@@ -88,9 +90,12 @@ def add_talk_parser(sub: argparse._SubParsersAction) -> None:
                                             "other than 8000/16000/24000 Hz are resampled to 24000)")
     p.add_argument("-o", "--output", type=Path, default=None, help="write the reply audio (every audio delta, "
                                                                     "in order) to this WAV file")
-    p.add_argument("--mode", choices=["server_vad", "manual", "none"], default="server_vad",
-                   help="turn detection: server_vad (the server finds turns and answers; default), manual "
+    p.add_argument("--mode", choices=["server_vad", "semantic_vad", "manual", "none"], default="server_vad",
+                   help="turn detection: server_vad (the server finds turns and answers; default), semantic_vad "
+                        "(the same, a model deciding at each pause whether you have finished), manual "
                         "(commit + response.create after the file), none (response.create after the file)")
+    p.add_argument("--eagerness", choices=["low", "medium", "high", "auto"], default=None,
+                   help="semantic_vad: how readily a pause ends the turn (default auto = medium)")
     p.add_argument("--responder", default=None, help="responder, e.g. echo (default: the server's)")
     p.add_argument("--instructions", default=None, help="instructions for the responder")
     p.add_argument("--voice", default=None, help="reply voice (see `rtmedia voices`; default: the server's)")
@@ -196,6 +201,7 @@ class Talk:
     last_chunk_t: float | None = None
     session_id: str = ""
     config: realtime_pb2.SessionConfig | None = None
+    created: asyncio.Event = field(default_factory=asyncio.Event)  # session.created came
     configured: asyncio.Event = field(default_factory=asyncio.Event)
     config_error: str = ""
     replies: dict[str, Reply] = field(default_factory=dict)
@@ -282,17 +288,20 @@ class Talk:
         args, audio = self.args, self.audio
         session = {
             "input_audio_format": {"encoding": "pcm16", "sample_rate": audio.rate, "channels": 1},
-            "turn_detection": {"type": args.mode},
+            "turn_detection": {"type": args.mode, "eagerness": args.eagerness},
             "responder": args.responder, "instructions": args.instructions, "voice": args.voice,
             "output_sample_rate": args.output_rate,
         }
         if self.toolbox is not None:
             session["tools"] = {"functions": self.toolbox.declarations}
+        # Nothing is written before the server admits the session: a refusal (at capacity, over a
+        # quota) then never races a write, which gRPC would report as INTERNAL instead.
+        await self.created.wait()
         await self.write("session.update", event_id=CONFIG_ID, session=session)
         await self.configured.wait()
         if not self.config_error:
             await self.stream_file()
-            if args.mode != "server_vad":
+            if args.mode not in VAD_MODES:
                 voiced_t = self.last_voiced_t(self.turn_floor_ms, math.inf)
                 self.turn_floor_ms = audio.starts_ms[-1] + audio.chunk_ms
                 self.create_pending = True
@@ -366,6 +375,17 @@ class Talk:
                     await self.write("playback.ack", response_id=reply.response_id, played_ms=played)
 
     # ---- turn bookkeeping ---------------------------------------------------------------------
+    def decision_delay_ms(self, ev: Any) -> int:
+        """How long after the end of speech the server decided the turn was over (at most)."""
+        turn = self.config.turn_detection if self.config else None
+        if turn is None:
+            return 500
+        if ev.reason == realtime_pb2.TURN_END_REASON_SEMANTIC:
+            return max(turn.candidate_ms, 600)  # the latest a first or second score ends it
+        if ev.reason == realtime_pb2.TURN_END_REASON_MAX_WAIT:
+            return turn.max_wait_ms
+        return turn.silence_duration_ms
+
     def last_voiced_t(self, from_ms: float, to_ms: float) -> float | None:
         """Send time of the last voiced chunk starting in [from_ms, to_ms)."""
         audio = self.audio
@@ -396,6 +416,7 @@ class Talk:
         ev = getattr(msg, msg.WhichOneof("event")) if name else None
         if name == "session.created":
             self.session_id, self.config = ev.session_id, ev.session
+            self.created.set()
         elif name == "session.updated":
             self.config = ev.session
             if not self.configured.is_set():
@@ -407,8 +428,11 @@ class Talk:
             self.last_started, self.open_turn = (now, ev.audio_start_ms), True
         elif name == "input_audio_buffer.speech_stopped":
             self.open_turn = False
-            silence = self.config.turn_detection.silence_duration_ms if self.config else 500
-            decision_ms = ev.audio_end_ms + silence
+            decision_ms = ev.audio_end_ms + self.decision_delay_ms(ev)
+            if self.args.mode == "semantic_vad":
+                reason = realtime_pb2.TurnEndReason.Name(ev.reason).removeprefix("TURN_END_REASON_").lower()
+                score = f" (score {ev.score:.2f})" if ev.HasField("score") else ""
+                self.say(now, f"end of turn: {reason}{score}")
             self.trigger = (now, self.last_voiced_t(self.turn_floor_ms, decision_ms))
             self.turn_floor_ms = decision_ms
         elif name == "conversation.item.input_audio_transcription.delta":
@@ -581,9 +605,11 @@ async def _converse(args: argparse.Namespace, audio: InputAudio, credentials: Cr
 def cmd_talk(args: argparse.Namespace) -> None:
     credentials = from_args(args)
     # server_vad: a second of silence after the file, as a live microphone keeps sending
-    audio = load_input(args.input, args.chunk_ms, tail_ms=1000 if args.mode == "server_vad" else 0)
+    audio = load_input(args.input, args.chunk_ms, tail_ms=1000 if args.mode in VAD_MODES else 0)
     if args.timeout <= 0:
         raise CliError(f"--timeout must be positive, got {args.timeout}")
+    if args.eagerness is not None and args.mode != "semantic_vad":
+        raise CliError(f"--eagerness is for --mode semantic_vad, not {args.mode}")
     try:
         toolbox = load_tools(args.tools) if args.tools is not None else None
     except ToolError as exc:
@@ -617,7 +643,7 @@ def _print_summary(talk: Talk) -> None:
     if talk.config_error:
         return
     s = talk.summary()
-    if talk.open_turn and talk.args.mode == "server_vad":
+    if talk.open_turn and talk.args.mode in VAD_MODES:
         print("note: the file ended inside a turn (no speech_stopped): add trailing silence longer than "
               "silence_duration_ms", file=sys.stderr)
 
