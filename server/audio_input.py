@@ -8,15 +8,21 @@ batched Silero call over every session's windows, and feeds each session's
 turn detector (`process`). The results go back to the sessions on the loop
 as ordered actions (`deliver`):
 
-    ("started", audio_start_ms)   speech started (server_vad)
+    ("started", audio_start_ms)   speech started (server_vad, semantic_vad)
     ("audio", (offset_ms, pcm))   turn audio for the recogniser (16 kHz PCM16), prefix
                                   padding included, trailing silence cut to 160 ms;
                                   offset_ms: where it starts in the input
     ("pause", None)               the turn's speech paused: the recogniser has had all of
                                   its audio but for held trailing silence (sent if speech
                                   resumes); once per pause, before speech_stopped
-    ("stopped", audio_end_ms)     the turn ended
+    ("candidate", (silence_ms, audio_end_ms))
+                                  semantic_vad: the pause that began at audio_end_ms has lasted
+                                  silence_ms, a point to score the words at (`end_turn`)
+    ("stopped", Stop)             the turn ended
     ("marker", callback)          a commit or response.create queued behind the input
+
+The session ends a semantic_vad turn with `end_turn`: the next tick stops the turn if its
+pause is still the same (speech that resumed meanwhile continues the turn).
 
 Sessions without VAD (manual, none) get all their audio as turn audio, unless
 transcription is off: then nothing uses it, and the tick only counts it.
@@ -39,7 +45,8 @@ from rtmedia.engines.resample import (
 )
 from rtmedia.engines.vad import WINDOW, VadEngine, VadStream
 from rtmedia.server.session_config import ALAW, PCM16, ULAW, SessionSettings
-from rtmedia.server.turns import TurnDetector
+from rtmedia.server.turns import WINDOW_MS as TURN_WINDOW_MS
+from rtmedia.server.turns import TurnDetector, candidate_points
 
 RATE = 16000
 WINDOW_MS = WINDOW * 1000 // RATE
@@ -50,6 +57,17 @@ BYTES_PER_SAMPLE = {PCM16: 2, ULAW: 1, ALAW: 1}
 
 Action = tuple[str, Any]
 _EMPTY = np.zeros(0, np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """A turn's end: where its speech ended, why (silence, semantic, max_wait), the end-of-turn
+    score it ended on (semantic), and the silence waited before it ended."""
+
+    audio_end_ms: int
+    reason: str = "silence"
+    score: float | None = None
+    silence_ms: int = 0
 
 
 def recognizer_pcm(data: bytes, encoding: int, rate: int) -> bytes:
@@ -77,6 +95,7 @@ class _Frontend:
     held: np.ndarray = field(default_factory=lambda: _EMPTY)  # turn audio not sent yet (see _turn_windows)
     held_ms: int = 0  # where `held` starts in the input
     paused: bool = False  # "pause" was said for the silence now held
+    stop: Stop | None = None  # the session's end_turn, applied at the next tick
 
     def __post_init__(self) -> None:
         self.resampler = make_resampler(self.settings.input_rate, RATE)
@@ -109,6 +128,7 @@ class AudioInput:
         self._settings = settings
         self._vad_stream = vad
         self._next: _Frontend | None = None  # replaces the frontend at the next tick
+        self._stop: Stop | None = None  # end_turn's request, for the next tick
         self._frontend = self._make_frontend(settings)
         self.collected_at = 0.0  # perf_counter when the tick last took this inbox
         # Input frozen by a marker (commit), each followed by its callback.
@@ -116,7 +136,7 @@ class AudioInput:
 
     def _make_frontend(self, settings: SessionSettings) -> _Frontend:
         detector = None
-        if settings.turn_type == "server_vad" and self._vad_stream is not None:
+        if settings.vad_turns and self._vad_stream is not None:
             self._vad_stream.reset()
             detector = self._make_detector(settings)
         return _Frontend(settings, self._vad_stream if detector else None, detector)
@@ -172,6 +192,15 @@ class AudioInput:
         self._next = self._make_frontend(self._settings)
         return dropped
 
+    def end_turn(self, stop: Stop) -> None:
+        """semantic_vad: end the turn whose pause began at `stop.audio_end_ms`, at the next tick,
+        unless speech resumed first."""
+        self._stop = stop
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.inbox or self.segments or self._stop)
+
     def after_input(self, callback: Callable[[], None]) -> None:
         """Run `callback` on the loop once the input queued so far (and nothing sent
         after this call) has been delivered."""
@@ -184,12 +213,25 @@ class AudioInput:
         self.inbox.clear()
         if self._next is not None:
             self._frontend, self._next = self._next, None
+        if self._stop is not None:
+            self._frontend.stop, self._stop = self._stop, None
         self.collected_at = time.perf_counter()
         return segments, self._frontend
 
 
 def _turn_detector(settings: SessionSettings) -> TurnDetector:
-    return TurnDetector(settings.threshold, settings.prefix_padding_ms, settings.silence_duration_ms)
+    detector = TurnDetector(settings.threshold, settings.prefix_padding_ms, settings.silence_duration_ms)
+    _tune(detector, settings)
+    return detector
+
+
+def _tune(detector: TurnDetector, settings: SessionSettings) -> None:
+    """semantic_vad: the detector ends a turn itself only at the longest wait, and reports the
+    candidate points of each pause on the way."""
+    semantic = settings.turn_type == "semantic_vad"
+    if semantic:
+        detector.silence_duration_ms = settings.turn_wait_ms  # (up to 30 s: past server_vad's bounds)
+    detector.candidates_ms = candidate_points(settings) if semantic else ()
 
 
 class VadTick:
@@ -200,7 +242,7 @@ class VadTick:
         self.inputs: set[AudioInput] = set()
 
     def collect(self) -> list[tuple[AudioInput, list[tuple[bytes, Callable[[], None] | None]], _Frontend]]:
-        return [(inp, *inp.take()) for inp in self.inputs if inp.inbox or inp.segments]
+        return [(inp, *inp.take()) for inp in self.inputs if inp.has_work]
 
     def process(self, work: list[tuple[AudioInput, list[tuple[bytes, Callable[[], None] | None]], _Frontend]]
                 ) -> list[tuple[AudioInput, list[Action]]]:
@@ -232,6 +274,8 @@ class VadTick:
             if count:
                 blocks.append((n, fe.pending[:count * WINDOW]))
                 fe.pending = fe.pending[count * WINDOW:]
+            elif fe.stop is not None:  # no new window, but the session ended the turn
+                _turn_windows(fe, _EMPTY, [], acts, inp.transcribing)
         if blocks:
             probs = self.engine.step_blocks([(work[n][2].vad, block) for n, block in blocks])  # type: ignore[misc]
             for (n, block), p in zip(blocks, probs, strict=True):
@@ -263,7 +307,9 @@ def _turn_windows(fe: _Frontend, block: np.ndarray, probs: list[float], out: lis
     if fe.detector_settings is not s:
         detector.update(threshold=s.threshold, prefix_padding_ms=s.prefix_padding_ms,
                         silence_duration_ms=s.silence_duration_ms)
+        _tune(detector, s)
         fe.detector_settings = s
+    natural = "max_wait" if s.turn_type == "semantic_vad" else "silence"
     lo = 0 if detector.in_speech else None  # where this block's unsent turn audio starts
 
     def send(hi: int, ended: bool) -> None:
@@ -283,8 +329,19 @@ def _turn_windows(fe: _Frontend, block: np.ndarray, probs: list[float], out: lis
             out.append(("pause", None))
             fe.paused = True
 
+    if (stop := fe.stop) is not None:
+        fe.stop = None
+        resumed = any(not p < detector.low_threshold for p in probs)  # speech came back in this block
+        if detector.in_speech and detector.silence_ms and detector.voiced_end_ms == stop.audio_end_ms \
+                and not resumed:
+            silence = detector.silence_ms
+            detector.stop()
+            send(0, ended=True)
+            lo = None
+            out.append(("stopped", Stop(stop.audio_end_ms, stop.reason, stop.score, silence)))
     for j, prob in enumerate(probs):
         at = j * WINDOW
+        silence = detector.silence_ms
         event = detector.push(prob)
         if event is not None and event.kind == "speech_started":
             out.append(("started", event.audio_ms))
@@ -292,12 +349,15 @@ def _turn_windows(fe: _Frontend, block: np.ndarray, probs: list[float], out: lis
             fe.held = fe.before(block, at, pad) if transcribing else _EMPTY
             fe.held_ms = (fe.samples + at) * 1000 // RATE - pad * 1000 // RATE
             lo = at
+        elif event is not None and event.kind == "pause_candidate":
+            out.append(("candidate", (event.audio_ms, detector.voiced_end_ms)))
         elif event is not None:  # speech_stopped: this window is the last of the turn
             assert lo is not None
             send(at + WINDOW, ended=True)
             lo = None
-            out.append(("stopped", event.audio_ms))
-    if lo is not None:
+            out.append(("stopped", Stop(event.audio_ms, natural, None, silence + TURN_WINDOW_MS)))
+    if lo is not None and len(block):
         send(len(block), ended=False)
-    fe.remember(block)
-    fe.samples += len(block)
+    if len(block):
+        fe.remember(block)
+        fe.samples += len(block)

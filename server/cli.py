@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default responder of a session: llm (default), echo, transformers, openai")
     p.add_argument("--no-llm", dest="llm", action="store_false", default=None,
                    help="do not load the embedded SmolLM2-135M-Instruct (responder llm)")
+    p.add_argument("--turn-detection", choices=["server_vad", "semantic_vad"], default=None,
+                   help="a session's turn detection unless it asks for another (default server_vad); semantic_vad "
+                        "needs the LM")
+    p.add_argument("--eagerness", dest="turn_eagerness", choices=["low", "medium", "high", "auto"], default=None,
+                   help="semantic_vad's default eagerness (auto = medium)")
+    p.add_argument("--turn-audio-model", default=None, metavar="smart-turn|FILE",
+                   help="semantic_vad also hears the pause: Smart Turn v3.2 from the pipecat-ai wheel, or an ONNX "
+                        "file of its contract (input_features [batch, 80, 800] -> logits [batch, 1]); default: off")
     p.add_argument("--no-riva", dest="riva", action="store_false", default=None,
                    help="do not serve NVIDIA Riva's speech API (nvidia.riva.asr / nvidia.riva.tts)")
     p.add_argument("--transformers-model", default=None, metavar="DIR",

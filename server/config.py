@@ -18,7 +18,8 @@ MiB = 1024 * 1024
 # local `transformers` model may be large for a CPU) or one decode step; a video step decodes one latent
 # frame, which at the largest frame the limits admit takes long on a CPU.
 STEP_DEADLINES_S: dict[str, float] = {
-    "vad": 5.0, "asr": 30.0, "asr_final": 30.0, "tts": 30.0, "video": 300.0, "llm": 60.0, "transformers": 120.0,
+    "vad": 5.0, "turn_audio": 10.0, "asr": 30.0, "asr_final": 30.0, "tts": 30.0, "video": 300.0, "llm": 60.0,
+    "transformers": 120.0,
 }
 
 
@@ -101,10 +102,21 @@ class ServerConfig:
     min_free_bytes: int = 1 << 30
     # The responder a session uses unless it asks for another: llm, echo, transformers, openai.
     default_responder: str = "llm"
+    # The turn detection a session gets unless it asks for another: server_vad or semantic_vad
+    # (docs/protocol.md#semantic-vad, which needs an LM), and semantic_vad's default eagerness.
+    turn_detection: str = "server_vad"
+    turn_eagerness: str = "auto"
+    # semantic_vad's thresholds (log10 P(finished)) by eagerness, each [before 600 ms, from 600 ms,
+    # from 1.5 s of silence]; the eagernesses given replace the defaults (server/semantic_turns.py).
+    semantic_thresholds: dict[str, list[float]] = field(default_factory=dict)
     # Serve NVIDIA Riva's speech API (RivaSpeechRecognition, RivaSpeechSynthesis) on the same port.
     riva: bool = True
-    # Load the embedded SmolLM2-135M-Instruct (responder "llm").
+    # Load the embedded SmolLM2-135M-Instruct (responder "llm"; also semantic_vad's turn scorer).
     llm: bool = True
+    # semantic_vad's acoustic turn scorer beside the text one (docs/protocol.md#semantic-vad):
+    # "smart-turn" (Smart Turn v3.2 from the pipecat-ai wheel) or a path to an ONNX file of the
+    # same contract; None: off (it scores finished and unfinished speech alike on clean audio).
+    turn_audio_model: str | None = None
     # A local Hugging Face causal-LM directory (responder "transformers").
     transformers_model: str | None = None
     # An OpenAI-compatible chat-completions server (responder "openai"); the key comes
@@ -181,6 +193,19 @@ class ServerConfig:
                 raise ValueError(f"tool_fillers and tool_apology are sentences of 1..500 characters, got {text!r}")
         if not self.tool_fillers:
             raise ValueError("tool_fillers needs at least one sentence")
+        if self.turn_detection not in ("server_vad", "semantic_vad"):
+            raise ValueError(f"turn_detection must be server_vad or semantic_vad, got {self.turn_detection!r}")
+        if self.turn_eagerness not in ("low", "medium", "high", "auto"):
+            raise ValueError(f"turn_eagerness must be low, medium, high or auto, got {self.turn_eagerness!r}")
+        if not isinstance(self.semantic_thresholds, dict):
+            raise ValueError(f"semantic_thresholds must map eagernesses to three thresholds, got "
+                             f"{self.semantic_thresholds!r}")
+        for eagerness, values in self.semantic_thresholds.items():
+            if eagerness not in ("low", "medium", "high") or not isinstance(values, list | tuple) \
+                    or len(values) != 3 or not all(isinstance(v, int | float) and -12 <= v <= 0 for v in values) \
+                    or not values[0] >= values[1] >= values[2]:
+                raise ValueError(f"semantic_thresholds: {eagerness}={values!r} must be low, medium or high with three "
+                                 "thresholds in -12..0, none above the one before")
         if self.stream_window_bytes < 0:
             raise ValueError(f"stream_window_bytes must be at least 0, got {self.stream_window_bytes}")
         if self.tts_threads < 0:

@@ -19,6 +19,7 @@ import torch
 from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem, AsrStream
 from rtmedia.engines.responder import CallDelta, Incomplete, ReplyRequest, Responder, Waiting, calls_tools
 from rtmedia.engines.tts import TtsEngine, TtsItem, TtsStream, VoiceSpec
+from rtmedia.engines.turn import TurnPrompt
 from rtmedia.engines.vad import VadEngine, VadStream
 from rtmedia.engines.video import VaeInfo, VideoEngine, VideoOneShot, VideoStep, VideoStream
 from rtmedia.engines.video_plan import FramePlan
@@ -29,7 +30,7 @@ from rtmedia.server.responders import LmResponder
 from rtmedia.server.scheduler import Priority, Scheduler, StreamLane
 
 # Lane names, chosen by the server when it registers the lanes (server/app.py).
-TTS, ASR, ASR_FINAL, VAD, VIDEO = "tts", "asr", "asr_final", "vad", "video"
+TTS, ASR, ASR_FINAL, VAD, VIDEO, TURN_AUDIO = "tts", "asr", "asr_final", "vad", "video", "turn_audio"
 
 
 class Tts:
@@ -207,6 +208,48 @@ class Replies:
                 responder.lane.forget(conversation)
 
 
+class Turns:
+    """semantic_vad's end-of-turn scorers (engines/turn.py): the text scorer as prefill-only items
+    on an LM lane (the session's own LM responder's model, else the embedded one's), batched
+    across sessions; the acoustic one, when the server loads it, on the `turn_audio` lane."""
+
+    def __init__(self, scheduler: Scheduler, lanes: dict[str, LmLane]) -> None:
+        self._scheduler = scheduler
+        self._lanes = lanes
+        self._prompts: dict[str, TurnPrompt] = {}
+
+    @property
+    def available(self) -> bool:
+        return bool(self._lanes)
+
+    @property
+    def hears(self) -> bool:
+        """The acoustic scorer is loaded."""
+        return TURN_AUDIO in self._scheduler.lanes
+
+    def _lane(self, responder: str) -> tuple[LmLane, TurnPrompt]:
+        name = responder if responder in self._lanes else "llm" if "llm" in self._lanes else next(iter(self._lanes))
+        lane = self._lanes[name]
+        if name not in self._prompts:
+            self._prompts[name] = TurnPrompt.of(lane.engine.tokenizer)
+        return lane, self._prompts[name]
+
+    async def score(self, responder: str, key: Hashable, assistant: str, words: str) -> float | None:
+        """log10 P(the user has finished) after `words`; None when the LM had no slot for it. The
+        prompt is built here, on the loop: a short template and a few words take a fraction of a
+        millisecond, less than a hop to a thread under load (BENCHMARKS.md, semantic_vad)."""
+        lane, prompt = self._lane(responder)
+        return await lane.score(key, prompt.ids(assistant, words), prompt.score)
+
+    def forget(self, key: Hashable) -> None:
+        for lane in self._lanes.values():
+            lane.forget(key)
+
+    async def hear(self, audio: np.ndarray) -> float:
+        """P(complete) from the acoustic scorer, of a turn whose 16 kHz audio ends with `audio`."""
+        return await self._scheduler.submit(TURN_AUDIO, audio, Priority.REALTIME)
+
+
 @dataclass(frozen=True)
 class EngineAccess:
     """Everything a session or servicer may use: the handles and the metrics."""
@@ -217,9 +260,11 @@ class EngineAccess:
     video: Video
     replies: Replies
     metrics: Metrics
+    turns: Turns
 
     @classmethod
     def of(cls, scheduler: Scheduler, vad: VadEngine, tick: VadTick, responders: dict[str, Responder]
            ) -> EngineAccess:
+        lanes = {name: r.lane for name, r in responders.items() if isinstance(r, LmResponder)}
         return cls(Tts(scheduler), Asr(scheduler), Vad(vad, tick), Video(scheduler),
-                   Replies(scheduler, responders), scheduler.metrics)
+                   Replies(scheduler, responders), scheduler.metrics, Turns(scheduler, lanes))

@@ -23,6 +23,12 @@ user starts speaking) when a slot is free. Kept slots are given up, least
 recently used first, whenever a generation would otherwise wait, and when
 their session ends (`forget`).
 
+Scores. `score(key, prompt, reduce)` is a prefill-only item (semantic_vad's end-of-turn
+scorer, engines/turn.py): the prompt goes into the key's kept slot (reusing its common prefix,
+like a generation) and `reduce` of the last logits comes back. Scores run first in each
+iteration, all of them in one batched forward, before admissions and the decode step, and never
+wait: one that finds no slot (every slot generating) gets None at once.
+
 Faults (the scheduler's rules, server/scheduler.py). A prefill or decode step
 that raises fails the generations of that step only, with a `StepFailed` naming
 the lane (an out-of-memory decode included: the next step has fewer to do, and a
@@ -69,6 +75,8 @@ class Generation:
     cached: list[int] = field(default_factory=list)  # the tokens the slot holds
     conversation: Hashable | None = None  # whom a pause applies to (kept when `key` is dropped)
     finished: bool = False  # its consumer has been told the end (tokens got None)
+    scored: asyncio.Future[Any] | None = None  # a score: reduce(last logits), or None without a slot
+    reduce: Any = None
 
 
 @dataclass
@@ -102,6 +110,8 @@ class LmLane:
         self._paused: set[Hashable] = set()
         self._admitted: list[Generation] = []  # admitted this iteration (being prefilled)
         self._waiting: deque[Generation] = deque()
+        self._scores: list[Generation] = []  # scores asked for since the last score step
+        self._scoring: list[Generation] = []  # the score step's
         self._active: list[Generation] = []
         self._kept: OrderedDict[Hashable, Kept] = OrderedDict()  # least recently used first
         self._wake = asyncio.Event()
@@ -126,11 +136,21 @@ class LmLane:
             self._waiting.append(Generation(list(prompt), 0, frozenset(), key=key, prepare_only=True))
             self._wake.set()
 
+    async def score(self, key: Hashable, prompt: Sequence[int], reduce: Any) -> Any:
+        """`reduce(logits)` (run in the lane's thread) of the next-token logits after `prompt`,
+        prefilled into `key`'s kept slot; None when no slot could be had. See the module docstring."""
+        if self._hung is not None:
+            raise self._stalled_error()
+        future = asyncio.get_running_loop().create_future()
+        self._scores.append(Generation(list(prompt), 0, frozenset(), key=key, scored=future, reduce=reduce))
+        self._wake.set()
+        return await future
+
     def forget(self, key: Hashable) -> None:
         """The conversation is over: give up its kept slot and keep nothing more for it."""
         self.resume(key)
-        for generation in [*self._active, *self._waiting, *self._admitted]:  # prefilling ones too
-            if generation.key == key:
+        for generation in [*self._active, *self._waiting, *self._admitted, *self._scoring, *self._scores]:
+            if generation.key == key:  # (prefilling and scoring ones too)
                 generation.key = None
                 generation.cancelled |= generation.prepare_only  # a prefix nobody will use
         if (kept := self._kept.pop(key, None)) is not None:
@@ -211,6 +231,8 @@ class LmLane:
                 self._finish(generation)
             self._active = [g for g in self._active if g.slot is not None]
             self._waiting = deque(g for g in self._waiting if not g.cancelled)
+            if self._scores:
+                await self._run_scores()
             admitted = self._admitted = []
             while self._waiting:
                 generation = self._waiting[0]
@@ -222,7 +244,7 @@ class LmLane:
                 generation.slot = slot
                 admitted.append(generation)
             self._update_gauges()
-            if not admitted and not self._active:
+            if not admitted and not self._active and not self._scores:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -278,12 +300,61 @@ class LmLane:
                 self._metrics.lane_batch_size.labels(self.name).observe(len(tokens))
             if self._hung is not None:
                 continue
-            if not admitted and not decoding:  # every active generation is paused: wait for a resume
+            if not admitted and not decoding and not self._scores:  # all paused: wait for a resume
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             self._metrics.lane_step_seconds.labels(self.name).observe(time.perf_counter() - started)
             await asyncio.sleep(0)  # let consumers run between steps
+
+    async def _run_scores(self) -> None:
+        """Every pending score in one batched prefill (a key scored twice: its latest prompt)."""
+        pending, self._scores = self._scores, []
+        latest = {g.key: g for g in pending}
+        batch: list[Generation] = []
+        for generation in pending:
+            assert generation.scored is not None
+            if latest[generation.key] is not generation or generation.scored.done() or generation.key is None:
+                generation.scored.cancel()
+            elif (slot := self._slot_for(generation)) is None:
+                generation.scored.set_result(None)
+            else:
+                generation.slot = slot
+                batch.append(generation)
+        if not batch:
+            return
+        self._scoring = batch
+        items = {g.slot: g.prompt[len(g.cached):] for g in batch}
+        reducers = {g.slot: g.reduce for g in batch}
+        started = time.perf_counter()
+
+        def step() -> dict[int, Any]:
+            return {slot: reducers[slot](logits) for slot, logits in self.engine.prefill_many(items).items()}
+
+        try:
+            results = await self._timed("score", step)
+        except Exception as exc:
+            self._scoring = []
+            if not isinstance(exc, StepDeadlineExceeded):
+                log.exception("lane %s: score step failed (%d scores)", self.name, len(batch))
+                self.health.step_done(False)
+                self._metrics.lane_step_failures.labels(self.name).inc()
+                exc = step_failed(self.name, exc, "score step")
+            for generation in batch:
+                self._finish(generation, exc)
+                if not generation.scored.done():  # type: ignore[union-attr]
+                    generation.scored.set_exception(exc)  # type: ignore[union-attr]
+            return
+        self._scoring = []
+        self.health.step_done(True)
+        self._metrics.turn_score_batch.observe(len(batch))
+        self._metrics.lane_step_seconds.labels(self.name).observe(time.perf_counter() - started)
+        for generation in batch:
+            generation.cached = list(generation.prompt)
+            slot = generation.slot
+            self._finish(generation)  # the slot is kept for the key
+            if not generation.scored.done():  # type: ignore[union-attr]
+                generation.scored.set_result(results[slot])  # type: ignore[union-attr,index]
 
     async def _timed(self, what: str, fn: Any, *args: Any) -> Any:
         """`fn(*args)` in the lane's thread, within the step deadline."""
@@ -313,6 +384,10 @@ class LmLane:
         error = self._stalled_error()
         for generation in [*self._active, *self._waiting, *self._admitted]:
             self._finish(generation, error)
+        for generation in self._scores:
+            if generation.scored is not None and not generation.scored.done():
+                generation.scored.set_exception(error)
+        self._scores = []
         self._active, self._admitted = [], []
         self._waiting.clear()
         self._update_gauges()
@@ -347,6 +422,9 @@ class LmLane:
         for generation in [*self._active, *self._waiting]:
             generation.key = None
             self._finish(generation)
+        for generation in self._scores:
+            if generation.scored is not None:
+                generation.scored.cancel()
         for kept in self._kept.values():
             self.engine.release(kept.slot)
         self._kept.clear()

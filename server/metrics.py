@@ -82,6 +82,18 @@ class Metrics:
             "rtmedia_barge_in_seconds", "Interrupting audio taken by the VAD tick to output_audio_buffer.cleared",
             buckets=STEP_BUCKETS, registry=r,
         )
+        self.turn_ends = Counter(
+            "rtmedia_turn_ends_total", "Turns ended by the VAD, by reason (silence, semantic, max_wait)", ["reason"],
+            registry=r,
+        )
+        self.turn_score_seconds = Histogram(
+            "rtmedia_turn_score_seconds", "semantic_vad: a pause's words known to its end-of-turn score",
+            buckets=STEP_BUCKETS, registry=r,
+        )
+        self.turn_score_batch = Histogram(
+            "rtmedia_turn_score_batch_size", "semantic_vad: end-of-turn scores per batched LM forward",
+            buckets=(1, 2, 4, 8, 16, 32, 64), registry=r,
+        )
         self.lm_slots = Gauge(
             "rtmedia_lm_slots", "LM KV-cache slots: busy, free, and generations waiting for one", ["state"], registry=r
         )

@@ -51,6 +51,7 @@ class Turn:
     item_id: str = ""
     transcript: asyncio.Future[str] = field(default_factory=_new_future)
     stopped_at: float = 0.0  # perf_counter of speech_stopped / commit
+    silence_ms: int = 0  # VAD turns: the silence waited before the turn ended
     audio_ms: int = 0
     partial: str = ""  # the transcription deltas sent so far, concatenated
     # Where the turn's audio starts in the user's input and in the recogniser's
@@ -61,6 +62,7 @@ class Turn:
     # and whether a segment has audio sent and no end yet.
     segments: list[AsrEvent] = field(default_factory=list)
     segment_open: bool = False
+    cut_done: asyncio.Future[None] | None = None  # set when the latest "cut" has been recognised
 
     @property
     def said(self) -> str:
@@ -162,6 +164,8 @@ class Recognizer:
                     continue
                 for event in events:
                     self._transcribed(turn, event)
+            if kind == "cut" and turn.cut_done is not None and not turn.cut_done.done():
+                turn.cut_done.set_result(None)
             if kind == "end":
                 self._complete(turn)
 

@@ -363,7 +363,7 @@ class ReplyPipeline:
             if not response.first_audio_at:
                 response.first_audio_at = time.perf_counter()
                 if turn is not None and turn.stopped_at:
-                    self._observe_latency(response.first_audio_at - turn.stopped_at)
+                    self._observe_latency(response.first_audio_at - turn.stopped_at, turn.silence_ms)
             response.sent_samples += len(piece) // 2
             response.sent_ms = response.sent_samples * 1000 // rate
             self.metrics.bytes_total.labels("out").inc(len(piece))
@@ -374,11 +374,10 @@ class ReplyPipeline:
         elif audio and response.clauses and response.clauses[-1][2] == start_ms:  # its sentence's later window
             response.clauses[-1] = (*response.clauses[-1][:2], response.sent_ms)
 
-    def _observe_latency(self, latency: float) -> None:
-        settings = self._settings()
+    def _observe_latency(self, latency: float, silence_ms: int) -> None:
         self.metrics.response_latency.observe(latency)
-        if settings.turn_type == "server_vad":
-            self.metrics.voice_to_voice.observe(latency + settings.silence_duration_ms / 1000)
+        if silence_ms:  # a VAD turn
+            self.metrics.voice_to_voice.observe(latency + silence_ms / 1000)
 
     def _finish(self, response: Response, text: str, status: str, reason: str) -> None:
         response.done, response.done_at = True, time.perf_counter()

@@ -12,7 +12,8 @@ and conversation history live here. The rest is in the parts it owns, one each:
 - the conversation items (server/items.py): item create (text or audio), delete, retrieve and
   truncate, over the history, whose messages carry their item ids;
 - the idle-turn timer (server/idle_turns.py): turn_detection.idle_timeout_ms;
-- the function calls out and their wait (server/tool_calls.py): the filler and the timeout.
+- the function calls out and their wait (server/tool_calls.py): the filler and the timeout;
+- semantic_vad's decisions at each pause (server/semantic_turns.py).
 
 The session never calls an engine: it and its parts use the scheduler's typed handles
 (server/engine_access.py): its audio input is attached to the VAD tick, turn audio goes to
@@ -34,7 +35,7 @@ from typing import Any
 
 from rtmedia.engines.responder import Message, ReplyRequest
 from rtmedia.protocol.events import server_event
-from rtmedia.server.audio_input import Action, AudioInput
+from rtmedia.server.audio_input import Action, AudioInput, Stop
 from rtmedia.server.engine_access import EngineAccess
 from rtmedia.server.faults import fault_status
 from rtmedia.server.idle_turns import IdleTimer
@@ -43,6 +44,7 @@ from rtmedia.server.outbox import Outbox
 from rtmedia.server.recognition import Recognizer, Turn
 from rtmedia.server.reply import TTS_WINDOW_FRAMES, ReplyPipeline, Response
 from rtmedia.server.scheduler import Priority
+from rtmedia.server.semantic_turns import SemanticTurns
 from rtmedia.server.session_config import (
     PCM16,
     ConfigError,
@@ -54,6 +56,10 @@ from rtmedia.server.session_config import (
 from rtmedia.server.session_limits import Limits
 from rtmedia.server.tool_calls import ToolCalls
 from rtmedia.v1 import realtime_pb2
+
+TURN_END_REASONS = {"silence": realtime_pb2.TURN_END_REASON_SILENCE,
+                    "semantic": realtime_pb2.TURN_END_REASON_SEMANTIC,
+                    "max_wait": realtime_pb2.TURN_END_REASON_MAX_WAIT}
 
 # Re-exported: other modules import these from here (Limits: server/app.py and
 # server/realtime_service.py; TTS_WINDOW_FRAMES: tests/perf/bench_speech.py).
@@ -124,6 +130,8 @@ class Session:
         )
         self.input = AudioInput(settings, self.limits.inbox_ms, self.on_audio, access.vad.open())
         access.vad.attach(self.input)
+        self.semantic = SemanticTurns(self.id, access.turns, self.metrics, lambda: self.settings,
+                                      self.input.end_turn, self.spawn, self.limits.turn_thresholds)
         self.track(self.recognizer.start(f"session-{self.id}-asr"))
 
     # ---- helpers ---------------------------------------------------------
@@ -217,7 +225,7 @@ class Session:
         self._bytes_in.inc(len(data))
         self.input_ms += len(data) / self.input.bytes_per_ms
         discarded = self.input.append(data)
-        if self.settings.turn_type != "server_vad":
+        if not self.settings.vad_turns:
             self.buffer_ms += len(data) / self.input.bytes_per_ms
             self._since_commit_ms += len(data) / self.input.bytes_per_ms
         if discarded:
@@ -234,6 +242,11 @@ class Session:
         except ConfigError as exc:
             self.error("invalid_value", str(exc), event_id, exc.param)
             return
+        if new.turn_type == "semantic_vad" and not self.access.turns.available:
+            self.error("invalid_value", "turn_detection.type semantic_vad needs an LM to score the user's words, and "
+                       "this server runs none (--no-llm without --transformers-model); use server_vad",
+                       event_id, "turn_detection.type")
+            return
         mid_turn = (self.turn is not None and not self.turn.transcript.done()) or self.buffer_ms > 0
         if new.input_format != self.settings.input_format and (mid_turn or self.input.inbox):
             self.error("invalid_state", "input_audio_format cannot change mid-turn; commit or clear the input "
@@ -249,9 +262,9 @@ class Session:
         self.idle.arm()
 
     def on_input_audio_buffer_commit(self, event: Any, event_id: str) -> None:
-        if self.settings.turn_type == "server_vad":
+        if self.settings.vad_turns:
             self.error("invalid_state", "input_audio_buffer.commit is for manual and none turn detection; "
-                       "server_vad commits turns itself", event_id)
+                       f"{self.settings.turn_type} commits turns itself", event_id)
         elif self.settings.turn_type == "manual" and self.responding:
             self.error("response_in_progress", "manual mode is half duplex: input is not committed while a "
                        "response plays", event_id)
@@ -386,6 +399,7 @@ class Session:
 
     # ---- audio results from the VAD tick ----------------------------------
     def on_audio(self, actions: list[Action]) -> None:
+        semantic = self.settings.turn_type == "semantic_vad"
         for kind, value in actions:
             if kind == "started":
                 self._on_speech_started(value)
@@ -397,9 +411,17 @@ class Session:
                         turn.input_offset_ms, turn.asr_offset_ms = offset_ms, self._asr_samples // 16
                     self._asr_samples += len(pcm) // 2
                     self.recognizer.send("audio", turn, pcm)
+                    if semantic:
+                        self.semantic.audio(pcm)
             elif kind == "pause":
-                if self.turn is not None and self.limits.early_finals:
+                if self.turn is not None and (self.limits.early_finals or semantic):
+                    self.turn.cut_done = asyncio.get_running_loop().create_future()
                     self.recognizer.send("cut", self.turn)
+                    if semantic:
+                        self.semantic.paused(self.turn)
+            elif kind == "candidate":
+                if self.turn is not None and semantic:
+                    self.semantic.candidate(self.turn, *value)
             elif kind == "stopped":
                 self._on_speech_stopped(value)
             elif kind == "marker":
@@ -433,6 +455,9 @@ class Session:
             self.replies.cancel("turn_detected")
             self.metrics.barge_in.observe(time.perf_counter() - started)
         self.replies.prepare()  # the reply's prompt, up to the user's words
+        if self.settings.turn_type == "semantic_vad":
+            said = [m.text for m in self.history if m.role == "assistant" and m.text]
+            self.semantic.started(said[-1] if said else "")
 
     def _reply_request(self, instructions: str | None = None, max_tokens: int | None = None) -> ReplyRequest:
         """What the responder gets: the history's messages that hold words (a turn in which
@@ -449,9 +474,14 @@ class Session:
             tool_choice=settings.tool_function if settings.tool_choice == "function" else settings.tool_choice,
         )
 
-    def _on_speech_stopped(self, end_ms: int) -> None:
+    def _on_speech_stopped(self, stop: Stop) -> None:
         turn = self.turn or self._start_turn()
-        self.send("input_audio_buffer.speech_stopped", item_id=turn.item_id, audio_end_ms=end_ms)
+        end_ms = stop.audio_end_ms
+        self.send("input_audio_buffer.speech_stopped", item_id=turn.item_id, audio_end_ms=end_ms,
+                  reason=TURN_END_REASONS[stop.reason], score=stop.score)
+        self.metrics.turn_ends.labels(stop.reason).inc()
+        self.semantic.ended()
+        turn.silence_ms = stop.silence_ms
         turn.audio_ms = end_ms - max(0, self.speech_start_ms - self.settings.prefix_padding_ms)
         self._end_turn()
         self._quiet_since, self._quiet_input_ms = time.perf_counter(), self.input_ms
@@ -472,7 +502,7 @@ class Session:
         while not quiet (no response yet, a turn or response in progress, a function call out,
         closing)."""
         response = self.response
-        if self.settings.turn_type != "server_vad" or self.closing_reason is not None or response is None \
+        if not self.settings.vad_turns or self.closing_reason is not None or response is None \
                 or not response.done or self.turn is not None or self.responding or self.tools.out:
             return None
         return max(response.playback_end(), self._quiet_since)
@@ -602,6 +632,7 @@ class Session:
         """Free every resource of the session: tasks, VAD row, recogniser state."""
         self.idle.cancel()
         self.tools.stop()
+        self.semantic.ended()  # the scorer's slot
         self.access.vad.detach(self.input)
         tasks = list(self._tasks)
         for task in tasks:

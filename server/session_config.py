@@ -21,7 +21,19 @@ TURN_TYPES = {
     realtime_pb2.TURN_DETECTION_TYPE_SERVER_VAD: "server_vad",
     realtime_pb2.TURN_DETECTION_TYPE_MANUAL: "manual",
     realtime_pb2.TURN_DETECTION_TYPE_NONE: "none",
+    realtime_pb2.TURN_DETECTION_TYPE_SEMANTIC_VAD: "semantic_vad",
 }
+VAD_TURNS = ("server_vad", "semantic_vad")  # the turn types whose turns the VAD finds
+EAGERNESS = {
+    realtime_pb2.EAGERNESS_UNSPECIFIED: "auto",
+    realtime_pb2.EAGERNESS_LOW: "low",
+    realtime_pb2.EAGERNESS_MEDIUM: "medium",
+    realtime_pb2.EAGERNESS_HIGH: "high",
+    realtime_pb2.EAGERNESS_AUTO: "auto",
+}
+# semantic_vad: the silence before the first score, and the longest wait (default by eagerness).
+SEMANTIC_BOUNDS = {"candidate_ms": (200, 2000), "max_wait_ms": (500, 30000)}
+MAX_WAIT_MS = {"low": 8000, "medium": 4000, "high": 2000, "auto": 4000}
 TURN_BOUNDS = {"threshold": (0.05, 0.95), "prefix_padding_ms": (0, 2000), "silence_duration_ms": (100, 5000)}
 # turn_detection.idle_timeout_ms (server_vad only), as OpenAI bounds it; 0 in an update turns it off.
 IDLE_TIMEOUT_MS_BOUNDS = (5000, 30000)
@@ -90,6 +102,9 @@ class SessionSettings:
     max_session_s: int = 3600
     idle_timeout_s: int = 60
     idle_timeout_ms: int | None = None  # turn_detection.idle_timeout_ms (server_vad); None: off
+    eagerness: str = "auto"  # semantic_vad: low, medium, high or auto (= medium)
+    candidate_ms: int = 200  # semantic_vad: silence before the first score
+    max_wait_ms: int | None = None  # semantic_vad: silence that ends a turn whatever the score; None: by eagerness
     output_modality: str = "audio"  # "audio" (speech and its text) or "text"
     speed: float = 1.0  # the replies' speaking rate (the TTS stream's length scale is divided by it)
     tools: tuple[FunctionTool, ...] = ()
@@ -101,6 +116,16 @@ class SessionSettings:
     @property
     def input_format(self) -> tuple[int, int]:
         return self.input_encoding, self.input_rate
+
+    @property
+    def vad_turns(self) -> bool:
+        """The VAD finds the turns (server_vad, semantic_vad)."""
+        return self.turn_type in VAD_TURNS
+
+    @property
+    def turn_wait_ms(self) -> int:
+        """semantic_vad: the silence after which a turn ends whatever its score."""
+        return self.max_wait_ms or MAX_WAIT_MS[self.eagerness]
 
     def updated(self, config: realtime_pb2.SessionConfig, voices: dict[str, list[int]],
                 responders: Collection[str], max_name_chars: int = 256,
@@ -190,6 +215,8 @@ class SessionSettings:
                 type=turn_type, threshold=self.threshold, prefix_padding_ms=self.prefix_padding_ms,
                 silence_duration_ms=self.silence_duration_ms, create_response=self.create_response,
                 interrupt_response=self.interrupt_response, idle_timeout_ms=self.idle_timeout_ms,
+                eagerness=next(k for k, v in EAGERNESS.items() if v == self.eagerness and k),
+                candidate_ms=self.candidate_ms, max_wait_ms=self.turn_wait_ms,
             ),
             instructions=self.instructions, voice=self.voice, responder=self.responder,
             max_output_tokens=self.max_output_tokens, max_session_s=self.max_session_s,
@@ -226,6 +253,17 @@ def _turn_changes(turn: realtime_pb2.TurnDetection) -> dict[str, object]:
             raise ConfigError("turn_detection.idle_timeout_ms", f"turn_detection.idle_timeout_ms={value} is outside "
                                                                f"{low}..{high} (0 turns it off)")
         changes["idle_timeout_ms"] = value or None
+    if turn.HasField("eagerness"):
+        if turn.eagerness not in EAGERNESS:
+            raise ConfigError("turn_detection.eagerness", f"turn_detection.eagerness={turn.eagerness} is not an "
+                                                         "eagerness (low, medium, high, auto)")
+        changes["eagerness"] = EAGERNESS[turn.eagerness]
+    for name, (low, high) in SEMANTIC_BOUNDS.items():
+        if turn.HasField(name):
+            value = getattr(turn, name)
+            if not low <= value <= high:
+                raise ConfigError(f"turn_detection.{name}", f"turn_detection.{name}={value} is outside {low}..{high}")
+            changes[name] = value
     return changes
 
 

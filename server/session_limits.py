@@ -7,7 +7,7 @@ importing the session. `rtmedia.server.session` re-exports it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rtmedia.v1 import realtime_pb2
 
@@ -40,6 +40,8 @@ class Limits:
     # speech_stopped; speech that resumes starts a new segment, and the turn's transcript joins
     # the segments' finals.
     early_finals: bool = True
+    # semantic_vad's thresholds by eagerness that replace server/semantic_turns.py's THRESHOLDS.
+    turn_thresholds: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     # Reply audio goes out in deltas of this length, at most output_lead_ms ahead of
     # the client's playback (acked position, or wall clock since the first delta).
     output_delta_ms: int = 200

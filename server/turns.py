@@ -11,12 +11,17 @@ event is reported `silence_duration_ms` (rounded up to whole windows) after
 that point. Time is kept in whole windows, so offsets never drift.
 The committed turn audio also covers `prefix_padding_ms` before the start
 (`turn_audio_bounds`).
+
+semantic_vad runs the same detector with `silence_duration_ms` set to the longest wait
+and `candidates_ms`: as a pause's silence reaches each of them, a `pause_candidate` event
+(its `audio_ms`: the silence so far) lets the session score the words; `stop()` ends the
+turn there when the session so decides (docs/protocol.md#semantic-vad).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 WINDOW_MS = 32  # 512 samples at 16 kHz
 LOW_THRESHOLD_GAP = 0.15
@@ -49,11 +54,24 @@ def check_turn_params(**params: float | None) -> None:
             raise ValueError(f"turn_detection.{name}={value} is outside {lo}..{hi}")
 
 
+# semantic_vad scores a pause again as its silence reaches these (docs/protocol.md#semantic-vad).
+RESCORE_MS = (600, 1500)
+
+
+def candidate_points(settings: Any) -> tuple[int, ...]:
+    """A semantic_vad pause's candidate points (ms of silence): the first (candidate_ms), the
+    rescores, and server_vad's silence_duration_ms (where a pause no score could be had for
+    ends), each before the longest wait."""
+    first = settings.candidate_ms
+    points = {first, settings.silence_duration_ms, *(ms for ms in RESCORE_MS if ms > first)}
+    return tuple(sorted(ms for ms in points if first <= ms < settings.turn_wait_ms))
+
+
 @dataclass(frozen=True, slots=True)
 class TurnEvent:
     """A turn boundary; `audio_ms` is the offset in the stream's input audio."""
 
-    kind: Literal["speech_started", "speech_stopped"]
+    kind: Literal["speech_started", "speech_stopped", "pause_candidate"]
     audio_ms: int
 
 
@@ -69,6 +87,7 @@ class TurnDetector:
         self.threshold = float(threshold)
         self.prefix_padding_ms = int(prefix_padding_ms)
         self.silence_duration_ms = int(silence_duration_ms)
+        self.candidates_ms: tuple[int, ...] = ()
         self.reset()
 
     def reset(self) -> None:
@@ -136,8 +155,21 @@ class TurnDetector:
             self._voiced_end, self._silent = n + 1, 0
             return None
         self._silent += 1
-        if self._silent * WINDOW_MS < self.silence_duration_ms:
+        silence = self._silent * WINDOW_MS
+        if silence < self.silence_duration_ms:
+            if any(silence - WINDOW_MS < c <= silence for c in self.candidates_ms):
+                return TurnEvent("pause_candidate", silence)
             return None
+        return self.stop()
+
+    @property
+    def silence_ms(self) -> int:
+        """The current pause's silence so far (0 outside a pause)."""
+        return self._silent * WINDOW_MS if self._start is not None else 0
+
+    def stop(self) -> TurnEvent:
+        """End the turn now (speech must be in progress): its end is where the silence began."""
+        assert self._start is not None
         self._start = None
         return TurnEvent("speech_stopped", self._voiced_end * WINDOW_MS)
 

@@ -160,6 +160,8 @@ def check_response_tools(response: dict[str, Any]) -> None:
 class TurnDetection:
     """`audio.input.turn_detection`; None on the config means manual turns."""
 
+    type: str = "server_vad"  # or "semantic_vad"
+    eagerness: str = "auto"  # semantic_vad
     threshold: float = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
@@ -168,7 +170,12 @@ class TurnDetection:
     idle_timeout_ms: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"type": "server_vad", **dataclasses.asdict(self)}
+        if self.type == "semantic_vad":
+            return {"type": self.type, "eagerness": self.eagerness, "create_response": self.create_response,
+                    "interrupt_response": self.interrupt_response}
+        fields = dataclasses.asdict(self)
+        del fields["eagerness"]
+        return fields
 
 
 @dataclass
@@ -291,13 +298,21 @@ class RealtimeConfig:
         param = "session.audio.input.turn_detection"
         spec = _object(value, param)
         kind = spec.get("type", "server_vad")
-        if kind == "semantic_vad":
-            raise refuse(param + ".type", "semantic_vad")
-        if kind != "server_vad":
+        if kind not in ("server_vad", "semantic_vad"):
             raise _invalid(param + ".type", 'must be "server_vad", "semantic_vad" or null')
-        _unknown(spec, {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
-                        "interrupt_response", "idle_timeout_ms"}, param + ".")
+        if kind == "semantic_vad":
+            _unknown(spec, {"type", "eagerness", "create_response", "interrupt_response"}, param + ".")
+        else:
+            _unknown(spec, {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+                            "interrupt_response", "idle_timeout_ms"}, param + ".")
         turn = copy.copy(self.turn_detection) if self.turn_detection is not None else TurnDetection()
+        turn.type = kind
+        if kind == "semantic_vad":
+            turn.idle_timeout_ms = None
+            eagerness = spec.get("eagerness", "auto")
+            if eagerness not in ("low", "medium", "high", "auto"):
+                raise _invalid(param + ".eagerness", 'must be "low", "medium", "high" or "auto"')
+            turn.eagerness = eagerness
         if self.type == "transcription":
             turn.create_response = turn.interrupt_response = False
         bounds = {"threshold": (0.05, 0.95, False), "prefix_padding_ms": (0, 2000, True),
@@ -322,10 +337,13 @@ class RealtimeConfig:
         turn: dict[str, Any] = {"type": "none"}
         if self.turn_detection is not None:
             t = self.turn_detection
-            turn = {"type": "server_vad", "threshold": t.threshold, "prefix_padding_ms": t.prefix_padding_ms,
+            turn = {"type": t.type, "threshold": t.threshold, "prefix_padding_ms": t.prefix_padding_ms,
                     "silence_duration_ms": t.silence_duration_ms, "create_response": t.create_response,
                     "interrupt_response": t.interrupt_response}
-            turn["idle_timeout_ms"] = t.idle_timeout_ms or 0  # 0: off
+            if t.type == "semantic_vad":
+                turn["eagerness"] = t.eagerness
+            else:
+                turn["idle_timeout_ms"] = t.idle_timeout_ms or 0  # 0: off
         config: dict[str, Any] = {
             "input_audio_format": {"encoding": ENCODINGS[encoding], "sample_rate": rate, "channels": 1},
             "output_sample_rate": out_rate,

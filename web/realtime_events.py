@@ -53,7 +53,7 @@ CLIENT_EVENTS = ("session.update", "input_audio_buffer.append", "input_audio_buf
 PARAMS = {"audio": "audio", "item_id": "item_id", "audio_end_ms": "audio_end_ms", "voice": "session.audio.output.voice",
           "instructions": "session.instructions", "item.text": "item.content", "item.id": "item.id",
           "tools": "session.tools", "tool_choice.name": "session.tool_choice", "tool_filler_ms": "session.tool_filler_ms",
-          "tool_timeout_ms": "session.tool_timeout_ms"}
+          "tool_timeout_ms": "session.tool_timeout_ms", "turn_detection.type": "session.audio.input.turn_detection.type"}
 
 
 @dataclass
@@ -363,7 +363,10 @@ class Translator:
                             audio_start_ms=e["audio_start_ms"])]
 
     def _on_input_audio_buffer_speech_stopped(self, e: dict[str, Any]) -> list[dict[str, Any]]:
-        return [self._event("input_audio_buffer.speech_stopped", item_id=e["item_id"], audio_end_ms=e["audio_end_ms"])]
+        # rtmedia's extensions: why the turn ended (silence, semantic, max_wait) and its end-of-turn score
+        extra = {"score": round(e["score"], 3)} if "score" in e else {}
+        return [self._event("input_audio_buffer.speech_stopped", item_id=e["item_id"], audio_end_ms=e["audio_end_ms"],
+                            reason=e.get("reason"), **extra)]
 
     def _on_input_audio_buffer_timeout_triggered(self, e: dict[str, Any]) -> list[dict[str, Any]]:
         return [self._event("input_audio_buffer.timeout_triggered", item_id=e["item_id"],

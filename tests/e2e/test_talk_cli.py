@@ -177,3 +177,14 @@ def test_errors_are_one_line_and_nonzero(served, sentence_wav, tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert down.returncode != 0 and down.stderr.strip().count("\n") == 0, down.stderr
     assert down.stderr.startswith("rtmedia talk: UNAVAILABLE"), down.stderr
+
+
+def test_semantic_vad_says_why_the_turn_ended(served, sentence_wav):
+    result = talk(served, str(sentence_wav), "--responder", "echo", "--mode", "semantic_vad", "--eagerness", "high",
+                  "--realtime")  # (faster than real time, the silence would reach the longest wait before a score)
+    assert re.search(r"^\[\s*\d+\.\d\d s\] end of turn: semantic \(score -?\d+\.\d\d\)$", result.stdout, re.M), \
+        result.stdout
+    assert "1 response; response latency" in result.stderr
+    wrong = talk(served, str(sentence_wav), "--eagerness", "high", check=False)
+    assert wrong.returncode != 0 and wrong.stderr.strip().count("\n") == 0
+    assert "--eagerness is for --mode semantic_vad" in wrong.stderr, wrong.stderr

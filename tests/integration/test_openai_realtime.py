@@ -307,7 +307,12 @@ REFUSED = [
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "session.tools"),  # echo calls none
     ({"tools": [{"type": "mcp", "server_label": "x"}]}, "session.tools[0].type"),
     ({"tool_choice": {"type": "function", "name": "f"}}, "session.tool_choice"),
+    # (semantic_vad needs an LM, which this module's server does not load)
     ({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}, "session.audio.input.turn_detection.type"),
+    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "sometimes"}}}},
+     "session.audio.input.turn_detection.eagerness"),
+    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "threshold": 0.5}}}},
+     "session.audio.input.turn_detection.threshold"),
     ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
     ({"include": ["item.input_audio_transcription.logprobs"]}, "session.include"),
     ({"audio": {"output": {"format": {"type": "audio/opus"}}}}, "session.audio.output.format.type"),

@@ -362,6 +362,11 @@ CONVERSE_HINTS: dict[str, st.SearchStrategy[Any]] = {
                                                                st.sampled_from([math.nan, -1.0, 2.0]))),
     f"{_SESSION}turn_detection.prefix_padding_ms": sometimes(integers(-1, 2**31 - 1)),
     f"{_SESSION}turn_detection.silence_duration_ms": sometimes(integers(-1, 2**31 - 1)),
+    f"{_SESSION}turn_detection.eagerness": sometimes(st.one_of(st.sampled_from([0, 1, 2, 3, 4]), integers(-1, 99))),
+    f"{_SESSION}turn_detection.candidate_ms": sometimes(st.one_of(st.sampled_from([200, 2000, 199, 2001]),
+                                                                  integers(-(2**31), 2**31 - 1))),
+    f"{_SESSION}turn_detection.max_wait_ms": sometimes(st.one_of(st.sampled_from([500, 30000, 499, 30001]),
+                                                                 integers(-(2**31), 2**31 - 1))),
     f"{_SESSION}max_output_tokens": sometimes(integers(-(2**31), 2**31 - 1)),
     f"{_SESSION}idle_timeout_s": sometimes(integers(-1, 2**31 - 1)),
     f"{_SESSION}max_session_s": sometimes(integers(-1, 2**31 - 1)),
@@ -1378,7 +1383,7 @@ RT_TURN_DETECTION = weighted([st.none(), st.fixed_dictionaries({}, optional={
     "create_response": _often(st.booleans()),
     "interrupt_response": _often(st.booleans()),
     "idle_timeout_ms": st.sampled_from([None, 5000, 30000, 4999, 30001, 0]),
-    "eagerness": st.sampled_from(["auto", "low"]),
+    "eagerness": st.sampled_from(["auto", "low", "medium", "high", "eager", "", None, 1]),
 }), st.fixed_dictionaries({}, optional={
     "type": st.just("server_vad"), "silence_duration_ms": st.sampled_from([100, 200, 500]),
     "create_response": st.booleans()}), _junk()])

@@ -1,4 +1,5 @@
-"""AudioInput.reconfigure: a format change survives a later session.update."""
+"""AudioInput: a format change survives a later session.update; the VAD tick's actions do not
+depend on chunking; semantic_vad's candidate points and the session's end of a turn."""
 
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def test_tick_results_do_not_depend_on_chunking(speaker):
     assert first_end - 300 < per_window[2][1] <= first_end + 160
     for audio_at, pause_at, stopped_at in ((1, 3, 4), (6, 7, 8)):  # each turn's audio ends 160 ms after its speech
         (_, (offset, audio)), (_, paused), (_, stopped) = (per_window[n] for n in (audio_at, pause_at, stopped_at))
-        assert offset + len(audio) // 32 == paused == stopped + 160
+        assert offset + len(audio) // 32 == paused == stopped.audio_end_ms + 160
+        assert stopped.reason == "silence" and stopped.score is None and stopped.silence_ms == 512
     assert _tick_run(engine, pcm, 3200) == per_window
     events = [(kind, value) for kind, value in per_window if kind not in ("audio", "pause")]
     assert _tick_run(engine, pcm, 3200, transcription=False) == events
@@ -111,3 +113,46 @@ def test_audio_that_is_not_whole_samples_is_refused_at_the_inbox():
         audio.append(bytes(11025))
     assert not audio.inbox
     assert audio.append(bytes(11026)) == 0 and len(audio.inbox) == 11026
+
+
+def test_semantic_vad_candidates_and_the_sessions_end_of_a_turn(speaker):
+    """semantic_vad: a pause reports its candidate points (the silence so far, where it began);
+    end_turn ends the turn at the next tick, even one without new audio, where the pause began;
+    a request for a pause that speech has ended since is dropped; left alone, a turn ends at
+    the longest wait, reason max_wait."""
+    from rtmedia.engines.vad import VadEngine
+    from rtmedia.server.audio_input import Stop, VadTick
+
+    engine = VadEngine()
+    engine.load()
+    got: list = []
+    tick = VadTick(engine)
+    settings = dataclasses.replace(SessionSettings(), input_rate=16000, turn_type="semantic_vad", max_wait_ms=1000)
+    inp = AudioInput(settings, 4000, got.extend, engine.open_stream())
+    tick.inputs.add(inp)
+
+    def run(pcm: np.ndarray) -> list:
+        got.clear()
+        data = pcm.astype("<i2").tobytes()
+        for at in range(0, len(data), 1024):
+            inp.append(data[at:at + 1024])
+            tick.deliver(tick.process(tick.collect()))
+        return [(kind, value) for kind, value in got if kind not in ("audio", "pause")]
+
+    words = speaker.say("Please call me back tomorrow afternoon.")
+    events = run(np.concatenate([speaker.silence(0.5), words, speaker.silence(0.3)]))
+    assert [kind for kind, _ in events] == ["started", "candidate"]
+    silence_ms, end_ms = events[1][1]
+    assert silence_ms == 224  # 200 ms rounded up to whole windows
+    inp.end_turn(Stop(end_ms + 32, "semantic", -1.0))  # not this pause: dropped
+    tick.deliver(tick.process(tick.collect()))
+    inp.end_turn(Stop(end_ms, "semantic", -1.0))
+    got.clear()
+    tick.deliver(tick.process(tick.collect()))  # no new audio: the request alone
+    assert [kind for kind, _ in got] == ["stopped"]
+    stop = got[0][1]
+    assert stop.audio_end_ms == end_ms and stop.reason == "semantic" and stop.silence_ms >= 224
+    events = run(np.concatenate([words, speaker.silence(1.2)]))
+    assert [kind for kind, _ in events] == ["started", "candidate", "candidate", "candidate", "stopped"]
+    assert [value[0] for kind, value in events if kind == "candidate"] == [224, 512, 608]  # 200, 500, 600 ms
+    assert events[-1][1].reason == "max_wait" and events[-1][1].silence_ms == 1024

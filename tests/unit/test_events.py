@@ -308,7 +308,7 @@ def test_enum_short_names_derive_from_the_enum_name():
              for enum in (common_pb2.AudioEncoding, realtime_pb2.TurnDetectionType, realtime_pb2.ResponseStatus)}
     assert names == {
         "AudioEncoding": ["g711_alaw", "g711_ulaw", "pcm16", "unspecified"],
-        "TurnDetectionType": ["manual", "none", "server_vad", "unspecified"],
+        "TurnDetectionType": ["manual", "none", "semantic_vad", "server_vad", "unspecified"],
         "ResponseStatus": ["cancelled", "completed", "failed", "incomplete", "unspecified"],
     }
 

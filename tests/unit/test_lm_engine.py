@@ -1,7 +1,8 @@
 """LM engine: batched decode over the slot cache equals one-by-one decode and the plain model on the full
 sequence, through the compact Llama-family forward and through transformers' own; sessions join and leave;
 padding, slot bookkeeping, context limits, prefill extension, truncation; other architectures; int8 linear
-layers keep batched decode bit-identical to one-by-one; batched decode costs less per token than one-by-one.
+layers keep batched decode bit-identical to one-by-one; batched decode costs less per token than one-by-one;
+a batched prefill over several slots equals one prefill per slot.
 
 Models are tiny random-weight configs saved locally and loaded through `from_pretrained`; nothing is
 downloaded."""
@@ -259,6 +260,24 @@ def test_truncate_keeps_a_prefix(make_engine: EngineFactory) -> None:
     eng.release(b)
     with pytest.raises(EngineError, match=f"slot {b} is not acquired"):
         eng.truncate(b, 0)
+
+
+def test_prefill_many_equals_one_prefill_per_slot(make_engine: EngineFactory) -> None:
+    """Rows of different lengths and starts in one forward: each row's logits, and what it leaves in
+    its slot, are those of its own prefill."""
+    eng = make_engine()
+    a, b, c = (eng.acquire() for _ in range(3))
+    assert a is not None and b is not None and c is not None
+    eng.prefill(a, _prompt(10, 4))  # a kept history, extended by the batch
+    out = eng.prefill_many({a: _prompt(3, 5), b: _prompt(7, 6), c: [11]})
+    assert_close(out[a], reference(eng, [*_prompt(10, 4), *_prompt(3, 5)]), "row a (extends a kept slot)")
+    assert_close(out[b], reference(eng, _prompt(7, 6)), "row b")
+    assert_close(out[c], reference(eng, [11]), "row c (one token)")
+    assert [eng.length(s) for s in (a, b, c)] == [13, 7, 1]
+    after = eng.decode({a: 9, b: 9})
+    assert_close(after[b], reference(eng, [*_prompt(7, 6), 9]), "decode after the batch")
+    with pytest.raises(EngineError, match="no tokens"):
+        eng.prefill_many({a: [1], b: []})
 
 
 def test_int8_batched_decode_is_bit_identical_to_one_by_one(model_dir: Path) -> None:

@@ -1,7 +1,8 @@
 """The LM lane's kept conversations: a key's next generation prefills only what follows the tokens its
 slot already holds, and generates exactly what a fresh slot would; kept slots are given up least
 recently used first when a generation would wait, and when forgotten; prefills ahead of time never wait;
-a paused generation sits out decode steps. Through the LM responder: a reply its token limit stops ends
+a paused generation sits out decode steps; scores (semantic_vad) are batched, reuse a key's kept
+prefix and never wait, on the session's own LM lane. Through the LM responder: a reply its token limit stops ends
 with Incomplete, and a conversation with an item deleted re-prefills from the deletion on and replies as
 a fresh slot would.
 
@@ -221,3 +222,48 @@ async def test_a_deleted_item_re_prefills_from_where_the_prompt_changed(lane: Lm
     assert lane.prefills == [len(prompt) - common_prefix(kept, prompt)] and common_prefix(kept, prompt) > 0
     assert again == await reply(deleted, None), "reuse must generate what a fresh slot generates"
     lane.forget("s")
+
+
+async def test_scores_are_batched_reuse_the_kept_prefix_and_never_wait(lane: LmLane) -> None:
+    """Scores asked for together run in one forward; each equals a fresh prefill's logits; a key's
+    next score prefills only its new tokens; with every slot generating a score gets None at once."""
+    engine = lane.engine
+    batches: list[dict[int, int]] = []
+    many = engine.prefill_many
+
+    def counting_many(items):
+        batches.append({slot: len(ids) for slot, ids in items.items()})
+        return many(items)
+
+    engine.prefill_many = counting_many  # type: ignore[method-assign]
+    lane.prepare("a", PROMPT[:5])
+    a, b = await asyncio.gather(lane.score("a", PROMPT, lambda logits: logits.clone()),
+                                lane.score("b", PROMPT[:6], lambda logits: int(logits.argmax())))
+    assert sorted(batches[-1].values()) == [3, 6]  # one batch: "a" only what follows its prepared prefix
+    assert isinstance(b, int) and lane.kept == 2
+    await lane.score("a", [*PROMPT, 7], lambda logits: None)
+    assert list(batches[-1].values()) == [1]
+    lane.forget("b")
+    free = engine.acquire()
+    fresh = engine.prefill(free, PROMPT)
+    engine.release(free)
+    assert (a - fresh).abs().max() < 1e-4
+    lane.forget("a")
+    first = lane.generate(PROMPT, 50)
+    second = lane.generate(PROMPT, 50)
+    await first.__anext__(), await second.__anext__()  # both slots generating
+    assert await lane.score("c", PROMPT, lambda logits: 1) is None
+    await first.aclose(), await second.aclose()
+
+
+async def test_the_turn_scorer_runs_on_the_sessions_own_lm_lane(lane: LmLane) -> None:
+    """engine_access.Turns: a session whose responder is an LM lane's is scored on that lane (here a
+    tiny model without a chat template); any other responder on the embedded model's lane."""
+    from rtmedia.server.engine_access import Turns
+
+    turns = Turns(None, {"transformers": lane})  # type: ignore[arg-type]
+    assert turns.available
+    score = await turns.score("transformers", ("turn", "s"), "Hi.", "book a table")
+    assert isinstance(score, float) and score <= 0 and lane.kept == 1
+    turns.forget(("turn", "s"))
+    assert lane.kept == 0

@@ -617,7 +617,7 @@ def test_step_deadlines_come_from_the_config_and_bad_ones_are_refused():
     config = ServerConfig(lane_step_deadlines_s={"video": 600, "tts": 0})
     assert config.step_deadline("video") == 600 and config.step_deadline("tts") is None
     assert config.step_deadline("asr") == STEP_DEADLINES_S["asr"]
-    with pytest.raises(ValueError, match="unknown lane 'vidoe'; lanes: vad, asr"):
+    with pytest.raises(ValueError, match="unknown lane 'vidoe'; lanes: vad, turn_audio, asr"):
         ServerConfig(lane_step_deadlines_s={"vidoe": 5})
     with pytest.raises(ValueError, match=r"video=-1 must be a number of seconds >= 0"):
         ServerConfig(lane_step_deadlines_s={"video": -1})

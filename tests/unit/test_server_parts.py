@@ -79,3 +79,21 @@ def test_rich_status_carries_error_info():
     decoded.details[0].Unpack(info)
     assert key == "grpc-status-details-bin"
     assert (info.reason, info.domain, dict(info.metadata)) == ("EMPTY_TEXT", DOMAIN, {"field": "text"})
+
+
+def test_turn_detection_defaults_of_the_deploy_file_are_checked():
+    config = ServerConfig(turn_detection="semantic_vad", turn_eagerness="high",
+                          semantic_thresholds={"high": [-2.0, -3.0, -3.0]})
+    assert config.semantic_thresholds["high"] == [-2.0, -3.0, -3.0]
+    for bad, part in (({"turn_detection": "smart"}, "turn_detection must be server_vad or semantic_vad"),
+                      ({"turn_eagerness": "eager"}, "turn_eagerness must be"),
+                      ({"semantic_thresholds": {"high": [-1, -2]}}, "semantic_thresholds: high="),
+                      ({"semantic_thresholds": {"high": [-3, -2, -4]}}, "none above the one before"),
+                      ({"semantic_thresholds": {"auto": [-1, -2, -3]}}, "semantic_thresholds: auto=")):
+        with pytest.raises(ValueError, match=part):
+            ServerConfig(**bad)
+    from rtmedia.server.app import RtmediaServer
+
+    with pytest.raises(ValueError, match="semantic_vad needs an LM"):
+        RtmediaServer(ServerConfig(port=0, metrics_port=0, llm=False, default_responder="echo",
+                                   turn_detection="semantic_vad"))

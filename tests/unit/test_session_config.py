@@ -143,3 +143,30 @@ def test_tools_on_a_responder_that_cannot_call_them_name_it():
     settings = with_tools(SessionSettings(), tools=tools(f))
     with pytest.raises(ConfigError, match="echo responder"):
         settings.updated(realtime_pb2.SessionConfig(responder="echo"), VOICES, ["echo", "openai"], tool_responders=["openai"])
+
+
+SEMANTIC = realtime_pb2.TURN_DETECTION_TYPE_SEMANTIC_VAD
+
+
+def test_semantic_vad_eagerness_and_waits_are_checked_and_echoed():
+    settings = update(SessionSettings(), turn_detection=turn(type=SEMANTIC))
+    assert settings.vad_turns and settings.eagerness == "auto" and settings.turn_wait_ms == 4000
+    echoed = settings.to_proto().turn_detection
+    assert echoed.eagerness == realtime_pb2.EAGERNESS_AUTO and echoed.candidate_ms == 200 and echoed.max_wait_ms == 4000
+    for eagerness, wait in ((realtime_pb2.EAGERNESS_LOW, 8000), (realtime_pb2.EAGERNESS_HIGH, 2000)):
+        assert update(settings, turn_detection=turn(eagerness=eagerness)).turn_wait_ms == wait
+    explicit = update(settings, turn_detection=turn(candidate_ms=300, max_wait_ms=1500))
+    assert (explicit.candidate_ms, explicit.turn_wait_ms) == (300, 1500)
+
+
+@pytest.mark.parametrize(("fields", "param", "part"), [
+    ({"eagerness": 9}, "turn_detection.eagerness", "eagerness=9 is not an eagerness"),
+    ({"candidate_ms": -200}, "turn_detection.candidate_ms", "candidate_ms=-200 is outside 200..2000"),
+    ({"candidate_ms": 100}, "turn_detection.candidate_ms", "outside 200..2000"),
+    ({"max_wait_ms": -1}, "turn_detection.max_wait_ms", "max_wait_ms=-1 is outside 500..30000"),
+    ({"max_wait_ms": 60000}, "turn_detection.max_wait_ms", "outside 500..30000"),
+])
+def test_bad_semantic_vad_settings_name_the_field(fields, param, part):
+    with pytest.raises(ConfigError, match=part) as err:
+        update(SessionSettings(), turn_detection=turn(type=SEMANTIC, **fields))
+    assert err.value.param == param

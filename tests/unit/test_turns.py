@@ -1,5 +1,5 @@
-"""Server-VAD turn detection (docs/protocol.md#turns) on synthetic probabilities, and end to end on the real
-VAD engine with Piper speech."""
+"""Server-VAD turn detection (docs/protocol.md#turns) on synthetic probabilities, semantic_vad's candidate
+points and stop, and end to end on the real VAD engine with Piper speech."""
 
 from __future__ import annotations
 
@@ -176,3 +176,20 @@ def test_end_to_end_on_real_vad(speaker: Speaker, text: str) -> None:
     # The stop is reported once the silence has lasted silence_duration_ms (16 windows).
     assert (stop_at + 1) * WINDOW_MS - stop.audio_ms == 16 * WINDOW_MS
     assert det.turn_audio_bounds(start.audio_ms, stop.audio_ms) == (start.audio_ms - 300, stop.audio_ms)
+
+
+def test_semantic_candidates_and_a_stop_by_the_session() -> None:
+    """With candidate points a pause reports each as its silence reaches it (rounded up to whole
+    windows), and `stop()` ends the turn where the silence began; speech that resumes starts the
+    count again; the turn ends by itself at silence_duration_ms."""
+    det = TurnDetector(silence_duration_ms=1000)
+    det.candidates_ms = (200, 600)
+    events = _run(det, [0.9] * 10 + [0.0] * 8 + [0.9] * 2 + [0.0] * 7)
+    assert events == [(0, TurnEvent("speech_started", 0)), (16, TurnEvent("pause_candidate", 224)),
+                      (26, TurnEvent("pause_candidate", 224))]
+    assert det.silence_ms == 224 and det.voiced_end_ms == 640
+    assert det.stop() == TurnEvent("speech_stopped", 640) and not det.in_speech and det.silence_ms == 0
+    det.reset()
+    events = _run(det, [0.9] * 3 + [0.0] * 32)
+    assert [e.kind for _, e in events] == ["speech_started", "pause_candidate", "pause_candidate", "speech_stopped"]
+    assert [e.audio_ms for _, e in events[1:]] == [224, 608, 96]

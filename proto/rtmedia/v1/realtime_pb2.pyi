@@ -33,6 +33,10 @@ class _TurnDetectionTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Tur
     """The client commits turns and asks for responses (half duplex)."""
     TURN_DETECTION_TYPE_NONE: _TurnDetectionType.ValueType  # 3
     """Audio is only buffered; responses come only on response_create."""
+    TURN_DETECTION_TYPE_SEMANTIC_VAD: _TurnDetectionType.ValueType  # 4
+    """Voice activity detection finds speech; at each pause a model scores whether the user
+    has finished (docs/protocol.md#semantic-vad) and the turn ends then, or later.
+    """
 
 class TurnDetectionType(_TurnDetectionType, metaclass=_TurnDetectionTypeEnumTypeWrapper): ...
 
@@ -43,7 +47,69 @@ TURN_DETECTION_TYPE_MANUAL: TurnDetectionType.ValueType  # 2
 """The client commits turns and asks for responses (half duplex)."""
 TURN_DETECTION_TYPE_NONE: TurnDetectionType.ValueType  # 3
 """Audio is only buffered; responses come only on response_create."""
+TURN_DETECTION_TYPE_SEMANTIC_VAD: TurnDetectionType.ValueType  # 4
+"""Voice activity detection finds speech; at each pause a model scores whether the user
+has finished (docs/protocol.md#semantic-vad) and the turn ends then, or later.
+"""
 Global___TurnDetectionType: _TypeAlias = TurnDetectionType  # noqa: Y015
+
+class _Eagerness:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EagernessEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Eagerness.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    EAGERNESS_UNSPECIFIED: _Eagerness.ValueType  # 0
+    """auto"""
+    EAGERNESS_LOW: _Eagerness.ValueType  # 1
+    """waits longest (up to 8 s of silence)"""
+    EAGERNESS_MEDIUM: _Eagerness.ValueType  # 2
+    """up to 4 s"""
+    EAGERNESS_HIGH: _Eagerness.ValueType  # 3
+    """ends soonest (up to 2 s)"""
+    EAGERNESS_AUTO: _Eagerness.ValueType  # 4
+    """medium"""
+
+class Eagerness(_Eagerness, metaclass=_EagernessEnumTypeWrapper):
+    """semantic_vad: how readily a pause ends the turn."""
+
+EAGERNESS_UNSPECIFIED: Eagerness.ValueType  # 0
+"""auto"""
+EAGERNESS_LOW: Eagerness.ValueType  # 1
+"""waits longest (up to 8 s of silence)"""
+EAGERNESS_MEDIUM: Eagerness.ValueType  # 2
+"""up to 4 s"""
+EAGERNESS_HIGH: Eagerness.ValueType  # 3
+"""ends soonest (up to 2 s)"""
+EAGERNESS_AUTO: Eagerness.ValueType  # 4
+"""medium"""
+Global___Eagerness: _TypeAlias = Eagerness  # noqa: Y015
+
+class _TurnEndReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TurnEndReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TurnEndReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TURN_END_REASON_UNSPECIFIED: _TurnEndReason.ValueType  # 0
+    TURN_END_REASON_SILENCE: _TurnEndReason.ValueType  # 1
+    """server_vad: silence_duration_ms of silence (semantic_vad: no score could be had)."""
+    TURN_END_REASON_SEMANTIC: _TurnEndReason.ValueType  # 2
+    """semantic_vad: the scorer judged the user finished."""
+    TURN_END_REASON_MAX_WAIT: _TurnEndReason.ValueType  # 3
+    """semantic_vad: the eagerness's longest wait passed, whatever the score."""
+
+class TurnEndReason(_TurnEndReason, metaclass=_TurnEndReasonEnumTypeWrapper):
+    """Why a turn ended (input_audio_buffer_speech_stopped)."""
+
+TURN_END_REASON_UNSPECIFIED: TurnEndReason.ValueType  # 0
+TURN_END_REASON_SILENCE: TurnEndReason.ValueType  # 1
+"""server_vad: silence_duration_ms of silence (semantic_vad: no score could be had)."""
+TURN_END_REASON_SEMANTIC: TurnEndReason.ValueType  # 2
+"""semantic_vad: the scorer judged the user finished."""
+TURN_END_REASON_MAX_WAIT: TurnEndReason.ValueType  # 3
+"""semantic_vad: the eagerness's longest wait passed, whatever the score."""
+Global___TurnEndReason: _TypeAlias = TurnEndReason  # noqa: Y015
 
 class _ToolChoiceMode:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -108,6 +174,9 @@ class TurnDetection(_message.Message):
     CREATE_RESPONSE_FIELD_NUMBER: _builtins.int
     INTERRUPT_RESPONSE_FIELD_NUMBER: _builtins.int
     IDLE_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    EAGERNESS_FIELD_NUMBER: _builtins.int
+    CANDIDATE_MS_FIELD_NUMBER: _builtins.int
+    MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
     type: Global___TurnDetectionType.ValueType
     threshold: _builtins.float
     """Speech probability that starts speech (0.05..0.95, default 0.5)."""
@@ -125,6 +194,14 @@ class TurnDetection(_message.Message):
     commits an empty turn and (with create_response) responds. 5000..30000 ms; unset: off,
     and 0 in session_update turns it off. Not idle_timeout_s, which closes the session.
     """
+    eagerness: Global___Eagerness.ValueType
+    """semantic_vad only (default auto)."""
+    candidate_ms: _builtins.int
+    """semantic_vad: silence before the first score, 200..2000 ms (default 200)."""
+    max_wait_ms: _builtins.int
+    """semantic_vad: silence after which the turn ends whatever the score, 500..30000 ms
+    (default by eagerness: low 8000, medium 4000, high 2000).
+    """
     def __init__(
         self,
         *,
@@ -135,17 +212,26 @@ class TurnDetection(_message.Message):
         create_response: _builtins.bool | None = ...,
         interrupt_response: _builtins.bool | None = ...,
         idle_timeout_ms: _builtins.int | None = ...,
+        eagerness: Global___Eagerness.ValueType | None = ...,
+        candidate_ms: _builtins.int | None = ...,
+        max_wait_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_create_response", b"_create_response", "_idle_timeout_ms", b"_idle_timeout_ms", "_interrupt_response", b"_interrupt_response", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "create_response", b"create_response", "idle_timeout_ms", b"idle_timeout_ms", "interrupt_response", b"interrupt_response", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_candidate_ms", b"_candidate_ms", "_create_response", b"_create_response", "_eagerness", b"_eagerness", "_idle_timeout_ms", b"_idle_timeout_ms", "_interrupt_response", b"_interrupt_response", "_max_wait_ms", b"_max_wait_ms", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "candidate_ms", b"candidate_ms", "create_response", b"create_response", "eagerness", b"eagerness", "idle_timeout_ms", b"idle_timeout_ms", "interrupt_response", b"interrupt_response", "max_wait_ms", b"max_wait_ms", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_create_response", b"_create_response", "_idle_timeout_ms", b"_idle_timeout_ms", "_interrupt_response", b"_interrupt_response", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "create_response", b"create_response", "idle_timeout_ms", b"idle_timeout_ms", "interrupt_response", b"interrupt_response", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_candidate_ms", b"_candidate_ms", "_create_response", b"_create_response", "_eagerness", b"_eagerness", "_idle_timeout_ms", b"_idle_timeout_ms", "_interrupt_response", b"_interrupt_response", "_max_wait_ms", b"_max_wait_ms", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "candidate_ms", b"candidate_ms", "create_response", b"create_response", "eagerness", b"eagerness", "idle_timeout_ms", b"idle_timeout_ms", "interrupt_response", b"interrupt_response", "max_wait_ms", b"max_wait_ms", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__candidate_ms: _TypeAlias = _typing.Literal["candidate_ms"]  # noqa: Y015
+    _WhichOneofArgType__candidate_ms: _TypeAlias = _typing.Literal["_candidate_ms", b"_candidate_ms"]  # noqa: Y015
     _WhichOneofReturnType__create_response: _TypeAlias = _typing.Literal["create_response"]  # noqa: Y015
     _WhichOneofArgType__create_response: _TypeAlias = _typing.Literal["_create_response", b"_create_response"]  # noqa: Y015
+    _WhichOneofReturnType__eagerness: _TypeAlias = _typing.Literal["eagerness"]  # noqa: Y015
+    _WhichOneofArgType__eagerness: _TypeAlias = _typing.Literal["_eagerness", b"_eagerness"]  # noqa: Y015
     _WhichOneofReturnType__idle_timeout_ms: _TypeAlias = _typing.Literal["idle_timeout_ms"]  # noqa: Y015
     _WhichOneofArgType__idle_timeout_ms: _TypeAlias = _typing.Literal["_idle_timeout_ms", b"_idle_timeout_ms"]  # noqa: Y015
     _WhichOneofReturnType__interrupt_response: _TypeAlias = _typing.Literal["interrupt_response"]  # noqa: Y015
     _WhichOneofArgType__interrupt_response: _TypeAlias = _typing.Literal["_interrupt_response", b"_interrupt_response"]  # noqa: Y015
+    _WhichOneofReturnType__max_wait_ms: _TypeAlias = _typing.Literal["max_wait_ms"]  # noqa: Y015
+    _WhichOneofArgType__max_wait_ms: _TypeAlias = _typing.Literal["_max_wait_ms", b"_max_wait_ms"]  # noqa: Y015
     _WhichOneofReturnType__prefix_padding_ms: _TypeAlias = _typing.Literal["prefix_padding_ms"]  # noqa: Y015
     _WhichOneofArgType__prefix_padding_ms: _TypeAlias = _typing.Literal["_prefix_padding_ms", b"_prefix_padding_ms"]  # noqa: Y015
     _WhichOneofReturnType__silence_duration_ms: _TypeAlias = _typing.Literal["silence_duration_ms"]  # noqa: Y015
@@ -153,11 +239,17 @@ class TurnDetection(_message.Message):
     _WhichOneofReturnType__threshold: _TypeAlias = _typing.Literal["threshold"]  # noqa: Y015
     _WhichOneofArgType__threshold: _TypeAlias = _typing.Literal["_threshold", b"_threshold"]  # noqa: Y015
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__candidate_ms) -> _WhichOneofReturnType__candidate_ms | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__create_response) -> _WhichOneofReturnType__create_response | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__eagerness) -> _WhichOneofReturnType__eagerness | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__idle_timeout_ms) -> _WhichOneofReturnType__idle_timeout_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__interrupt_response) -> _WhichOneofReturnType__interrupt_response | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_wait_ms) -> _WhichOneofReturnType__max_wait_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prefix_padding_ms) -> _WhichOneofReturnType__prefix_padding_ms | None: ...
     @_typing.overload
@@ -993,19 +1085,30 @@ class InputAudioBufferSpeechStoppedEvent(_message.Message):
 
     ITEM_ID_FIELD_NUMBER: _builtins.int
     AUDIO_END_MS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SCORE_FIELD_NUMBER: _builtins.int
     item_id: _builtins.str
     audio_end_ms: _builtins.int
+    reason: Global___TurnEndReason.ValueType
+    """rtmedia: why the turn ended, and (semantic) the end-of-turn score it ended on,
+    log10 of the probability that the user has finished.
+    """
+    score: _builtins.float
     def __init__(
         self,
         *,
         item_id: _builtins.str = ...,
         audio_end_ms: _builtins.int = ...,
+        reason: Global___TurnEndReason.ValueType = ...,
+        score: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_score", b"_score", "score", b"score"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_end_ms", b"audio_end_ms", "item_id", b"item_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_score", b"_score", "audio_end_ms", b"audio_end_ms", "item_id", b"item_id", "reason", b"reason", "score", b"score"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__score: _TypeAlias = _typing.Literal["score"]  # noqa: Y015
+    _WhichOneofArgType__score: _TypeAlias = _typing.Literal["_score", b"_score"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__score) -> _WhichOneofReturnType__score | None: ...
 
 Global___InputAudioBufferSpeechStoppedEvent: _TypeAlias = InputAudioBufferSpeechStoppedEvent  # noqa: Y015
 
