@@ -49,7 +49,7 @@ from rtmedia.clients.loadtest_report import (
     summary_lines,
     write_plot,
 )
-from rtmedia.clients.loadtest_speech import Clip, load_clips, synthesized, wav_files
+from rtmedia.clients.loadtest_speech import Clip, load_clips, paused_clips, synthesized, wav_files
 from rtmedia.protocol.errors import error_reason
 from rtmedia.protocol.events import client_event
 from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc
@@ -143,8 +143,14 @@ def add_loadtest_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-ms", type=int, default=20, help="audio per append event, 10..1000 (default 20)")
     p.add_argument("--input-rate", type=int, default=None,
                    help="PCM16 input rate: 8000, 16000 (default), 24000; openai-ws: 24000 only (the default there)")
-    p.add_argument("--turn-detection", choices=["server_vad", "none"], default="server_vad",
-                   help="listen only: none streams audio with no turn detection (the frame-path benchmark)")
+    p.add_argument("--turn-detection", choices=["server_vad", "semantic_vad", "none"], default="server_vad",
+                   help="semantic_vad: a model decides at each pause whether the user has finished; none (listen "
+                        "only) streams audio with no turn detection (the frame-path benchmark)")
+    p.add_argument("--eagerness", choices=["low", "medium", "high", "auto"], default=None,
+                   help="semantic_vad: how readily a pause ends the turn (default auto = medium)")
+    p.add_argument("--paused-share", type=float, default=0.0,
+                   help="the share of utterances spoken with a 600-900 ms pause where the sentence is plainly "
+                        "unfinished (default 0); a turn that ends in such a pause counts as premature")
     p.add_argument("--barge-in-share", type=float, default=0.5,
                    help="barge-in: the share of replies interrupted (default 0.5)")
     p.add_argument("--audio", type=Path, default=None, metavar="DIR",
@@ -189,6 +195,10 @@ def check_args(args: argparse.Namespace) -> None:
         (not 0 <= args.barge_in_share <= 1, f"--barge-in-share must be 0..1, got {args.barge_in_share:g}"),
         (args.turn_detection == "none" and args.profile != "listen",
          "--turn-detection none is only for --profile listen"),
+        (args.eagerness is not None and args.turn_detection != "semantic_vad",
+         "--eagerness is for --turn-detection semantic_vad"),
+        (not 0 <= args.paused_share <= 1, f"--paused-share must be 0..1, got {args.paused_share:g}"),
+        (args.paused_share > 0 and args.audio is not None, "--paused-share speaks built-in sentences, not --audio"),
         (args.slo_p95_ms <= 0, f"--slo-p95-ms must be positive, got {args.slo_p95_ms:g}"),
         (args.reply_timeout <= 0, f"--reply-timeout must be positive, got {args.reply_timeout:g}"),
         (args.connect_timeout <= 0, f"--connect-timeout must be positive, got {args.connect_timeout:g}"),
@@ -207,7 +217,9 @@ def check_args(args: argparse.Namespace) -> None:
 
 def session_config(profile: str, args: argparse.Namespace) -> dict[str, Any]:
     turn: dict[str, Any] = {"type": args.turn_detection}
-    if profile in ("listen", "transcribe") and args.turn_detection == "server_vad":
+    if args.turn_detection == "semantic_vad":
+        turn["eagerness"] = args.eagerness
+    if profile in ("listen", "transcribe") and args.turn_detection != "none":
         turn["create_response"] = False
     config: dict[str, Any] = {"input_audio_format": {"sample_rate": input_rate(args)},
                               "input_audio_transcription": {"enabled": profile != "listen"},
@@ -224,6 +236,8 @@ class Utterance:
     start_ms: float  # first and last voiced sample, in the session's input audio
     end_ms: float
     vad_seen: bool = False
+    resumes_ms: float | None = None  # a paused sentence: where the voice resumes after the pause
+    premature: bool = False  # a turn ended in its pause
 
 
 @dataclass
@@ -398,11 +412,16 @@ class Person:
             due = [t for t in (self.next_speech, self.barge_at) if t is not None]
             if not (may_start and due and now >= min(due)):
                 return self.run.silence
-            clip = self.current = self.run.clips[self.rng.randrange(len(self.run.clips))]
+            pool = self.run.plain
+            if self.run.paused and self.rng.random() < self.run.args.paused_share:
+                pool = self.run.paused
+            clip = self.current = pool[self.rng.randrange(len(pool))]
             self.pos, self.next_speech, self.barge_at = 0, None, None
             base = n * self.run.chunk_ms
-            self.utterances.append(Utterance(base + clip.voice_start_ms, base + clip.voice_end_ms))
+            resumes = None if clip.pause_ms is None else base + clip.pause_ms[1]
+            self.utterances.append(Utterance(base + clip.voice_start_ms, base + clip.voice_end_ms, resumes_ms=resumes))
             self.stats.turns += 1
+            self.stats.paused_turns += resumes is not None
         msg = self.current.chunks[self.pos]
         self.pos += 1
         if self.pos == len(self.current.chunks):
@@ -493,6 +512,11 @@ class Person:
                 self.stats.record("vad_start_ms", now - sent, now)
 
     def on_speech_stopped(self, item_id: str, audio_end_ms: float, now: float) -> None:
+        paused = self.utterance_at(audio_end_ms)
+        if paused is not None and paused.resumes_ms is not None and audio_end_ms < paused.resumes_ms \
+                and not paused.premature:
+            paused.premature = True  # the turn ended while the user paused mid-sentence
+            self.stats.premature_turn_ends += 1
         decision_ms = audio_end_ms + self.silence_ms
         utterance = self.utterance_at(decision_ms)
         voiced_t = None
@@ -606,6 +630,8 @@ class Run:
     def __post_init__(self) -> None:
         self.chunk_ms = self.args.chunk_ms
         self.stats = Stats(time.perf_counter())
+        self.plain = [c for c in self.clips if c.pause_ms is None]  # (--paused-share picks the others)
+        self.paused = [c for c in self.clips if c.pause_ms is not None]
         silence = bytes(2 * input_rate(self.args) * self.chunk_ms // 1000)
         profiles = [p for p in PROFILES if p != "mixed"]
         if self.args.transport == "openai-ws":
@@ -818,6 +844,8 @@ def cmd_loadtest(args: argparse.Namespace) -> None:
     credentials = from_args(args)
     paths = wav_files(args.audio) if args.audio else synthesized()
     clips = load_clips(paths, input_rate(args), args.chunk_ms)
+    if args.paused_share:
+        clips += paused_clips(input_rate(args), args.chunk_ms, args.seed)
     if args.transport == "openai-ws":
         from rtmedia.clients.loadtest_openai import socket_clips
 

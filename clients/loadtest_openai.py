@@ -98,8 +98,10 @@ def api_session(profile: str, args: argparse.Namespace) -> dict[str, Any]:
     """The API's session object (session.update's `session`) for a profile: what
     rtmedia.clients.loadtest.session_config asks of a Converse session, in the API's terms."""
     turn: dict[str, Any] | None = None
-    if args.turn_detection == "server_vad":
-        turn = {"type": "server_vad"}
+    if args.turn_detection != "none":
+        turn = {"type": args.turn_detection}
+        if args.turn_detection == "semantic_vad":
+            turn["eagerness"] = args.eagerness or "auto"
         if profile in ("listen", "transcribe"):
             turn["create_response"] = False
     pcm = {"type": "audio/pcm", "rate": API_INPUT_RATE}

@@ -44,6 +44,8 @@ class Stats:
     rejected: int = 0
     active: int = 0
     turns: int = 0
+    paused_turns: int = 0  # utterances spoken with a pause mid-sentence (--paused-share)
+    premature_turn_ends: int = 0  # of them, those whose turn ended in the pause
     responses: int = 0
     chunks: int = 0  # append events sent
     late_chunks: int = 0  # chunks the load generator sent more than one chunk late
@@ -87,6 +89,8 @@ def build_report(stats: Stats, settings: dict[str, Any], wall_s: float, cpu_s: f
         "sessions_completed": stats.completed,
         "sessions_rejected": stats.rejected,
         "turns": stats.turns,
+        "paused_turns": stats.paused_turns,
+        "premature_turn_ends": stats.premature_turn_ends,
         "responses": stats.responses,
         "chunks_sent": stats.chunks,
         "errors": sum(stats.errors.values()),

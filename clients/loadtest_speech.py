@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import wave
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,31 @@ SENTENCES = [
     "What time does the pharmacy open in the morning?",
     "My sister is flying back from Lisbon next Thursday.",
 ]
+# Sentences paused where they are plainly unfinished, (first part, rest): --paused-share
+# speaks them with PAUSE_MS of silence between the parts (the voice stops and resumes).
+PAUSED_SENTENCES = [
+    ("can you tell me how long the", "drive to boston takes"),
+    ("i would like to book a table for", "four people tonight"),
+    ("please set a timer for", "ten minutes"),
+    ("what is the weather like in", "paris this weekend"),
+    ("i need a taxi to the", "airport tomorrow morning"),
+    ("turn off the lights in the", "kitchen please"),
+    ("remind me to call my", "mother tomorrow"),
+    ("how much does the", "blue one cost"),
+    ("what time does the", "pharmacy close"),
+    ("i want to cancel my", "order from last week"),
+    ("send a message to anna saying", "i will be late"),
+    ("where is the nearest", "train station"),
+    ("play some music by", "the beatles"),
+    ("how do i reset my", "password"),
+    ("tell me about the history of", "the roman empire"),
+    ("what is the capital of", "australia"),
+    ("how tall is the", "eiffel tower"),
+    ("my flight leaves at", "seven in the morning"),
+    ("i think i would like to order a", "large pizza"),
+    ("can you help me find a", "good restaurant nearby"),
+]
+PAUSE_MS = (600, 900)
 VOICED = 0.005 * 32768  # a sample is voiced above this amplitude (about -46 dBFS)
 
 
@@ -40,6 +66,8 @@ class Clip:
     chunks: list[Any]
     voice_start_ms: float
     voice_end_ms: float
+    # A sentence paused mid-way: where its first part's voice ends and the rest's starts.
+    pause_ms: tuple[float, float] | None = None
 
 
 def cache_dir() -> Path:
@@ -86,22 +114,45 @@ def wav_files(folder: Path) -> list[Path]:
     return paths
 
 
+def _samples(path: Path, rate: int) -> tuple[np.ndarray, np.ndarray]:
+    """A WAV file's samples at `rate`, and the indices of its voiced ones."""
+    try:
+        audio = read_wav(path)
+    except (wave.Error, EOFError, ValueError) as exc:
+        raise CliError(f"{path}: not a 16-bit PCM WAV file ({exc})") from None
+    samples = audio.at_rate(rate).samples
+    voiced = np.flatnonzero(np.abs(samples.astype(np.int32)) > VOICED)
+    if not voiced.size:
+        raise CliError(f"{path}: no speech in it (all samples below -46 dBFS)")
+    return samples, voiced
+
+
+def _clip(name: str, samples: np.ndarray, voiced: np.ndarray, rate: int, chunk_ms: int,
+          pause_ms: tuple[float, float] | None = None) -> Clip:
+    step = rate * chunk_ms // 1000
+    padded = np.zeros(-(-len(samples) // step) * step, np.int16)
+    padded[:len(samples)] = samples
+    chunks = [client_event("input_audio_buffer.append", audio=padded[i:i + step].tobytes())
+              for i in range(0, len(padded), step)]
+    return Clip(name, chunks, voiced[0] * 1000 / rate, (voiced[-1] + 1) * 1000 / rate, pause_ms)
+
+
 def load_clips(paths: list[Path], rate: int, chunk_ms: int) -> list[Clip]:
     """Each file as one utterance at `rate`, cut into `chunk_ms` append events."""
-    step = rate * chunk_ms // 1000
+    return [_clip(path.name, *_samples(path, rate), rate, chunk_ms) for path in paths]
+
+
+def paused_clips(rate: int, chunk_ms: int, seed: int) -> list[Clip]:
+    """PAUSED_SENTENCES spoken with 600-900 ms (seeded) between the first part's voice and the rest's."""
+    paths = synthesized([part for pair in PAUSED_SENTENCES for part in pair])
+    rng = random.Random(seed)
     clips = []
-    for path in paths:
-        try:
-            audio = read_wav(path)
-        except (wave.Error, EOFError, ValueError) as exc:
-            raise CliError(f"{path}: not a 16-bit PCM WAV file ({exc})") from None
-        samples = audio.at_rate(rate).samples
-        voiced = np.flatnonzero(np.abs(samples.astype(np.int32)) > VOICED)
-        if not voiced.size:
-            raise CliError(f"{path}: no speech in it (all samples below -46 dBFS)")
-        padded = np.zeros(-(-len(samples) // step) * step, np.int16)
-        padded[:len(samples)] = samples
-        chunks = [client_event("input_audio_buffer.append", audio=padded[i:i + step].tobytes())
-                  for i in range(0, len(padded), step)]
-        clips.append(Clip(path.name, chunks, voiced[0] * 1000 / rate, (voiced[-1] + 1) * 1000 / rate))
+    for first, rest in zip(paths[::2], paths[1::2], strict=True):
+        (a, va), (b, vb) = _samples(first, rate), _samples(rest, rate)
+        gap = int(rng.uniform(*PAUSE_MS) * rate / 1000)
+        a, b = a[:va[-1] + 1], b[vb[0]:]  # the first part up to its last voiced sample, the rest from its first
+        samples = np.concatenate([a, np.zeros(gap, np.int16), b])
+        voiced = np.concatenate([va, len(a) + gap + vb - vb[0]])
+        clips.append(_clip(f"{first.stem}+{rest.stem}", samples, voiced, rate, chunk_ms,
+                           (len(a) * 1000 / rate, (len(a) + gap) * 1000 / rate)))
     return clips

@@ -99,6 +99,9 @@ def test_capacity_search_finds_the_break(true_capacity):
     (["--turn-detection", "none", "--profile", "talk"], "only for --profile listen"),
     (["--sessions", "500", "--ramp-per-s", "10", "--duration", "30"], "takes 49.9 s"),
     (["--find-capacity", "--sessions", "50", "--capacity-limit", "20"], "below --sessions"),
+    (["--eagerness", "high"], "--eagerness is for --turn-detection semantic_vad"),
+    (["--paused-share", "2"], "--paused-share must be 0..1"),
+    (["--paused-share", "0.5", "--audio", "."], "--paused-share speaks built-in sentences"),
 ])
 def test_impossible_parameters(argv, message):
     with pytest.raises(CliError, match=re.escape(message)):
@@ -116,6 +119,21 @@ def test_session_configs():
     assert session_config("llm", args)["responder"] == "llm"
     none = parse("--profile", "listen", "--turn-detection", "none")
     assert session_config("listen", none)["turn_detection"] == {"type": "none"}
+    semantic = parse("--turn-detection", "semantic_vad", "--eagerness", "high")
+    assert session_config("talk", semantic)["turn_detection"] == {"type": "semantic_vad", "eagerness": "high"}
+
+
+def test_paused_clips_pause_600_to_900_ms_where_the_sentence_is_unfinished():
+    from rtmedia.clients.loadtest_speech import PAUSED_SENTENCES, paused_clips
+
+    clips = paused_clips(16000, 20, seed=3)
+    assert len(clips) == len(PAUSED_SENTENCES) >= 20
+    for clip in clips:
+        start, end = clip.pause_ms
+        assert 600 <= end - start <= 900 and clip.voice_start_ms < start < end < clip.voice_end_ms
+        pcm = np.frombuffer(b"".join(c.input_audio_buffer_append.audio for c in clip.chunks), np.int16)
+        assert not pcm[int(start * 16) + 1:int(end * 16) - 1].any()  # silence between the parts
+    assert [c.pause_ms for c in paused_clips(16000, 20, seed=3)] == [c.pause_ms for c in clips]
 
 
 def test_clips_from_a_directory(tmp_path):
