@@ -263,10 +263,7 @@ class LmLane:
                     self._finish(generation, exc)
                     continue
                 except Exception as exc:
-                    log.exception("lane %s: prefill failed", self.name)
-                    self.health.step_done(False)
-                    self._metrics.lane_step_failures.labels(self.name).inc()
-                    self._finish(generation, step_failed(self.name, exc, "prefill"))
+                    self._finish(generation, self._failed(exc, "prefill", 1))
                     continue
                 self.health.step_done(True)
                 generation.cached += new
@@ -285,10 +282,7 @@ class LmLane:
                     for generation in decoding:
                         self._finish(generation, exc)
                 except Exception as exc:
-                    log.exception("lane %s: decode step failed (%d generations)", self.name, len(decoding))
-                    self.health.step_done(False)
-                    self._metrics.lane_step_failures.labels(self.name).inc()
-                    fault = step_failed(self.name, exc, "decode step")
+                    fault = self._failed(exc, "decode step", len(decoding))
                     for generation in decoding:
                         self._finish(generation, fault)
                 else:
@@ -336,10 +330,7 @@ class LmLane:
         except Exception as exc:
             self._scoring = []
             if not isinstance(exc, StepDeadlineExceeded):
-                log.exception("lane %s: score step failed (%d scores)", self.name, len(batch))
-                self.health.step_done(False)
-                self._metrics.lane_step_failures.labels(self.name).inc()
-                exc = step_failed(self.name, exc, "score step")
+                exc = self._failed(exc, "score step", len(batch))
             for generation in batch:
                 self._finish(generation, exc)
                 if not generation.scored.done():  # type: ignore[union-attr]
@@ -355,6 +346,13 @@ class LmLane:
             self._finish(generation)  # the slot is kept for the key
             if not generation.scored.done():  # type: ignore[union-attr]
                 generation.scored.set_result(results[slot])  # type: ignore[union-attr,index]
+
+    def _failed(self, exc: Exception, what: str, items: int) -> Exception:
+        """A step raised: logged and counted; the StepFailed its items fail with."""
+        log.exception("lane %s: %s failed (%d items)", self.name, what, items)
+        self.health.step_done(False)
+        self._metrics.lane_step_failures.labels(self.name).inc()
+        return step_failed(self.name, exc, what)
 
     async def _timed(self, what: str, fn: Any, *args: Any) -> Any:
         """`fn(*args)` in the lane's thread, within the step deadline."""
