@@ -375,16 +375,16 @@ class Talk:
                     await self.write("playback.ack", response_id=reply.response_id, played_ms=played)
 
     # ---- turn bookkeeping ---------------------------------------------------------------------
-    def decision_delay_ms(self, ev: Any) -> int:
-        """How long after the end of speech the server decided the turn was over (at most)."""
+    def decision_ms(self, ev: Any) -> float:
+        """Where in the input the server decided the turn was over: the silence it waits after the
+        speech (silence_duration_ms, max_wait_ms), or for a semantic end, at most the audio sent
+        by the time speech_stopped came."""
         turn = self.config.turn_detection if self.config else None
-        if turn is None:
-            return 500
-        if ev.reason == realtime_pb2.TURN_END_REASON_SEMANTIC:
-            return max(turn.candidate_ms, 600)  # the latest a first or second score ends it
-        if ev.reason == realtime_pb2.TURN_END_REASON_MAX_WAIT:
-            return turn.max_wait_ms
-        return turn.silence_duration_ms
+        if ev.reason == realtime_pb2.TURN_END_REASON_SEMANTIC and self.sent_t:
+            return self.audio.starts_ms[len(self.sent_t) - 1] + self.audio.chunk_ms
+        if turn is not None and ev.reason == realtime_pb2.TURN_END_REASON_MAX_WAIT:
+            return ev.audio_end_ms + turn.max_wait_ms
+        return ev.audio_end_ms + (turn.silence_duration_ms if turn is not None else 500)
 
     def last_voiced_t(self, from_ms: float, to_ms: float) -> float | None:
         """Send time of the last voiced chunk starting in [from_ms, to_ms)."""
@@ -428,7 +428,7 @@ class Talk:
             self.last_started, self.open_turn = (now, ev.audio_start_ms), True
         elif name == "input_audio_buffer.speech_stopped":
             self.open_turn = False
-            decision_ms = ev.audio_end_ms + self.decision_delay_ms(ev)
+            decision_ms = self.decision_ms(ev)
             if self.args.mode == "semantic_vad":
                 reason = realtime_pb2.TurnEndReason.Name(ev.reason).removeprefix("TURN_END_REASON_").lower()
                 score = f" (score {ev.score:.2f})" if ev.HasField("score") else ""

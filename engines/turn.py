@@ -22,7 +22,6 @@ are already a probability. It is optional and off by default.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +112,6 @@ class AcousticTurnModel:
         self.threads = threads
         self._session: Any = None
         self._features: Any = None
-        self._lock = threading.Lock()
 
     def load(self) -> None:
         if self._session is not None:
@@ -154,6 +152,5 @@ class AcousticTurnModel:
     def score(self, audio: np.ndarray) -> float:
         """P(complete) of the turn whose 16 kHz float audio ends with `audio`."""
         self.load()
-        with self._lock:
-            out = self._session.run(None, {"input_features": self.features(audio)})[0]
+        out = self._session.run(None, {"input_features": self.features(audio)})[0]
         return float(np.asarray(out).reshape(-1)[0])

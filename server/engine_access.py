@@ -236,8 +236,7 @@ class Turns:
 
     async def score(self, responder: str, key: Hashable, assistant: str, words: str) -> float | None:
         """log10 P(the user has finished) after `words`; None when the LM had no slot for it. The
-        prompt is built here, on the loop: a short template and a few words take a fraction of a
-        millisecond, less than a hop to a thread under load (BENCHMARKS.md, semantic_vad)."""
+        prompt is built here, on the loop: a short template and a few words take about 0.2 ms."""
         lane, prompt = self._lane(responder)
         return await lane.score(key, prompt.ids(assistant, words), prompt.score)
 

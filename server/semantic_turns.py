@@ -18,9 +18,10 @@ longest wait (8 / 4 / 2 s for low / medium / high) the turn ends whatever the sc
 - With the acoustic scorer loaded (`--turn-audio-model`), a turn ends early only when it
   also hears the end: P(complete) of the turn's last 8 s at least AUDIO_THRESHOLD.
 
-THRESHOLDS come from the scores of the transcript set in tests/support/turn_texts.py
-(BENCHMARKS.md, semantic_vad): finished sentences from -1.8 to 0, unfinished ones
-from -6.7 to -1.6, most below -3.
+THRESHOLDS come from the measured scores (BENCHMARKS.md, semantic_vad): on the recogniser's
+transcripts finished requests scored -2.0..-0.1, first parts of paused ones -5.8..-0.3, most
+below -3; tests/unit/test_turn_scorer.py holds medium's first threshold between the finished
+and unfinished transcripts of tests/support/turn_texts.py.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class SemanticTurns:
         self._thresholds = thresholds
         self._assistant = ""
         self._scores: dict[str, Any] = {}  # words -> the task scoring them (this turn's)
+        self._holds_slot = False  # a score was asked for since the scorer's slot was given back
         self._audio: list[bytes] = []  # the turn's 16 kHz PCM16, for the acoustic scorer
         self._audio_bytes = 0
 
@@ -92,9 +94,11 @@ class SemanticTurns:
             self._audio_bytes -= len(self._audio.pop(0))
 
     def ended(self) -> None:
-        """The turn ended: the scorer's slot is given back for the reply."""
+        """The turn ended: the scorer's slot, if it took one, is given back for the reply."""
         self._scores = {}
-        self._turns.forget(self.key)
+        if self._holds_slot:
+            self._holds_slot = False
+            self._turns.forget(self.key)
 
     def paused(self, turn: Turn) -> None:
         if self._turns.available and self._settings().transcription:
@@ -133,6 +137,7 @@ class SemanticTurns:
         """The words' score; None when there is none to be had (no slot, or the LM lane's step
         failed: the pause then ends as server_vad's would)."""
         started = time.perf_counter()
+        self._holds_slot = True
         try:
             score = await self._turns.score(responder, self.key, self._assistant, words)
         except EngineError as exc:
