@@ -37,6 +37,7 @@ CHUNK_MS = 20
 TURN_TIMEOUT_S = 60.0  # a turn whose response has not finished by then counts as failed
 SENTENCE = "What time does the library open on Sunday morning?"
 TRAILING_SILENCE_S = 1.0
+MAX_BEHIND_S = 0.2  # the microphone this far behind its clock: it was stalled, not slow
 
 
 @dataclass
@@ -48,12 +49,19 @@ class TurnResult:
 
 @dataclass
 class Talker:
+    """In-process, the talker shares the event loop with whatever else runs on it; a test
+    framework may hold the loop still for seconds (Hypothesis draws its cases between two runs of
+    the loop). The server stood still as well then, so the microphone does not send the audio of
+    that time in one burst (which the server would rightly discard as `input_backpressure`): it
+    goes on at real-time pace and records the stall in `stalls`."""
+
     channel: grpc.aio.Channel
     metadata: tuple[tuple[str, str], ...] = ()
     pcm: bytes = field(default=b"", repr=False)
     turns: list[TurnResult] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     ended: str = ""  # how the stream ended, once it has
+    stalls: list[float] = field(default_factory=list)  # seconds the microphone's clock stood still
 
     def __post_init__(self) -> None:
         if not self.pcm:
@@ -81,6 +89,10 @@ class Talker:
             del self._say[:step]
             self._queue.put_nowait(client_event("input_audio_buffer.append", audio=chunk.ljust(step, b"\0")))
             n += 1
+            behind = time.perf_counter() - (started + n * CHUNK_MS / 1000)
+            if behind > MAX_BEHIND_S:  # the loop did not run (see the class): go on at real-time pace
+                self.stalls.append(behind)
+                started += behind
             await asyncio.sleep(max(0.0, started + n * CHUNK_MS / 1000 - time.perf_counter()))
 
     async def _read(self, call: Any) -> None:
