@@ -26,9 +26,10 @@ $(STAMP): pyproject.toml package.json package-lock.json
 	# for the same reason: only the file is used, the package is never imported.
 	$(BIN)/python -m pip install -q --no-deps pipecat-ai==1.14.0
 	npm ci --no-audit --no-fund --loglevel=error
-	# The browser tests drive Debian's chromium (Playwright uses it; no browser download).
-	test -x /usr/bin/chromium || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; }
+	# The browser tests drive Debian's chromium (Playwright uses it; no browser download); the
+	# proxy test puts Debian's haproxy in front of two replicas.
+	{ test -x /usr/bin/chromium && test -x /usr/sbin/haproxy; } || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium haproxy; }
 	touch $(STAMP)
 
 serve: setup

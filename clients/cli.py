@@ -56,6 +56,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     common(p)
     p.set_defaults(func=cmd_transcribe)
 
+    p = sub.add_parser("health", help="ask the server's grpc.health.v1: exit 0 when SERVING, 1 otherwise",
+                       description="Check the server (or one of its services) through grpc.health.v1, as a "
+                                   "container HEALTHCHECK or a script does: prints the status, exits 0 when "
+                                   "SERVING and 1 otherwise (NOT_SERVING, unknown service, unreachable).")
+    p.add_argument("--service", default="", help="a service name, e.g. rtmedia.v1.RealtimeService (default: the "
+                                                 "whole server)")
+    common(p)
+    p.set_defaults(func=cmd_health, timeout=5.0)
+
     from rtmedia.clients.loadtest import add_loadtest_parser  # imported here: both import this module
     from rtmedia.clients.talk import add_talk_parser
 
@@ -97,6 +106,23 @@ def cmd_voices(args: argparse.Namespace) -> None:
     for v in reply.voices:
         rates = ", ".join(map(str, v.supported_sample_rates))
         print(f"{v.name}  {v.language}  native {v.native_sample_rate} Hz  rates: {rates}")
+
+
+def cmd_health(args: argparse.Namespace) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with from_args(args).channel(args.target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                             timeout=args.timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise CliError(f"the server has no service {args.service!r}") from None
+            raise
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(json.dumps({"service": args.service, "status": status}) if args.json else status)
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        raise SystemExit(1)
 
 
 def cmd_synth(args: argparse.Namespace) -> None:

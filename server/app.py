@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -22,7 +23,6 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_tts_pb2, riva_tts_pb2_grpc
 from rtmedia.engines.asr import AsrEngine
 from rtmedia.engines.openai_chat import OpenAIResponder
@@ -36,6 +36,7 @@ from rtmedia.server.config import ServerConfig
 from rtmedia.server.engine_access import ASR, ASR_FINAL, TTS, TURN_AUDIO, VAD, VIDEO, EngineAccess
 from rtmedia.server.interceptors import ServerInterceptor
 from rtmedia.server.metrics import Metrics
+from rtmedia.server.metrics_http import start_metrics_http
 from rtmedia.server.placement import build_lm_engines, build_video_engine, placement
 from rtmedia.server.realtime_service import RealtimeService
 from rtmedia.server.responders import build_responders
@@ -48,6 +49,8 @@ from rtmedia.server.speech_service import SpeechService
 from rtmedia.server.tls import ServerTls
 from rtmedia.server.video_service import VideoService
 from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc, speech_pb2, speech_pb2_grpc, video_pb2, video_pb2_grpc
+
+LIVE_WITHIN_S = 10.0  # /livez: the loop beat within this long
 
 log = logging.getLogger("rtmedia.server")
 
@@ -142,7 +145,9 @@ class RtmediaServer:
             raise ValueError("turn_detection semantic_vad needs an LM to score the user's words: drop --no-llm "
                              "or give --transformers-model")
         self.realtime = RealtimeService(self.access, max_sessions=config.max_sessions,
-                                        lm_slots=config.lm_slots,
+                                        lm_slots=config.lm_slots, capacity=config.capacity_sessions,
+                                        refuse_at_capacity=config.refuse_at_capacity,
+                                        replica=config.replica_name or socket.gethostname(),
                                         defaults=SessionSettings(responder=config.default_responder,
                                                                  turn_type=config.turn_detection,
                                                                  eagerness=config.turn_eagerness),
@@ -178,20 +183,37 @@ class RtmediaServer:
         self.lanes_needed[""] = set().union(*(self.lanes_needed[name] for name in self.services))
         scheduler.on_health(self._lanes_changed)
         self.health = health.aio.HealthServicer()
-        self.state = "starting"
+        self.state = "starting"  # then serving; on SIGTERM leaving (drain_delay_s), draining, stopped
+        self.ready = False  # health says SERVING for the whole server (read by the metrics port's thread)
+        self._beat = time.monotonic()  # the loop's heartbeat, for /livez
+        self._heart: asyncio.Task[None] | None = None
         self.port = 0
         self._server: grpc.aio.Server | None = None
 
     def refusal(self) -> tuple[str, str] | None:
-        if self.state == "serving":
+        if self.state in ("serving", "leaving"):
             return None
         if self.state == "starting":
             return "WARMING_UP", "the server is loading its engines; retry shortly"
         return "DRAINING", "the server is shutting down; connect to another replica"
 
     async def _set_health(self, status: int) -> None:
+        self.ready = status == health_pb2.HealthCheckResponse.SERVING
         for name in ["", *self.services]:
             await self.health.set(name, status)
+
+    def http_status(self) -> dict[str, Any]:
+        """What the metrics port's /readyz and /livez answer (called from its threads): ready as
+        health says for the whole server; live while the event loop keeps beating."""
+        state = self.state if self.state != "serving" or self.ready else "unhealthy"
+        return {"status": "draining" if state == "leaving" else state, "ready": self.ready,
+                "live": time.monotonic() - self._beat < LIVE_WITHIN_S,
+                "sessions": len(self.realtime.sessions), "capacity": self.realtime.capacity}
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self._beat = time.monotonic()
+            await asyncio.sleep(1.0)
 
     def health_of(self, name: str) -> int:
         """What health says for `name` ("" or a service) now: SERVING only while serving and every
@@ -201,6 +223,7 @@ class RtmediaServer:
         return health_pb2.HealthCheckResponse.SERVING
 
     async def _publish_health(self) -> None:
+        self.ready = self.health_of("") == health_pb2.HealthCheckResponse.SERVING
         for name in ["", *self.services]:
             await self.health.set(name, self.health_of(name))
 
@@ -224,6 +247,7 @@ class RtmediaServer:
     async def start(self, private: bool = False) -> int:
         """`private`: also listen on a unix socket in a directory only this user can enter (its
         target in `private_target`), for the web front running in this process."""
+        self._heart = asyncio.create_task(self._heartbeat(), name="server-heartbeat")
         server = grpc.aio.server(
             options=grpc_options(self.config),
             interceptors=[ServerInterceptor(self.metrics, self.refusal), self.auth],
@@ -273,18 +297,30 @@ class RtmediaServer:
         return self.port
 
     async def stop(self, grace: float | None = None) -> None:
-        """Drain: NOT_SERVING, refuse new calls, let active ones finish within the grace period."""
+        """Drain: NOT_SERVING, refuse new calls (after drain_delay_s, during which they are still
+        admitted), let active ones finish within the grace period, the delay included."""
         if self.state == "stopped":
             return
-        self.state = "draining"
         grace = self.config.grace_s if grace is None else grace
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         started = time.monotonic()
-        await self.realtime.drain(grace)
+        if self.state == "serving" and self.config.drain_delay_s and grace:
+            # Not ready at once, still admitting: a proxy polling readiness stops routing here
+            # before any session would be refused.
+            self.state = "leaving"
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            log.info("not ready; admitting sessions for the drain delay",
+                     extra={"drain_delay_s": self.config.drain_delay_s})
+            await asyncio.sleep(min(self.config.drain_delay_s, grace))
+        self.state = "draining"
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = started + grace  # the delay counts against the grace period
+        await self.realtime.drain(max(0.0, deadline - time.monotonic()))
         if self._server is not None:  # other calls get what is left of the grace period
-            await self._server.stop(max(1.0, grace - (time.monotonic() - started)))
+            await self._server.stop(max(1.0, deadline - time.monotonic()))
         await self.realtime.close()
         await self.scheduler.close()
+        if self._heart is not None:
+            self._heart.cancel()
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
         self.state = "stopped"
@@ -299,7 +335,7 @@ async def serve(config: ServerConfig,
     returns an object with `reload(tokens)`, `async drain(grace_s)` and `async stop()`."""
     server = RtmediaServer(config)
     if config.metrics_port:
-        start_http_server(config.metrics_port, addr=config.metrics_host, registry=server.metrics.registry)
+        start_metrics_http(config.metrics_host, config.metrics_port, server.metrics.registry, server.http_status)
         log.info("metrics", extra={"host": config.metrics_host, "port": config.metrics_port})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -27,6 +27,7 @@ rtmedia: a realtime media server over gRPC.
   rtmedia decode-video lat.npy -o a.mp4  chunked video decode of a latent, frames streamed as decoded
   rtmedia web                            the browser page and WebRTC bridge (http://127.0.0.1:8080/)
   rtmedia loadtest --sessions 50         many simulated sessions: latency percentiles, capacity
+  rtmedia health                         grpc.health.v1 check: exit 0 when SERVING
   rtmedia doctor                         self-check: engines, device, CUDA graphs, Triton kernels
 
 Every client command takes --target HOST:PORT and --json. Run `rtmedia COMMAND --help` for details.
@@ -57,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", dest="grace_s", type=float, default=None, help="drain grace period in seconds (30)")
     p.add_argument("--asr-workers", type=int, default=None, help="PocketSphinx worker processes (2)")
     p.add_argument("--max-sessions", type=int, default=None, help="concurrent Converse sessions (256)")
+    p.add_argument("--capacity-sessions", type=int, default=None, metavar="N",
+                   help="the sessions this replica is sized for (default: --max-sessions), exported as "
+                        "rtmedia_sessions_capacity; one more is refused (AT_CAPACITY) unless --admit-over-capacity")
+    p.add_argument("--admit-over-capacity", dest="refuse_at_capacity", action="store_false", default=None,
+                   help="admit sessions over --capacity-sessions (up to --max-sessions): capacity only as a metric")
+    p.add_argument("--drain-delay", dest="drain_delay_s", type=float, default=None, metavar="S",
+                   help="after SIGTERM, say not ready at once but admit new sessions for S more seconds, so a "
+                        "proxy polling readiness stops routing here first (0)")
+    p.add_argument("--replica-name", default=None, metavar="NAME",
+                   help="sent as rtmedia-replica metadata on each session (default: the host name)")
     p.add_argument("--vad-threads", type=int, default=None,
                    help="concurrent onnxruntime runs one VAD tick's batch is split over (2)")
     p.add_argument("--responder", dest="default_responder", default=None,

@@ -74,6 +74,19 @@ class ServerConfig:
     tool_apology: str = Limits().tool_apology
     # Concurrent Converse sessions; one more is refused with RESOURCE_EXHAUSTED.
     max_sessions: int = 256
+    # The sessions this replica is sized for (0: max_sessions), from the load tester's figures:
+    # exported as rtmedia_sessions_capacity, the denominator of an autoscaler's occupancy. With
+    # refuse_at_capacity, a session over it is refused (RESOURCE_EXHAUSTED, AT_CAPACITY) so the
+    # client opens it on a replica with room instead of degrading every session here.
+    capacity_sessions: int = 0
+    refuse_at_capacity: bool = True
+    # After SIGTERM, health and /readyz say not serving at once while new sessions are still
+    # admitted this long: a proxy that routes by polling readiness stops sending first, so none is
+    # refused (0 on Kubernetes, where a preStop hook does the same).
+    drain_delay_s: float = 0.0
+    # The name Converse sends as `rtmedia-replica` initial metadata (which replica a client got
+    # behind a proxy); empty: the host name (a pod's name on Kubernetes).
+    replica_name: str = ""
     # LM slots (a separate, smaller pool; sessions wait for one, never refused).
     lm_slots: int = 16
     # Tokens of KV cache per slot (prompt + reply).
@@ -206,6 +219,11 @@ class ServerConfig:
                     or not values[0] >= values[1] >= values[2]:
                 raise ValueError(f"semantic_thresholds: {eagerness}={values!r} must be low, medium or high with three "
                                  "thresholds in -12..0, none above the one before")
+        if not 0 <= self.capacity_sessions <= self.max_sessions:
+            raise ValueError(f"capacity_sessions must be within 0..max_sessions ({self.max_sessions}), got "
+                             f"{self.capacity_sessions}")
+        if not 0 <= self.drain_delay_s <= self.grace_s:
+            raise ValueError(f"drain_delay_s must be within 0..grace_s ({self.grace_s:g}), got {self.drain_delay_s:g}")
         if self.stream_window_bytes < 0:
             raise ValueError(f"stream_window_bytes must be at least 0, got {self.stream_window_bytes}")
         if self.tts_threads < 0:

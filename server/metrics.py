@@ -60,6 +60,9 @@ class Metrics:
             buckets=STEP_BUCKETS, registry=r,
         )
         self.sessions_active = Gauge("rtmedia_sessions_active", "Open Converse sessions", registry=r)
+        self.sessions_capacity = Gauge(
+            "rtmedia_sessions_capacity", "Converse sessions this replica is sized for (capacity_sessions): "
+            "occupancy is rtmedia_sessions_active / rtmedia_sessions_capacity", registry=r)
         self.transport_sessions = Gauge(
             "rtmedia_transport_sessions_active", "Open Converse sessions by the client's transport "
             "(metadata rtmedia-transport: grpc, webrtc, openai-ws, openai-webrtc, other)", ["transport"], registry=r,

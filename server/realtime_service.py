@@ -26,6 +26,8 @@ from rtmedia.server.session import Limits, Session, SessionContext
 from rtmedia.server.session_config import SessionSettings
 from rtmedia.v1 import realtime_pb2_grpc
 
+CLOSE_LINGER_S = 1.0  # after session.closed: how long the stream waits for the client's half-close
+
 log = logging.getLogger(__name__)
 HOUSEKEEPING_S = 1.0
 TRIM_EVERY = 10  # housekeeping rounds between two heap trims
@@ -67,9 +69,14 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
     idle timeout, max duration, disconnect and drain."""
 
     def __init__(self, access: EngineAccess, max_sessions: int = 256, lm_slots: int = 16,
-                 limits: Limits | None = None, defaults: SessionSettings | None = None) -> None:
+                 limits: Limits | None = None, defaults: SessionSettings | None = None,
+                 capacity: int = 0, refuse_at_capacity: bool = True, replica: str = "") -> None:
         self.metrics = access.metrics
         self.max_sessions = max_sessions
+        self.capacity = capacity or max_sessions
+        self.refuse_at_capacity = refuse_at_capacity and self.capacity < max_sessions
+        self.replica = replica  # sent as rtmedia-replica initial metadata
+        self.metrics.sessions_capacity.set(self.capacity)
         self.context = SessionContext(access, limits or Limits(), max_sessions, lm_slots)
         self.defaults = defaults or SessionSettings()
         self.sessions: dict[str, Session] = {}
@@ -82,6 +89,11 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
         self._housekeeper = asyncio.create_task(self._housekeeping(), name="realtime-housekeeping")
 
     async def Converse(self, request_iterator, context) -> None:
+        if self.refuse_at_capacity and len(self.sessions) >= self.capacity:
+            self.metrics.sessions_total.labels("rejected").inc()
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "AT_CAPACITY",
+                        f"this replica is at its capacity of {self.capacity} sessions; open the session on "
+                        "another replica or retry later")
         if len(self.sessions) >= self.max_sessions:
             self.metrics.sessions_total.labels("rejected").inc()
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "MAX_SESSIONS",
@@ -116,9 +128,15 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
         outcome = "completed"
         session.writer = asyncio.current_task()
         try:
+            if self.replica:
+                await context.send_initial_metadata((("rtmedia-replica", self.replica),))
             await context.write(session.created_event())
             while (event := await session.outbox.get(session.epoch)) is not None:
                 await context.write(event)
+            # session.closed is out: the stream ends once the client half-closes (or CLOSE_LINGER_S
+            # later). Ended while the client still sends, a proxy resets the request half, which
+            # may reach the client as CANCELLED instead of OK (HAProxy sends RST_STREAM CANCEL).
+            await asyncio.wait({reader}, timeout=CLOSE_LINGER_S)
         except asyncio.CancelledError:
             if not session.outbox.failed:
                 outcome = "cancelled"
@@ -153,11 +171,14 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
                                               "token": session.caller})
 
     async def _read(self, session: Session, request_iterator: Any) -> None:
-        """The reader: every client event goes to the session as it arrives."""
+        """The reader: every client event goes to the session as it arrives (a draining session
+        still hears the turn in flight). Once the session is closed, what the client had in flight
+        is read and dropped (session.closed said so) until it half-closes."""
         async for request in request_iterator:
-            session.handle(request)
-            if session.outbox.closed:  # a draining session still hears the turn in flight
-                return
+            if not session.outbox.closed:
+                session.handle(request)
+        if session.outbox.closed:
+            return
         # The client finished sending: let a response in flight complete, then close.
         response = session.response
         if response is not None and response.task is not None:
@@ -186,6 +207,7 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
             session.finish("server_shutdown")
         self.metrics.sessions_draining.set(len(self.sessions))
         if self.sessions:
+            self._all_closed.clear()  # set whenever the server emptied before
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._all_closed.wait(), grace_s)
         for session in list(self.sessions.values()):

@@ -13,9 +13,9 @@ from rtmedia.server.config import ServerConfig
 
 @pytest.fixture(scope="module")
 async def server(request):
-    options = {"max_sessions": 64, "llm": False, "default_responder": "echo",
+    options = {"max_sessions": 64, "llm": False, "default_responder": "echo", "grace_s": 1,
                **getattr(request.module, "SERVER_OPTIONS", {})}
-    srv = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1, **options))
+    srv = RtmediaServer(ServerConfig(port=0, metrics_port=0, **options))
     await srv.start()
     yield srv
     await srv.stop(0)
