@@ -348,7 +348,7 @@ class Person:
         except grpc.aio.AioRpcError as exc:
             reason = error_reason(exc)
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (not self.admitted or reason == "QUOTA"):
-                self.stats.rejected += 1  # at capacity (MAX_SESSIONS) or over the token's quota (QUOTA)
+                self.stats.rejected += 1  # at capacity (AT_CAPACITY, MAX_SESSIONS) or over the token's quota (QUOTA)
             elif exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # so would every other session be: stop
                 self.run.fail(refusal(exc, bool(token_of(self.run.args))) or "UNAUTHENTICATED")
             elif not self.cancelled:

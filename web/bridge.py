@@ -36,7 +36,7 @@ Toward the server: TLS (`server_tls`, `server_ca`), a client certificate (`serve
 `server_key`), and per call `authorization: Bearer TOKEN` metadata: the token the browser
 presented, else `server_token`. In plaintext a token goes only to a loopback or unix-socket
 target. The server's refusals become HTTP: UNAUTHENTICATED 401, QUOTA 429 with Retry-After,
-MAX_SESSIONS and DRAINING 503.
+MAX_SESSIONS, AT_CAPACITY and DRAINING 503.
 
 `reload()` (SIGHUP) re-reads the page's TLS certificate into the live SSL context and swaps the
 token table; `drain(grace_s)` (SIGTERM) refuses new offers with 503 while the peers live on

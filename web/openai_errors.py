@@ -69,7 +69,7 @@ def from_rpc(exc: grpc.aio.AioRpcError, params: dict[str, str] | None = None) ->
                            INVALID_REQUEST, None, "invalid_api_key")
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return OpenAIError(403, detail, INVALID_REQUEST, None, word)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and reason in ("QUOTA", "MAX_SESSIONS"):
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and reason in ("QUOTA", "MAX_SESSIONS", "AT_CAPACITY"):
         retry = error_metadata(exc).get("retry_after_s")
         headers = {"Retry-After": str(max(1, round(float(retry))))} if retry else {}
         return OpenAIError(429, detail, "requests", None, "rate_limit_exceeded", headers)
