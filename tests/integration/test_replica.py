@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import urllib.error
 import urllib.request
 
@@ -18,6 +19,7 @@ from rtmedia.server.config import ServerConfig
 from rtmedia.server.metrics_http import start_metrics_http
 
 from tests.support.converse import Conversation
+from tests.support.serve import RTMEDIA
 
 SERVER_OPTIONS = {"capacity_sessions": 2, "max_sessions": 4, "replica_name": "replica-a", "drain_delay_s": 1.5,
                   "grace_s": 10}
@@ -93,6 +95,20 @@ def test_capacity_settings_parse_and_are_checked():
         ServerConfig(capacity_sessions=300)
     with pytest.raises(ValueError, match=r"drain_delay_s must be within 0\.\.grace_s"):
         ServerConfig(drain_delay_s=60)
+
+
+async def test_rtmedia_health_checks_grpc_health(server):
+    async def health(*args: str) -> subprocess.CompletedProcess:
+        return await asyncio.to_thread(subprocess.run, [RTMEDIA, "health", "--target", f"127.0.0.1:{server.port}",
+                                                        *args], capture_output=True, text=True, timeout=30)
+    ok = await health()
+    assert (ok.returncode, ok.stdout.strip()) == (0, "SERVING")
+    ok = await health("--service", "rtmedia.v1.RealtimeService", "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout) == {"service": "rtmedia.v1.RealtimeService",
+                                                            "status": "SERVING"}
+    unknown = await health("--service", "no.such.Service")
+    assert unknown.returncode == 1 and unknown.stderr.strip() == \
+        "rtmedia health: the server has no service 'no.such.Service'"
 
 
 async def test_drain_delay_is_not_ready_but_still_admits(server, channel, http):
