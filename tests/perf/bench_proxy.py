@@ -19,7 +19,6 @@ JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -33,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.perf.bench_loadtest import tree_cpu_s  # noqa: E402
-from tests.perf.bench_realtime_ws import loadtest, spread  # noqa: E402
+from tests.perf.bench_realtime_ws import alternating_args, loadtest, spread  # noqa: E402
 from tests.perf.bench_speech import machine  # noqa: E402
 from tests.support.certs import make_certs  # noqa: E402
 from tests.support.proxy import Haproxy, combined_pem, replicas  # noqa: E402
@@ -82,15 +81,7 @@ def summary(runs: list[dict]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=16, help="talk sessions per run (default 16)")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds per run (default 60)")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds, each one run per path (default 4)")
-    parser.add_argument("--settle", type=float, default=5.0, help="seconds between runs (default 5)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    args = parser.parse_args()
-    if args.sessions < 1 or args.rounds < 1 or args.duration <= 0 or args.settle < 0:
-        parser.error("--sessions and --rounds must be at least 1, --duration positive, --settle not negative")
+    args = alternating_args(__doc__, 16, "path")
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp:
         directory = Path(tmp)

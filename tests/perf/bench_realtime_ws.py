@@ -109,16 +109,22 @@ def summary(runs: list[dict]) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=13, help="talk sessions per run (default 13)")
+def alternating_args(doc: str, sessions: int, what: str) -> argparse.Namespace:
+    """The command line of a benchmark that alternates fixed-load `talk` runs over `what`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=sessions, help=f"talk sessions per run (default {sessions})")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per run (default 60)")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds, each one run per transport (default 4)")
+    parser.add_argument("--rounds", type=int, default=4, help=f"rounds, each one run per {what} (default 4)")
     parser.add_argument("--settle", type=float, default=5.0, help="seconds between runs (default 5)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     if args.sessions < 1 or args.rounds < 1 or args.duration <= 0 or args.settle < 0:
         parser.error("--sessions and --rounds must be at least 1, --duration positive, --settle not negative")
+    return args
+
+
+def main() -> None:
+    args = alternating_args(__doc__, 13, "transport")
     web_port = free_port()
     runs: list[dict] = []
     with running_server(*SERVE, "--web", "--web-port", str(web_port)) as (target, server):
