@@ -273,15 +273,16 @@ class Peer:
                 await self._outgoing.put(client_event("input_audio_buffer.append", audio=pcm))
 
     async def _write(self) -> None:
-        while (request := await self._outgoing.get()) is not None:
-            if self._server_closed:
-                continue  # nothing more goes to a session the server has closed (see _read)
+        while (request := await self._outgoing.get()) is not None and not self._server_closed:
             try:
                 await self.call.write(request)
             except grpc.aio.AioRpcError:
                 # The server ended the stream (session.closed, e.g. server_shutdown while draining) while
                 # the microphone still had frames on the way: the reader reports how, and closes the peer.
                 return
+        # Nothing more goes to a session the server has closed: the half-close lets its stream end now.
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.call.done_writing()
 
     def _on_datachannel(self, channel: Any) -> None:
         if channel.label != self.label:
@@ -414,6 +415,8 @@ class Peer:
         elif name == "session.closed":
             self.close_reason = msg.session_closed.reason
             self._server_closed = True
+            with contextlib.suppress(asyncio.QueueFull):  # wakes the writer (a full queue wakes it anyway)
+                self._outgoing.put_nowait(None)
         self.to_page_event(msg)
 
     def _on_audio(self, msg: realtime_pb2.ConverseResponse) -> None:

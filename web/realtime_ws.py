@@ -69,6 +69,7 @@ class RealtimeSocket:
     def __init__(self, ws: web.WebSocketResponse, call: Any, translator: Translator, limits: RealtimeLimits) -> None:
         self.ws, self.call, self.translator, self.limits = ws, call, translator, limits
         self.closed_reason = ""
+        self.server_closed = False  # session.closed came: nothing more is written to the call
 
     async def send(self, events: list[dict[str, Any]]) -> None:
         for event in events:
@@ -108,7 +109,9 @@ class RealtimeSocket:
                 await self.send(self.translator.from_server(msg))
             while (msg := await self.call.read()) is not grpc.aio.EOF:
                 if msg.WhichOneof("event") == "session_closed":
-                    self.closed_reason = msg.session_closed.reason
+                    self.closed_reason, self.server_closed = msg.session_closed.reason, True
+                    with contextlib.suppress(grpc.aio.AioRpcError):  # the stream ends now, not after a linger
+                        await self.call.done_writing()
                     if self.closed_reason == "max_session_duration":
                         await self.send([self.translator.error(RealtimeError(
                             "session_expired", "the session reached its maximum duration"))])
@@ -161,6 +164,8 @@ class RealtimeSocket:
             await self.send([self.translator.error(exc, getattr(exc, "event_id", None))])
             return
         for request in requests:
+            if self.server_closed:
+                return  # the session is over (session.closed went out): the socket closes next
             await self.call.write(request)
         await self.send(local)
 

@@ -394,7 +394,16 @@ async def test_handshake_refusals_are_openai_errors(web_front):
         assert refused.value.status == 404
 
 
+async def earlier_sessions_closed(server) -> None:
+    """Sessions of earlier tests may still be closing (a stream waits for its half-close)."""
+    for _ in range(100):
+        if not server.realtime.sessions:
+            return
+        await asyncio.sleep(0.05)
+
+
 async def test_browser_subprotocols_and_the_transport_gauge(web_front, server):
+    await earlier_sessions_closed(server)
     url = f"ws://127.0.0.1:{web_front.port}/v1/realtime?model=gpt-realtime"
     async with aiohttp.ClientSession() as http:
         async with http.ws_connect(url, protocols=("realtime", "openai-insecure-api-key.any-key")) as ws:
@@ -414,10 +423,7 @@ async def test_sdk_errors_on_an_unknown_model(openai_client):
 
 async def test_sockets_count_against_max_sessions(web_front, server):
     url = f"ws://127.0.0.1:{web_front.port}/v1/realtime?model=gpt-realtime"
-    for _ in range(100):  # sessions of earlier tests may still be closing (a stream waits for its half-close)
-        if not server.realtime.sessions:
-            break
-        await asyncio.sleep(0.05)
+    await earlier_sessions_closed(server)
     open_before = len(server.realtime.sessions)
     held = []
     async with aiohttp.ClientSession() as http:
