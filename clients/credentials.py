@@ -204,15 +204,21 @@ def _aio_bearers(token: str) -> list[_AioBearer]:
 
 def refusal(error: grpc.RpcError, token_sent: bool) -> str | None:
     """A refusal for want of a token or over a token's quota, as one line; None for other errors."""
-    code = error.code()
-    details = (error.details() or "").strip().splitlines()
-    said = f": {details[0]}" if details else ""
+    return status_refusal(error.code(), error.details() or "", error_reason(error) or "",
+                          error_metadata(error), token_sent)
+
+
+def status_refusal(code: grpc.StatusCode, details: str, reason: str, metadata: dict[str, str],
+                   token_sent: bool) -> str | None:
+    """`refusal` for a status already unpacked (the client library's RtmediaError)."""
+    lines = details.strip().splitlines()
+    said = f": {lines[0]}" if lines else ""
     if code == grpc.StatusCode.UNAUTHENTICATED:
         if token_sent:
             return f"the server refused the token (UNAUTHENTICATED){said}"
         return f"the server wants a token (UNAUTHENTICATED){said}; give --token or set {TOKEN_ENV}"
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and error_reason(error) == "QUOTA":
-        retry = error_metadata(error).get("retry_after_s")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and reason == "QUOTA":
+        retry = metadata.get("retry_after_s")
         return f"over the token's quota (QUOTA){said}" + (f"; retry in {retry} s" if retry else "")
     return None
 

@@ -27,17 +27,18 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from rtmedia.clients import talk
+from rtmedia.clients import events, talk
 from rtmedia.clients.cli import CliError
 from rtmedia.clients.client import CHANNEL_OPTIONS, DEFAULT_TARGET
 from rtmedia.clients.credentials import (
     Credentials,
     add_credential_flags,
     from_args,
-    refusal,
+    status_refusal,
     token_of,
     unavailable_hint,
 )
+from rtmedia.clients.errors import RtmediaError
 from rtmedia.clients.loadtest_report import (
     Stats,
     build_report,
@@ -49,10 +50,10 @@ from rtmedia.clients.loadtest_report import (
     summary_lines,
     write_plot,
 )
-from rtmedia.clients.loadtest_speech import Clip, load_clips, paused_clips, synthesized, wav_files
-from rtmedia.protocol.errors import error_reason
+from rtmedia.clients.loadtest_speech import Clip, audio_files, load_clips, paused_clips, synthesized
+from rtmedia.clients.session import RealtimeSession
 from rtmedia.protocol.events import client_event
-from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc
+from rtmedia.v1 import realtime_pb2
 
 PROFILES = ("listen", "transcribe", "talk", "llm", "mixed", "barge-in")
 TRANSPORTS = ("grpc", "openai-ws")
@@ -76,7 +77,7 @@ SETTLE_S = 3.0  # between capacity levels, for the server to close the last leve
 DESCRIPTION = """\
 Simulate many people talking to an rtmedia server at once and measure what they
 experience. Each session streams real speech (Piper-synthesised sentences, or the
-WAV files of --audio DIR, one utterance per file) at real-time pace in --chunk-ms
+audio files of --audio DIR, any format, one utterance per file) at real-time pace in --chunk-ms
 chunks with 1-2.5 s silences between utterances (talking profiles: the next
 utterance follows 0.4-1.2 s after the reply has played), plays replies on a
 simulated clock and (grpc) acknowledges them with playback.ack every 200 ms of play.
@@ -154,7 +155,8 @@ def add_loadtest_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--barge-in-share", type=float, default=0.5,
                    help="barge-in: the share of replies interrupted (default 0.5)")
     p.add_argument("--audio", type=Path, default=None, metavar="DIR",
-                   help="speak the .wav files of DIR (16-bit PCM) instead of the built-in sentences")
+                   help="speak the audio files of DIR (wav, mp3, m4a, ogg/opus, flac, webm, ...: any format "
+                        "PyAV decodes; other files are skipped) instead of the built-in sentences")
     p.add_argument("--seed", type=int, default=1, help="random seed for pauses and clip order (default 1)")
     p.add_argument("--reply-timeout", type=float, default=30.0,
                    help="seconds a turn may wait for its response before it counts as a no_response error")
@@ -264,7 +266,7 @@ class Person:
         self.responds = profile in RESPONDERS
         self.transcribes = profile != "listen"
         self.barge_share = run.args.barge_in_share if profile == "barge-in" else 0.0
-        self.call: Any = None
+        self.session: RealtimeSession | None = None
         self.ended = False
         self.cancelled = False  # by the sender, after the server did not close in time
         self.admitted = False
@@ -289,7 +291,8 @@ class Person:
 
     # ---- lifecycle -------------------------------------------------------------------------------
     # What a send raises when the session ended under the sender (the reader records why).
-    SENDER_ENDED: tuple[type[BaseException], ...] = (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError)
+    SENDER_ENDED: tuple[type[BaseException], ...] = (RtmediaError, grpc.RpcError, grpc.aio.UsageError,
+                                                     asyncio.InvalidStateError)
 
     async def live(self, start_at: float) -> None:
         """The person's whole session: open at `start_at`, speak until the run stops, close."""
@@ -318,19 +321,20 @@ class Person:
 
     async def open(self) -> bool:
         """Start the session; False when it was refused (and counted as such)."""
-        self.call = self.run.stub_for(self.index).Converse()
+        self.session = RealtimeSession(channel=self.run.channel_for(self.index))
         return True
 
     async def end(self, reader: asyncio.Task[None]) -> None:
         """The client's end of the session, and the server's answer to it."""
-        await self.call.write(client_event("session.close"))
-        await self.call.done_writing()
+        await self.session.event("session.close")
+        await self.session.end_input()
         await asyncio.wait_for(asyncio.shield(reader), CLOSE_WAIT_S)
 
     async def stop_reader(self, reader: asyncio.Task[None]) -> None:
-        if not reader.done() and not self.call.done():  # a finished call: the reader records why
+        call = self.session.call
+        if not reader.done() and call is not None and not call.done():  # a finished call: the reader records why
             self.cancelled = True
-            self.call.cancel()
+            call.cancel()
         await asyncio.gather(reader, return_exceptions=True)
 
     def error(self, code: str) -> None:
@@ -339,20 +343,22 @@ class Person:
 
     async def read(self) -> None:
         try:
-            async for msg in self.call:
-                self.on_event(msg, time.perf_counter())
+            self.on_event(await self.session.open(), time.perf_counter())
+            async for event in self.session.events():
+                self.on_event(event, time.perf_counter())
             if self.closed_reason == "client":
                 self.stats.completed += 1
             else:
                 self.error(f"closed:{self.closed_reason or 'no_session_closed'}")
-        except grpc.aio.AioRpcError as exc:
-            reason = error_reason(exc)
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (not self.admitted or reason == "QUOTA"):
+        except RtmediaError as exc:
+            reason = exc.reason
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and (not self.admitted or reason == "QUOTA"):
                 self.stats.rejected += 1  # at capacity (AT_CAPACITY, MAX_SESSIONS) or over the token's quota (QUOTA)
-            elif exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # so would every other session be: stop
-                self.run.fail(refusal(exc, bool(token_of(self.run.args))) or "UNAUTHENTICATED")
+            elif exc.code == grpc.StatusCode.UNAUTHENTICATED:  # so would every other session be: stop
+                self.run.fail(status_refusal(exc.code, exc.details, exc.reason, exc.metadata,
+                                            bool(token_of(self.run.args))) or "UNAUTHENTICATED")
             elif not self.cancelled:
-                self.error(f"grpc:{exc.code().name}" + (f":{reason}" if reason else ""))
+                self.error(f"grpc:{exc.code.name}" + (f":{reason}" if reason else ""))
         finally:
             self.ended = True
             self.opened.set()
@@ -360,7 +366,7 @@ class Person:
     # ---- what this transport sends -----------------------------------------------------------------
     async def send(self, msg: Any) -> None:
         """One client event: a chunk of run.clips or run.silence, or one this class made."""
-        await self.call.write(msg)
+        await self.session.send(msg)  # type: ignore[union-attr]
 
     def config_event(self) -> Any:
         return client_event("session.update", event_id=CONFIG_ID, session=self.run.configs[self.profile])
@@ -473,10 +479,12 @@ class Person:
         return None
 
     # ---- server events ----------------------------------------------------------------------------
-    def on_event(self, msg: Any, now: float) -> None:
-        """One ConverseResponse, as the calls below."""
-        kind = msg.WhichOneof("event")
-        ev = getattr(msg, kind) if kind else None
+    def on_event(self, event: events.ServerEvent, now: float) -> None:
+        """One server event, as the calls below."""
+        self.dispatch(event.member, event.data if event.member else None, now)  # type: ignore[attr-defined]
+
+    def dispatch(self, kind: str, ev: Any, now: float) -> None:
+        """An event by its ConverseResponse oneof member and payload."""
         if kind == "response_output_audio_delta":
             if ev.audio:
                 channels = max(1, ev.channels)
@@ -639,19 +647,17 @@ class Run:
 
             self.person, self.silence = SocketPerson, append_event(silence)
             self.configs = {p: api_session(p, self.args) for p in profiles}
-            self.stubs = []
         else:
             self.person, self.silence = Person, client_event("input_audio_buffer.append", audio=silence)
             self.configs = {p: session_config(p, self.args) for p in profiles}
-            self.stubs = [realtime_pb2_grpc.RealtimeServiceStub(c) for c in self.link]
 
     @property
     def where(self) -> str:
         """Where the sessions go: the gRPC target or the WebSocket URL."""
         return str(self.link.url) if self.args.transport == "openai-ws" else str(self.args.target)
 
-    def stub_for(self, index: int) -> realtime_pb2_grpc.RealtimeServiceStub:
-        return self.stubs[index % len(self.stubs)]
+    def channel_for(self, index: int) -> grpc.aio.Channel:
+        return self.link[index % len(self.link)]
 
     def fail(self, message: str) -> None:
         if not self.failure:
@@ -842,7 +848,7 @@ async def _loadtest(args: argparse.Namespace, clips: list[Clip], credentials: Cr
 def cmd_loadtest(args: argparse.Namespace) -> None:
     check_args(args)
     credentials = from_args(args)
-    paths = wav_files(args.audio) if args.audio else synthesized()
+    paths = audio_files(args.audio) if args.audio else synthesized()
     clips = load_clips(paths, input_rate(args), args.chunk_ms)
     if args.paused_share:
         clips += paused_clips(input_rate(args), args.chunk_ms, args.seed)

@@ -1,5 +1,5 @@
 """The speech `rtmedia loadtest` streams: Piper-synthesised sentences (cached as WAV
-files) or the WAV files of a directory, cut into ready-made append events.
+files) or the audio files of a directory (any PyAV decodes), cut into ready-made append events.
 """
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import wave
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rtmedia.clients.audio_file import AudioFileError, probe_audio, read_audio, write_audio
 from rtmedia.clients.cli import CliError
-from rtmedia.clients.client import read_wav, write_wav
 from rtmedia.engines.resample import float_to_pcm16
 from rtmedia.protocol.events import client_event
 
@@ -99,28 +99,39 @@ def synthesized(sentences: list[str] = SENTENCES) -> list[Path]:
             chunks = list(voice.synthesize(text, SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0)))
             audio = np.concatenate([c.audio_float_array for c in chunks])
             tmp = path.with_suffix(".tmp")
-            write_wav(tmp, float_to_pcm16(audio * 0.8), chunks[0].sample_rate)
+            write_audio(tmp, float_to_pcm16(audio * 0.8), chunks[0].sample_rate, "wav")
             tmp.replace(path)
         paths.append(path)
     return paths
 
 
-def wav_files(folder: Path) -> list[Path]:
+def audio_files(folder: Path) -> list[Path]:
+    """The files of `folder` that hold audio PyAV can open, in name order; the others (but hidden
+    ones) are named in one note on stderr."""
     if not folder.is_dir():
         raise CliError(f"--audio {folder}: not a directory")
-    paths = sorted(p for p in folder.iterdir() if p.suffix.lower() == ".wav" and p.is_file())
+    paths, skipped = [], []
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")):
+        problem = probe_audio(path)
+        if problem is None:
+            paths.append(path)
+        else:
+            skipped.append(f"{path.name} ({problem})")
+    listed = "; ".join(skipped[:5]) + ("; ..." if len(skipped) > 5 else "")
     if not paths:
-        raise CliError(f"--audio {folder}: no .wav files in it")
+        raise CliError(f"--audio {folder}: no audio files in it" + (f"; not audio: {listed}" if skipped else ""))
+    if skipped:
+        print(f"rtmedia loadtest: --audio {folder}: skipping {len(skipped)} files that are not audio: {listed}",
+              file=sys.stderr)
     return paths
 
 
 def _samples(path: Path, rate: int) -> tuple[np.ndarray, np.ndarray]:
-    """A WAV file's samples at `rate`, and the indices of its voiced ones."""
+    """An audio file's samples at `rate`, and the indices of its voiced ones."""
     try:
-        audio = read_wav(path)
-    except (wave.Error, EOFError, ValueError) as exc:
-        raise CliError(f"{path}: not a 16-bit PCM WAV file ({exc})") from None
-    samples = audio.at_rate(rate).samples
+        samples = read_audio(path, rate).samples
+    except AudioFileError as exc:
+        raise CliError(str(exc)) from None
     voiced = np.flatnonzero(np.abs(samples.astype(np.int32)) > VOICED)
     if not voiced.size:
         raise CliError(f"{path}: no speech in it (all samples below -46 dBFS)")

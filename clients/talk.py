@@ -1,4 +1,4 @@
-"""`rtmedia talk`: one duplex speech session fed from a WAV file (RealtimeService.Converse,
+"""`rtmedia talk`: one duplex speech session fed from an audio file (RealtimeService.Converse,
 docs/protocol.md#sessions).
 
 The file goes to the server as `input_audio_buffer.append` chunks; replies are
@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
-from rtmedia.clients.cli import CliError
-from rtmedia.clients.client import DEFAULT_TARGET, RealtimeClient, read_wav, write_wav
+from rtmedia.clients.audio_file import FORMATS, STDIO, AudioWriter, output_format, read_audio
+from rtmedia.clients.cli import AUDIO_IN_HELP, RATE_HELP, CliError, positive_float, positive_int
+from rtmedia.clients.client import DEFAULT_TARGET
 from rtmedia.clients.credentials import Credentials, add_credential_flags, from_args
+from rtmedia.clients.errors import RtmediaError
+from rtmedia.clients.session import RealtimeSession
 from rtmedia.clients.tools import Toolbox, ToolError, load_tools
 from rtmedia.protocol.events import client_event, event_type, to_json
 from rtmedia.v1 import realtime_pb2
@@ -45,9 +47,14 @@ CONFIG_ID, COMMIT_ID, CREATE_ID = "talk-config", "talk-commit", "talk-response-c
 VAD_MODES = ("server_vad", "semantic_vad")  # the server finds the turns
 
 DESCRIPTION = """\
-Open a duplex speech session, stream IN.wav to it as the user's voice, and show
+Open a duplex speech session, stream IN to it as the user's voice, and show
 what happens: your turns as the server transcribed them, its replies, latencies
-and barge-ins. The reply audio can be saved with -o.
+and barge-ins. IN is any audio file PyAV decodes (wav, mp3, m4a/aac, ogg/opus,
+flac, webm, ...; downmixed, and resampled to 24 kHz unless at 8/16/24 kHz), or -
+for standard input (raw PCM16 with --rate). The reply audio can be saved with -o
+in the format its extension names (.wav, .mp3, .ogg, .opus, .flac, .m4a, .pcm)
+or --format; -o - writes it to standard output as raw PCM16, and then every
+message (and --json) goes to stderr.
 
 The file is sent in --chunk-ms chunks, at real-time pace with --realtime and
 otherwise as fast as allowed but at most 10x real time: the server's input inbox
@@ -84,12 +91,15 @@ instead of the base64 "audio". The last line is {"type": "summary", ...}.
 
 
 def add_talk_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("talk", help="a duplex speech session from a WAV file (RealtimeService)",
+    p = sub.add_parser("talk", help="a duplex speech session from an audio file (RealtimeService)",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("input", type=Path, metavar="IN.wav", help="16-bit PCM WAV file: the user's voice (stereo is averaged; rates "
-                                            "other than 8000/16000/24000 Hz are resampled to 24000)")
-    p.add_argument("-o", "--output", type=Path, default=None, help="write the reply audio (every audio delta, "
-                                                                    "in order) to this WAV file")
+    p.add_argument("input", type=Path, metavar="IN", help=f"the user's voice: {AUDIO_IN_HELP}")
+    p.add_argument("--rate", type=positive_int, default=None, metavar="HZ", help=RATE_HELP)
+    p.add_argument("-o", "--output", type=Path, default=None, metavar="OUT",
+                   help="write the reply audio (every audio delta, in order) to this file, its format from the "
+                        "extension; - for raw PCM16 on standard output")
+    p.add_argument("--format", choices=list(FORMATS), default=None,
+                   help="the format of -o whatever it is called (default: from its extension)")
     p.add_argument("--mode", choices=["server_vad", "semantic_vad", "manual", "none"], default="server_vad",
                    help="turn detection: server_vad (the server finds turns and answers; default), semantic_vad "
                         "(the same, a model deciding at each pause whether you have finished), manual "
@@ -99,15 +109,16 @@ def add_talk_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--responder", default=None, help="responder, e.g. echo (default: the server's)")
     p.add_argument("--instructions", default=None, help="instructions for the responder")
     p.add_argument("--voice", default=None, help="reply voice (see `rtmedia voices`; default: the server's)")
-    p.add_argument("--output-rate", type=int, default=None, help="reply sample rate in Hz (default: the voice's)")
+    p.add_argument("--output-rate", type=positive_int, default=None,
+                   help="reply sample rate in Hz (default: the voice's)")
     p.add_argument("--realtime", action="store_true",
                    help="send the audio at real-time pace (default: as fast as allowed, at most 10x real time)")
-    p.add_argument("--chunk-ms", type=int, default=20, help="audio per append event (default 20 ms)")
+    p.add_argument("--chunk-ms", type=positive_int, default=20, help="audio per append event, 1..1000 (default 20 ms)")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
     p.add_argument("--json", action="store_true", help="one JSON event per line, then a summary line")
     p.add_argument("--tools", type=Path, default=None, metavar="FILE.py",
                    help="offer FILE.py's public functions as tools and run the calls here")
-    p.add_argument("--timeout", type=float, default=60.0,
+    p.add_argument("--timeout", type=positive_float, default=60.0,
                    help="after the file is sent, wait at most this many seconds for the session to go idle "
                         "(default 60); then exit non-zero")
     add_credential_flags(p)
@@ -133,12 +144,13 @@ class InputAudio:
         return min(len(self.chunks) - 1, max(0, int(ms // self.chunk_ms)))
 
 
-def load_input(path: Path, chunk_ms: int, tail_ms: int = 0) -> InputAudio:
-    """The file as chunks, plus `tail_ms` of silence after it (as a live microphone would
-    keep sending, so that a file ending right after speech still ends its turn)."""
+def load_input(path: Path, chunk_ms: int, tail_ms: int = 0, raw_rate: int | None = None) -> InputAudio:
+    """The file (any audio PyAV decodes; STDIO: standard input, raw PCM16 at `raw_rate` when given)
+    as chunks, plus `tail_ms` of silence after it (as a live microphone would keep sending, so
+    that a file ending right after speech still ends its turn)."""
     if not 1 <= chunk_ms <= 1000:
         raise CliError(f"--chunk-ms must be 1..1000, got {chunk_ms}")
-    audio = read_wav(path)
+    audio = read_audio(path, raw_rate=raw_rate)
     if audio.sample_rate not in INPUT_RATES:
         audio = audio.at_rate(RESAMPLE_TO)
     samples, rate = audio.samples, audio.sample_rate
@@ -196,6 +208,7 @@ class Talk:
     args: argparse.Namespace
     audio: InputAudio
     call: Any = None
+    session: Any = None  # the RealtimeSession (its call is `call`)
     origin: float | None = None  # perf_counter when the first chunk was sent
     sent_t: list[float] = field(default_factory=list)  # send time of each chunk
     last_chunk_t: float | None = None
@@ -233,11 +246,16 @@ class Talk:
     def t(self, now: float) -> float:
         return now - (self.origin if self.origin is not None else now)
 
+    @property
+    def text_out(self) -> Any:
+        """Where the text goes: stdout, unless the reply audio does (-o -)."""
+        return sys.stderr if str(self.args.output) == STDIO else sys.stdout
+
     def say(self, now: float, text: str) -> None:
         if self.args.json:
             return
         clear = "\r\033[K" if sys.stderr.isatty() else ""
-        print(f"{clear}[{self.t(now):5.2f} s] {text}", flush=True)
+        print(f"{clear}[{self.t(now):5.2f} s] {text}", flush=True, file=self.text_out)
 
     def emit(self, msg: realtime_pb2.ConverseResponse, now: float) -> None:
         if msg.WhichOneof("event") == "response_output_audio_delta":
@@ -257,7 +275,7 @@ class Talk:
     def _print_json(self, obj: dict[str, Any], now: float) -> None:
         assert self.origin is not None
         obj["t_ms"] = round((now - self.origin) * 1000, 1)
-        print(json.dumps(obj, ensure_ascii=False), flush=True)
+        print(json.dumps(obj, ensure_ascii=False), flush=True, file=self.text_out)
 
     def flush_early(self) -> None:
         if self.origin is None and self.early:
@@ -270,14 +288,14 @@ class Talk:
     async def write(self, name: str, **fields: Any) -> None:
         async with self.write_lock:
             if not self.closing:  # nothing goes after session.close
-                await self.call.write(client_event(name, **fields))
+                await self.session.send(client_event(name, **fields))
 
     async def drive(self) -> None:
         """Configure, stream the file, end the turn (manual/none), wait for idle, close.
         A failure that is not the RPC's own (the read side reports those) cancels the call."""
         try:
             await self._drive()
-        except (asyncio.CancelledError, grpc.RpcError):
+        except (asyncio.CancelledError, RtmediaError):
             raise
         except Exception as exc:
             if not self.call.done():
@@ -312,8 +330,8 @@ class Talk:
             await self.wait_idle()
         async with self.write_lock:
             self.closing = True
-            await self.call.write(client_event("session.close", reason="client"))
-            await self.call.done_writing()
+            await self.session.send(client_event("session.close", reason="client"))
+            await self.session.end_input()
         await asyncio.sleep(CLOSE_WAIT_S)
         self.close_cancelled = True  # the server did not end the stream
         self.call.cancel()
@@ -332,7 +350,7 @@ class Talk:
                     self.origin = sent
                     self.flush_early()
                 self.sent_t.append(sent)
-                await self.call.write(client_event("input_audio_buffer.append", audio=chunk))
+                await self.session.send(client_event("input_audio_buffer.append", audio=chunk))
             self.last_chunk_t = sent
 
     def idle(self, now: float) -> bool:
@@ -582,19 +600,18 @@ class Talk:
 async def _converse(args: argparse.Namespace, audio: InputAudio, credentials: Credentials,
                     toolbox: Toolbox | None = None) -> Talk:
     talk = Talk(args, audio, toolbox=toolbox)
-    async with RealtimeClient(args.target, credentials=credentials) as client:
-        talk.call = client.converse()
+    async with RealtimeSession(args.target, credentials=credentials) as session:
+        talk.session, talk.call = session, session.call
+        talk.on_event(session.created.proto, time.perf_counter())  # type: ignore[union-attr]
         tasks = [asyncio.create_task(talk.drive(), name="talk-send"),
                  asyncio.create_task(talk.ack_loop(), name="talk-ack")]
         try:
-            async for msg in talk.call:
-                talk.on_event(msg, time.perf_counter())
-        except asyncio.CancelledError:
+            async for event in session.events():  # ends quietly when talk cancels the call
+                talk.on_event(event.proto, time.perf_counter())
             if talk.failure is not None:
-                raise talk.failure from None
-            if not talk.close_cancelled:
-                raise
-            raise CliError(f"the server did not end the stream within {CLOSE_WAIT_S:.0f} s of session.close") from None
+                raise talk.failure
+            if talk.close_cancelled:
+                raise CliError(f"the server did not end the stream within {CLOSE_WAIT_S:.0f} s of session.close")
         finally:
             for task in [*tasks, *talk.tool_tasks]:
                 task.cancel()
@@ -604,8 +621,11 @@ async def _converse(args: argparse.Namespace, audio: InputAudio, credentials: Cr
 
 def cmd_talk(args: argparse.Namespace) -> None:
     credentials = from_args(args)
+    if args.format is not None and args.output is None:
+        raise CliError("--format is the format of -o: give -o OUT too")
+    out_format = output_format(args.output, args.format) if args.output is not None else None
     # server_vad: a second of silence after the file, as a live microphone keeps sending
-    audio = load_input(args.input, args.chunk_ms, tail_ms=1000 if args.mode in VAD_MODES else 0)
+    audio = load_input(args.input, args.chunk_ms, tail_ms=1000 if args.mode in VAD_MODES else 0, raw_rate=args.rate)
     if args.timeout <= 0:
         raise CliError(f"--timeout must be positive, got {args.timeout}")
     if args.eagerness is not None and args.mode != "semantic_vad":
@@ -625,16 +645,17 @@ def cmd_talk(args: argparse.Namespace) -> None:
     elif talk.closed_reason != "client":
         problem = f"the server closed the session: {talk.closed_reason or 'stream ended without session.closed'}"
     if args.output and talk.audio_parts and not talk.rate_change:
-        write_wav(args.output, b"".join(talk.audio_parts), talk.audio_rate)
+        with AudioWriter(args.output, talk.audio_rate, out_format) as writer:
+            writer.write(b"".join(talk.audio_parts))
     if args.json:
         talk.flush_early()
-        print(json.dumps(talk.summary(), ensure_ascii=False), flush=True)
+        print(json.dumps(talk.summary(), ensure_ascii=False), flush=True, file=talk.text_out)
     else:
         _print_summary(talk)
     if problem:
         raise CliError(problem)
     if args.output and talk.rate_change:
-        raise CliError(f"{talk.rate_change}: cannot write one WAV file")
+        raise CliError(f"{talk.rate_change}: cannot write one audio file")
     if args.output and not talk.audio_parts:
         raise CliError(f"no reply audio to write to {args.output}")
 
@@ -659,4 +680,5 @@ def _print_summary(talk: Talk) -> None:
         line += f"; errors: {', '.join(s['errors'])}"
     print(line, file=sys.stderr)
     if s["output"]:
-        print(f"wrote {s['output']}: {s['reply_audio_s']:.2f} s at {s['reply_sample_rate']} Hz", file=sys.stderr)
+        where = "standard output" if s["output"] == STDIO else s["output"]
+        print(f"wrote {where}: {s['reply_audio_s']:.2f} s at {s['reply_sample_rate']} Hz", file=sys.stderr)

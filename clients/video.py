@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from rtmedia.clients.cli import CliError
+from rtmedia.clients.cli import CliError, non_negative_int, positive_float
 from rtmedia.clients.client import CHANNEL_OPTIONS, DEFAULT_TARGET
 from rtmedia.clients.credentials import add_credential_flags, from_args
 from rtmedia.v1 import video_pb2, video_pb2_grpc
@@ -29,23 +29,30 @@ def add_video_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", type=Path, default=None,
                    help="output .mp4 (fragmented H.264), or a directory for raw chunks (like --raw-dir)")
     p.add_argument("--raw-dir", type=Path, default=None, help="write each chunk's frames as chunk_NNNNN.npy here")
-    p.add_argument("--fps", type=float, default=16.0, help="frames per second of the video (16)")
+    p.add_argument("--fps", type=positive_float, default=16.0, help="frames per second of the video (16)")
     p.add_argument("--plan", choices=sorted(PLANS), default="causal", help="frame plan (causal)")
-    p.add_argument("--width", type=int, default=0, help="crop frames to this width (default: full)")
-    p.add_argument("--height", type=int, default=0, help="crop frames to this height (default: full)")
-    p.add_argument("--steps-per-chunk", type=int, default=0, help="latent steps per chunk (causal plan; default 1)")
+    p.add_argument("--width", type=non_negative_int, default=0, help="crop frames to this width (default: full)")
+    p.add_argument("--height", type=non_negative_int, default=0, help="crop frames to this height (default: full)")
+    p.add_argument("--steps-per-chunk", type=non_negative_int, default=0, help="latent steps per chunk (causal plan; default 1)")
     p.add_argument("--normalized", action="store_true", help="the latent is normalised: apply latents_mean/std")
     p.add_argument("--one-shot", action="store_true", help="ask for the complete decode as a single chunk")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per chunk, then a summary object")
-    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    p.add_argument("--timeout", type=positive_float, default=None, help="give up after this many seconds")
     add_credential_flags(p)
     p.set_defaults(func=cmd_decode_video)
 
 
 def load_latent(path: Path) -> np.ndarray:
-    latent = np.load(path, allow_pickle=False)
+    if not path.is_file():
+        raise CliError(f"{path}: {'is a directory, not a .npy file' if path.is_dir() else 'no such file'}")
+    try:
+        latent = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        raise CliError(f"{path}: not a .npy latent file") from None
+    if not isinstance(latent, np.ndarray):
+        raise CliError(f"{path}: not a .npy latent (an .npz archive?)")
     if latent.ndim == 5 and latent.shape[0] == 1:
         latent = latent[0]
     if latent.ndim != 4:

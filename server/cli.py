@@ -21,8 +21,8 @@ rtmedia: a realtime media server over gRPC.
 
   rtmedia serve                          start the server (gRPC on :50051, metrics on :9464)
   rtmedia voices                         list voices and their output rates
-  rtmedia synth "Hello." -o hello.wav    streaming text-to-speech into a file
-  rtmedia transcribe hello.wav           streaming speech-to-text of a WAV file
+  rtmedia synth "Hello." -o hello.mp3    streaming text-to-speech into any audio file (- : stdout)
+  rtmedia transcribe recording.mp3       streaming speech-to-text of any audio file (- : stdin)
   rtmedia talk question.wav -o reply.wav a duplex voice session: turns, replies, barge-in
   rtmedia decode-video lat.npy -o a.mp4  chunked video decode of a latent, frames streamed as decoded
   rtmedia web                            the browser page and WebRTC bridge (http://127.0.0.1:8080/)
@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rtmedia", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (client commands; also after the command)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     p = sub.add_parser("serve", help="run the gRPC server on the embedded default models",
                        description="Run the rtmedia gRPC server. Health says SERVING once the engines are "

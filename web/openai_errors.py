@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 from aiohttp import web
+from rtmedia.clients.errors import RtmediaError
 from rtmedia.protocol.errors import error_metadata, error_reason
 
 INVALID_REQUEST = "invalid_request_error"
@@ -55,11 +56,14 @@ _PARAMS = {
 }
 
 
-def from_rpc(exc: grpc.aio.AioRpcError, params: dict[str, str] | None = None) -> OpenAIError:
+def from_rpc(exc: grpc.aio.AioRpcError | RtmediaError, params: dict[str, str] | None = None) -> OpenAIError:
     """The OpenAI error for a failed call to the rtmedia server. `params` adds or overrides
     reason -> field names for this endpoint."""
-    code, reason = exc.code(), error_reason(exc) or ""
-    detail = exc.details() or code.name
+    if isinstance(exc, RtmediaError):
+        code, reason, details, metadata = exc.code, exc.reason, exc.details, exc.metadata
+    else:
+        code, reason, details, metadata = exc.code(), error_reason(exc) or "", exc.details(), error_metadata(exc)
+    detail = details or code.name
     param = {**_PARAMS, **(params or {})}.get(reason)
     word = reason.lower() or None
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -70,7 +74,7 @@ def from_rpc(exc: grpc.aio.AioRpcError, params: dict[str, str] | None = None) ->
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return OpenAIError(403, detail, INVALID_REQUEST, None, word)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and reason in ("QUOTA", "MAX_SESSIONS", "AT_CAPACITY"):
-        retry = error_metadata(exc).get("retry_after_s")
+        retry = metadata.get("retry_after_s")
         headers = {"Retry-After": str(max(1, round(float(retry))))} if retry else {}
         return OpenAIError(429, detail, "requests", None, "rate_limit_exceeded", headers)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not reason:  # grpc's own message size limit

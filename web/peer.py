@@ -47,11 +47,11 @@ import numpy as np
 from aiortc import RTCPeerConnection
 from aiortc.jitterbuffer import JitterBuffer
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from rtmedia.clients.errors import RtmediaError
+from rtmedia.clients.session import RealtimeSession
 from rtmedia.engines.resample import Resampler, float_to_pcm16, make_resampler, pcm16_to_float
-from rtmedia.protocol.errors import error_metadata, error_reason
 from rtmedia.protocol.events import EventError, client_event, event_type, from_json, to_json
 from rtmedia.v1 import realtime_pb2, video_pb2
-from rtmedia.v1.realtime_pb2_grpc import RealtimeServiceStub
 from rtmedia.v1.video_pb2_grpc import VideoServiceStub
 from rtmedia.web.realtime_config import RealtimeError
 from rtmedia.web.realtime_events import Translator
@@ -143,7 +143,7 @@ class Peer:
         self.audio_out = ReplyAudioTrack(self.buffer)
         self.video_out = VideoFrameTrack()
         self.stats = PeerStats()
-        self.call: Any = None
+        self.session: RealtimeSession | None = None
         self.session_id = ""
         self.close_reason = ""
         self.closed = asyncio.Event()
@@ -167,7 +167,7 @@ class Peer:
     async def open_session(self, settings: dict[str, Any]) -> None:
         """Open the Converse stream, wait for session.created, then configure it.
         Raises SessionRefused when the server does not take the session."""
-        self.call = RealtimeServiceStub(self.grpc_channel).Converse(metadata=self.metadata or None)
+        self.session = RealtimeSession(channel=self.grpc_channel, metadata=self.metadata)
         session = {**settings, "input_audio_format": {"encoding": "pcm16", "sample_rate": self.input_rate,
                                                      "channels": 1},
                    "output_sample_rate": PLAYOUT_RATE}
@@ -177,21 +177,17 @@ class Peer:
             # Read first: a refusal (quota, capacity, draining) then arrives as the server's own
             # status; a write racing it may get grpc's "Internal error from Core" instead
             # (grpc/grpc#36066).
-            first = await asyncio.wait_for(self.call.read(), OPEN_TIMEOUT_S)
-            if first is not grpc.aio.EOF and event_type(first) == "session.created":
-                await self.call.write(configure)
+            first = await asyncio.wait_for(self.session.open(), OPEN_TIMEOUT_S)
+            await self.session.send(configure)
         except TimeoutError:
-            self.call.cancel()
+            self.session.cancel_stream()
             raise SessionRefused(504, f"the rtmedia server did not open a session within {OPEN_TIMEOUT_S:.0f} s")\
                 from None
-        except grpc.aio.AioRpcError as exc:
+        except RtmediaError as exc:
+            self.session.cancel_stream()
             raise _refusal(exc) from None
-        if first is grpc.aio.EOF or event_type(first) != "session.created":
-            self.call.cancel()
-            raise SessionRefused(502, f"the rtmedia server answered {event_type(first) or 'nothing'} "
-                                      "instead of session.created")
-        self.session_id = first.session_created.session_id
-        self.to_page_event(first)
+        self.session_id = first.session_id
+        self.to_page_event(first.proto)
         self._session_open.set()
         self._start("reader", self._read)
         self._start("writer", self._write)
@@ -228,8 +224,8 @@ class Peer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.call is not None and not self.call.done():
-            self.call.cancel()  # the server frees the session's resources (docs/protocol.md#admission-and-lifecycle)
+        if self.session is not None:
+            self.session.cancel_stream()  # the server frees the session's resources (docs/protocol.md#admission-and-lifecycle)
         self.audio_out.stop()
         self.video_out.stop()
         for sideband in self.sidebands:
@@ -275,14 +271,11 @@ class Peer:
     async def _write(self) -> None:
         while (request := await self._outgoing.get()) is not None and not self._server_closed:
             try:
-                await self.call.write(request)
-            except grpc.aio.AioRpcError:
+                await self.session.send(request)  # type: ignore[union-attr]
+            except RtmediaError:
                 # The server ended the stream (session.closed, e.g. server_shutdown while draining) while
                 # the microphone still had frames on the way: the reader reports how, and closes the peer.
                 return
-        # Nothing more goes to a session the server has closed: the half-close lets its stream end now.
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await self.call.done_writing()
 
     def _on_datachannel(self, channel: Any) -> None:
         if channel.label != self.label:
@@ -375,20 +368,20 @@ class Peer:
     # ---- server -> browser ------------------------------------------------------------------------------
     async def _read(self) -> None:
         try:
-            while (msg := await self.call.read()) is not grpc.aio.EOF:
-                self._on_server_event(msg)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED and self._closing:
+            while (event := await self.session.next_event()) is not None:  # type: ignore[union-attr]
+                self._on_server_event(event.proto)
+        except RtmediaError as exc:
+            if exc.code == grpc.StatusCode.CANCELLED and self._closing:
                 return
-            if self._server_closed and exc.code() == grpc.StatusCode.INTERNAL:
+            if self._server_closed and exc.code == grpc.StatusCode.INTERNAL:
                 # After session.closed (the session's last event) the stream only ends. grpc.aio may turn
                 # that end into INTERNAL when a write raced it (grpc/grpc#36066): it ended as the server said.
                 self.schedule_close("session ended")
                 return
-            reason = error_reason(exc)
-            self.send_bridge("bridge.error", code=exc.code().name.lower(),
-                             message=f"the rtmedia session ended: {exc.details()}" + (f" ({reason})" if reason else ""))
-            self.schedule_close(f"server error {exc.code().name}")
+            reason = exc.reason
+            self.send_bridge("bridge.error", code=exc.code.name.lower(),
+                             message=f"the rtmedia session ended: {exc.details}" + (f" ({reason})" if reason else ""))
+            self.schedule_close(f"server error {exc.code.name}")
             return
         self.schedule_close("session ended")
 
@@ -414,9 +407,7 @@ class Peer:
                 reply.done = True
         elif name == "session.closed":
             self.close_reason = msg.session_closed.reason
-            self._server_closed = True
-            with contextlib.suppress(asyncio.QueueFull):  # wakes the writer (a full queue wakes it anyway)
-                self._outgoing.put_nowait(None)
+            self._server_closed = True  # the session half-closed its call; the writer stops at its next request
         self.to_page_event(msg)
 
     def _on_audio(self, msg: realtime_pb2.ConverseResponse) -> None:
@@ -596,22 +587,22 @@ def retry_after(value: str | None) -> dict[str, str]:
     return {"Retry-After": str(max(1, seconds))} if seconds is not None and seconds < 10**9 else {}
 
 
-def _refusal(exc: grpc.aio.AioRpcError) -> SessionRefused:
-    reason = error_reason(exc)
-    detail = f"{exc.code().name}: {exc.details()}" + (f" ({reason})" if reason else "")
-    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+def _refusal(exc: RtmediaError) -> SessionRefused:
+    reason = exc.reason
+    detail = f"{exc.code.name}: {exc.details}" + (f" ({reason})" if reason else "")
+    if exc.code == grpc.StatusCode.UNAUTHENTICATED:
         # What the server said stays in the bridge's log ("offer refused"); the client is told no more
         # than that a valid token is wanted.
         log.info("the rtmedia server refused the credentials", extra={"error": detail[:300]})
         return SessionRefused(401, "authentication required: send Authorization: Bearer TOKEN",
                               {"WWW-Authenticate": "Bearer"}, "unauthenticated")
-    if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+    if exc.code == grpc.StatusCode.PERMISSION_DENIED:
         return SessionRefused(403, f"the rtmedia server does not allow this session: {detail}", reason="forbidden")
-    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and reason == "QUOTA":
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and reason == "QUOTA":
         return SessionRefused(429, f"over the token's quota: {detail}",
-                              retry_after(error_metadata(exc).get("retry_after_s")), "quota")
-    if exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) and reason:
+                              retry_after(exc.metadata.get("retry_after_s")), "quota")
+    if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) and reason:
         return SessionRefused(503, f"the rtmedia server refused the session: {detail}")
-    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+    if exc.code == grpc.StatusCode.UNAVAILABLE:
         return SessionRefused(502, f"cannot reach the rtmedia server: {detail}")
     return SessionRefused(502, f"the rtmedia server failed to open a session: {detail}")

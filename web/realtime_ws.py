@@ -29,8 +29,10 @@ from typing import Any
 
 import grpc
 from aiohttp import WSCloseCode, WSMsgType, web
+from rtmedia.clients import events
+from rtmedia.clients.errors import RtmediaError
+from rtmedia.clients.session import RealtimeSession
 from rtmedia.v1 import realtime_pb2
-from rtmedia.v1.realtime_pb2_grpc import RealtimeServiceStub
 from rtmedia.web.openai_errors import SERVER_ERROR, OpenAIError, from_rpc
 from rtmedia.web.realtime_calls import attach
 from rtmedia.web.realtime_config import (
@@ -66,8 +68,9 @@ class RealtimeLimits:
 class RealtimeSocket:
     """One `/v1/realtime` WebSocket and its Converse call."""
 
-    def __init__(self, ws: web.WebSocketResponse, call: Any, translator: Translator, limits: RealtimeLimits) -> None:
-        self.ws, self.call, self.translator, self.limits = ws, call, translator, limits
+    def __init__(self, ws: web.WebSocketResponse, session: RealtimeSession, translator: Translator,
+                 limits: RealtimeLimits) -> None:
+        self.ws, self.session, self.translator, self.limits = ws, session, translator, limits
         self.closed_reason = ""
         self.server_closed = False  # session.closed came: nothing more is written to the call
 
@@ -84,14 +87,13 @@ class RealtimeSocket:
         finally:
             if reader.done() and not writer.done():  # the client left: the session ends with it
                 with contextlib.suppress(Exception):
-                    await self.call.write(realtime_pb2.ConverseRequest(
-                        session_close=realtime_pb2.SessionCloseEvent(reason="client")))
-                    await self.call.done_writing()
+                    await self.session.event("session.close", reason="client")
+                    await self.session.end_input()
                 with contextlib.suppress(asyncio.TimeoutError, Exception):
                     await asyncio.wait_for(asyncio.shield(writer), 2)
             for task in (reader, writer):
                 task.cancel()
-            self.call.cancel()
+            self.session.cancel_stream()
             for task in (reader, writer):
                 with contextlib.suppress(asyncio.CancelledError):
                     try:
@@ -107,18 +109,17 @@ class RealtimeSocket:
         try:
             for msg in first:
                 await self.send(self.translator.from_server(msg))
-            while (msg := await self.call.read()) is not grpc.aio.EOF:
-                if msg.WhichOneof("event") == "session_closed":
+            while (event := await self.session.next_event()) is not None:
+                msg = event.proto
+                if msg.WhichOneof("event") == "session_closed":  # the session half-closed its call
                     self.closed_reason, self.server_closed = msg.session_closed.reason, True
-                    with contextlib.suppress(grpc.aio.AioRpcError):  # the stream ends now, not after a linger
-                        await self.call.done_writing()
                     if self.closed_reason == "max_session_duration":
                         await self.send([self.translator.error(RealtimeError(
                             "session_expired", "the session reached its maximum duration"))])
                     return
                 await self.send(self.translator.from_server(msg))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
+        except RtmediaError as exc:
+            if exc.code != grpc.StatusCode.CANCELLED:
                 error = from_rpc(exc)
                 with contextlib.suppress(Exception):
                     await self.send([self.translator.error(RealtimeError(
@@ -166,7 +167,7 @@ class RealtimeSocket:
         for request in requests:
             if self.server_closed:
                 return  # the session is over (session.closed went out): the socket closes next
-            await self.call.write(request)
+            await self.session.send(request)
         await self.send(local)
 
 
@@ -195,49 +196,47 @@ async def realtime_socket(request: web.Request, front: Any) -> web.StreamRespons
 
 
 async def open_call(front: Any, request: web.Request, translator: Translator, transport: str
-                    ) -> tuple[Any, list[realtime_pb2.ConverseResponse]]:
-    """A Converse call, its session configured; the server's first answers (session.created and
-    the initial session.updated). A refusal (admission, tokens, draining) is an OpenAIError."""
+                    ) -> tuple[RealtimeSession, list[realtime_pb2.ConverseResponse]]:
+    """A Converse session, configured; the server's first answers (session.created and the
+    initial session.updated). A refusal (admission, tokens, draining) is an OpenAIError."""
     if front.upstream.draining():
         raise OpenAIError(503, "the server is shutting down (draining); connect to another replica or retry shortly",
                           SERVER_ERROR, code="draining", headers={"Retry-After": "5"})
     metadata = (*front.upstream.metadata(request), ("rtmedia-transport", transport))
-    call = RealtimeServiceStub(front.upstream.channel()).Converse(metadata=metadata)
-    first: list[realtime_pb2.ConverseResponse] = []
+    session = RealtimeSession(channel=front.upstream.channel(), metadata=metadata)
     try:
-        await call.write(translator.initial())
-        while True:
-            msg = await call.read()
-            if msg is grpc.aio.EOF:
-                raise OpenAIError(502, "the rtmedia server ended the session at once", SERVER_ERROR,
-                                  code="server_error")
-            first.append(msg)
-            kind = msg.WhichOneof("event")
-            if kind == "session_updated":
-                return call, first
-            if kind == "error":  # the initial config was refused: a server this front does not fit
-                raise OpenAIError(502, f"the rtmedia server refused the session's config: {msg.error.message}",
+        # Read first: a refusal then arrives as the server's own status (a write racing it may be
+        # reported as INTERNAL instead, grpc/grpc#36066).
+        first = [(await session.open()).proto]
+        await session.send(translator.initial())
+        while (event := await session.next_event()) is not None:
+            first.append(event.proto)
+            if isinstance(event, events.SessionUpdatedEvent):
+                return session, first
+            if isinstance(event, events.ErrorEvent):  # the initial config was refused: a server this front does not fit
+                raise OpenAIError(502, f"the rtmedia server refused the session's config: {event.message}",
                                   SERVER_ERROR, code="server_error")
-    except grpc.aio.AioRpcError as exc:
-        call.cancel()
+        raise OpenAIError(502, "the rtmedia server ended the session at once", SERVER_ERROR, code="server_error")
+    except RtmediaError as exc:
+        session.cancel_stream()
         raise from_rpc(exc) from None
     except BaseException:
-        call.cancel()
+        session.cancel_stream()
         raise
 
 
 async def serve_socket(request: web.Request, ws: web.WebSocketResponse, front: Any, config: RealtimeConfig,
                        transport: str) -> web.WebSocketResponse:
     translator = Translator(config)
-    call, first = await open_call(front, request, translator, transport)
+    session, first = await open_call(front, request, translator, transport)
     try:
         await ws.prepare(request)
     except BaseException:
-        call.cancel()
+        session.cancel_stream()
         raise
     front.sockets += 1
     try:
-        await RealtimeSocket(ws, call, translator, front.realtime).run(first)
+        await RealtimeSocket(ws, session, translator, front.realtime).run(first)
     finally:
         front.sockets -= 1
     return ws

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from rtmedia.clients.client import write_wav
+from rtmedia.clients.audio_file import write_audio
 from rtmedia.clients.credentials import TOKEN_ENV
 
 from tests.support.certs import Certs, make_certs
@@ -111,6 +111,6 @@ def test_a_token_over_its_quota(target, certs, tmp_path):
     report = json.loads(result.stdout)
     assert report["sessions_started"] == 2 and report["sessions_rejected"] == 1, report
     assert report["errors"] == 0, report["errors_by_code"]
-    write_wav(tmp_path / "hello.wav", np.zeros(8000, np.int16).tobytes(), 16000)
+    write_audio(tmp_path / "hello.wav", np.zeros(8000, np.int16).tobytes(), 16000)
     one_line_error(rtmedia("talk", str(tmp_path / "hello.wav"), *mtls(certs, target), "--token", QUOTA_TOKEN), "talk",
                    "over the token's quota (QUOTA)", "retry in")

@@ -8,7 +8,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from rtmedia.clients.client import write_wav
+from rtmedia.clients.audio_file import write_audio
 
 from tests.support.serve import RTMEDIA, free_port, running_server
 
@@ -78,8 +78,8 @@ def test_listen_from_a_directory_with_rejections(target, tmp_path, speaker):
     """Listening sessions beyond the server's --max-sessions are counted as rejected."""
     rate = 16000
     for n, text in enumerate(["Good morning, how are you?", "The bus leaves at seven."]):
-        write_wav(tmp_path / f"{n}.wav", np.concatenate([speaker.silence(0.2, rate), speaker.say(text, rate)]).tobytes(),
-                  rate)
+        write_audio(tmp_path / f"{n}.wav", np.concatenate([speaker.silence(0.2, rate), speaker.say(text, rate)]).tobytes(),
+                    rate)
     extra = MAX_SESSIONS + 2
     result = loadtest(target, "--profile", "listen", "--chunk-ms", "100", "--sessions", str(extra), "--ramp-per-s",
                       "20", "--duration", "6", "--audio", str(tmp_path), "--json")
@@ -123,9 +123,9 @@ def test_bad_input(target, tmp_path):
     one_line_error(loadtest(nobody, "--connect-timeout", "3"), "cannot reach", "Connection refused")
     one_line_error(loadtest(target, "--tls", "--connect-timeout", "3"), "cannot reach", "with TLS", "handshake")
     one_line_error(loadtest(target, "--audio", str(tmp_path / "missing")), "not a directory")
-    one_line_error(loadtest(target, "--audio", str(tmp_path)), "no .wav files")
+    one_line_error(loadtest(target, "--audio", str(tmp_path)), "no audio files in it")
     (tmp_path / "x.wav").write_bytes(b"not a wav file at all")
-    one_line_error(loadtest(target, "--audio", str(tmp_path)), "not a 16-bit PCM WAV file")
+    one_line_error(loadtest(target, "--audio", str(tmp_path)), "no audio files in it; not audio: x.wav")
     one_line_error(loadtest(target, "--sessions", "100", "--ramp-per-s", "1"), "raise --ramp-per-s or --duration")
     one_line_error(loadtest(target, "--chunk-ms", "0"), "--chunk-ms must be 10..1000")
     # the llm responder is not loaded (--no-llm): the server refuses the session config

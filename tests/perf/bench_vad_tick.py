@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rtmedia.clients.client import read_wav  # noqa: E402
+from rtmedia.clients.audio_file import read_audio  # noqa: E402
 from rtmedia.clients.loadtest_speech import synthesized  # noqa: E402
 from rtmedia.engines.vad import WINDOW, VadEngine  # noqa: E402
 from rtmedia.server.audio_input import AudioInput, VadTick  # noqa: E402
@@ -45,7 +45,7 @@ TICK_MS = 32
 
 def streams(sessions: int, seconds: float) -> list[bytes]:
     """Each session's input: sentences and 1-2.5 s silences from a random point, PCM16."""
-    clips = [read_wav(p).samples for p in synthesized()]
+    clips = [read_audio(p).samples for p in synthesized()]
     rng = random.Random(1)
     out = []
     for _ in range(sessions):

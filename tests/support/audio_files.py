@@ -37,10 +37,10 @@ KINDS = {
 }
 
 
-def encode(samples: np.ndarray, rate: int, kind: str, channels: int = 1) -> bytes:
+def encode(samples: np.ndarray, rate: int, kind: str, channels: int = 1, bit_rate: int | None = None) -> bytes:
     """`samples` (mono int16 at `rate`) as a file of `kind` (a KINDS key) with `channels`
     channels: stereo copies the speech to both, the right one a little quieter, so a downmix
-    has to add them."""
+    has to add them. `bit_rate`: the encoder's, in bits per second (None: its default)."""
     spec = KINDS[kind]
     layout = {1: "mono", 2: "stereo"}[channels]
     if channels == 1:
@@ -52,6 +52,8 @@ def encode(samples: np.ndarray, rate: int, kind: str, channels: int = 1) -> byte
     buf = io.BytesIO()
     with av.open(buf, "w", format=spec.container) as out:
         stream = out.add_stream(spec.codec, rate=out_rate, layout=layout)
+        if bit_rate is not None:
+            stream.bit_rate = bit_rate
         ctx = stream.codec_context
         resampler = av.AudioResampler(format=ctx.format, layout=layout, rate=out_rate,
                                       frame_size=ctx.frame_size or None)

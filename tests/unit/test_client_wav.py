@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
-from rtmedia.clients.client import WavAudio, read_wav, write_wav
+from rtmedia.clients.audio_file import Audio, read_audio, write_audio
 
 
 def test_at_rate_resamples_and_keeps_the_tone(tmp_path) -> None:
     t = np.arange(44100) / 44100
     tone = (np.sin(2 * np.pi * 440 * t) * 10000).astype(np.int16)
     path = tmp_path / "tone.wav"
-    write_wav(path, np.repeat(tone, 2).tobytes(), 44100, channels=2)
-    audio = read_wav(path)
+    write_audio(path, tone.tobytes(), 44100)
+    audio = read_audio(path)
     assert audio.sample_rate == 44100 and np.array_equal(audio.samples, tone)
     same = audio.at_rate(44100)
     assert same is audio
@@ -24,4 +24,4 @@ def test_at_rate_resamples_and_keeps_the_tone(tmp_path) -> None:
 
 
 def test_empty_audio_resamples_to_empty() -> None:
-    assert len(WavAudio(np.zeros(0, np.int16), 48000).at_rate(16000).samples) == 0
+    assert len(Audio(np.zeros(0, np.int16), 48000).at_rate(16000).samples) == 0

@@ -7,8 +7,8 @@ import re
 
 import numpy as np
 import pytest
+from rtmedia.clients.audio_file import write_audio
 from rtmedia.clients.cli import CliError
-from rtmedia.clients.client import write_wav
 from rtmedia.clients.loadtest import check_args, session_config
 from rtmedia.clients.loadtest_report import (
     LATENCIES,
@@ -20,7 +20,7 @@ from rtmedia.clients.loadtest_report import (
     slo_verdict,
     write_plot,
 )
-from rtmedia.clients.loadtest_speech import load_clips, wav_files
+from rtmedia.clients.loadtest_speech import audio_files, load_clips
 from rtmedia.server.cli import build_parser
 
 
@@ -139,10 +139,10 @@ def test_paused_clips_pause_600_to_900_ms_where_the_sentence_is_unfinished():
 def test_clips_from_a_directory(tmp_path):
     rate = 8000
     tone = (np.sin(np.arange(rate) * 2 * np.pi * 300 / rate) * 8000).astype(np.int16)
-    write_wav(tmp_path / "a.wav", np.concatenate([np.zeros(rate // 4, np.int16), tone, np.zeros(77, np.int16)]).tobytes(),
+    write_audio(tmp_path / "a.wav", np.concatenate([np.zeros(rate // 4, np.int16), tone, np.zeros(77, np.int16)]).tobytes(),
               rate)
     (tmp_path / "notes.txt").write_text("not audio")
-    paths = wav_files(tmp_path)
+    paths = audio_files(tmp_path)
     assert [p.name for p in paths] == ["a.wav"]
     (clip,) = load_clips(paths, 16000, 20)  # resampled 8 -> 16 kHz, 20 ms = 320 samples per chunk
     assert all(len(c.input_audio_buffer_append.audio) == 640 for c in clip.chunks)
@@ -153,15 +153,15 @@ def test_clips_from_a_directory(tmp_path):
 
 def test_bad_audio_dirs(tmp_path):
     with pytest.raises(CliError, match="not a directory"):
-        wav_files(tmp_path / "missing")
-    with pytest.raises(CliError, match=r"no \.wav files"):
-        wav_files(tmp_path)
+        audio_files(tmp_path / "missing")
+    with pytest.raises(CliError, match=r"no audio files in it$"):
+        audio_files(tmp_path)
     (tmp_path / "bad.wav").write_bytes(b"RIFF nonsense")
-    with pytest.raises(CliError, match="not a 16-bit PCM WAV file"):
-        load_clips(wav_files(tmp_path), 16000, 20)
-    write_wav(tmp_path / "bad.wav", bytes(1600), 8000)
+    with pytest.raises(CliError, match=r"no audio files in it; not audio: bad\.wav \("):
+        audio_files(tmp_path)
+    write_audio(tmp_path / "bad.wav", bytes(1600), 8000)
     with pytest.raises(CliError, match="no speech"):
-        load_clips(wav_files(tmp_path), 16000, 20)
+        load_clips(audio_files(tmp_path), 16000, 20)
 
 
 def test_plot_is_a_png(tmp_path):

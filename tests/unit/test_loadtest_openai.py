@@ -20,8 +20,8 @@ import pydantic
 import pytest
 from aiohttp import web
 from openai.types.realtime import RealtimeClientEvent, RealtimeServerEvent
+from rtmedia.clients.audio_file import write_audio
 from rtmedia.clients.cli import CliError
-from rtmedia.clients.client import write_wav
 from rtmedia.clients.credentials import Credentials
 from rtmedia.clients.loadtest import (
     CONFIG_ID,
@@ -33,7 +33,7 @@ from rtmedia.clients.loadtest import (
     session_config,
 )
 from rtmedia.clients.loadtest_openai import SocketPerson, api_session, append_event, socket_clips, ws_url
-from rtmedia.clients.loadtest_speech import Clip, load_clips, wav_files
+from rtmedia.clients.loadtest_speech import Clip, audio_files, load_clips
 from rtmedia.server.cli import build_parser
 from rtmedia.web.realtime_config import RealtimeConfig
 
@@ -108,7 +108,7 @@ def test_appends_are_base64_pcm_at_24k(tmp_path):
     event = json.loads(append_event(b"\x01\x00\xff\x7f"))
     CLIENT_EVENT.validate_python(event)
     assert event == {"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x01\x00\xff\x7f").decode()}
-    (clip,) = socket_clips(load_clips(wav_files(write_clip(tmp_path, 16000)), 24000, 20))
+    (clip,) = socket_clips(load_clips(audio_files(write_clip(tmp_path, 16000)), 24000, 20))
     audio = [base64.b64decode(json.loads(c)["audio"]) for c in clip.chunks]
     assert {len(a) for a in audio} == {2 * 480}  # 20 ms at 24 kHz, resampled from 16 kHz
     assert clip.voice_start_ms == pytest.approx(200, abs=3)
@@ -331,12 +331,12 @@ def write_clip(folder, rate: int = RATE):
     """0.2 s of silence, 0.6 s of a loud tone, 0.2 s of silence."""
     tone = (np.sin(np.arange(int(rate * 0.6)) * 2 * np.pi * 300 / rate) * 8000).astype(np.int16)
     quiet = np.zeros(rate // 5, np.int16)
-    write_wav(folder / "tone.wav", np.concatenate([quiet, tone, quiet]).tobytes(), rate)
+    write_audio(folder / "tone.wav", np.concatenate([quiet, tone, quiet]).tobytes(), rate)
     return folder
 
 
 def clips(folder) -> list[Clip]:
-    return socket_clips(load_clips(wav_files(write_clip(folder)), RATE, 20))
+    return socket_clips(load_clips(audio_files(write_clip(folder)), RATE, 20))
 
 
 async def test_a_talk_run_measures_what_grpc_measures(tmp_path):
