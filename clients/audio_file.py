@@ -32,6 +32,7 @@ from typing import IO, Any
 
 import av
 import numpy as np
+from rtmedia.engines.resample import float_to_pcm16
 
 STDIO = "-"
 SAMPLE_BYTES = 2  # PCM16 mono
@@ -81,6 +82,18 @@ def _frame(samples: np.ndarray, rate: int, pts: int = 0) -> av.AudioFrame:
 def _pcm(frames: list[av.AudioFrame]) -> bytes:
     """Packed s16 mono frames as bytes (a plane may be padded past its samples)."""
     return b"".join(bytes(f.planes[0])[:f.samples * SAMPLE_BYTES] for f in frames)
+
+
+def pcm16(audio: bytes | np.ndarray) -> bytes:
+    """PCM16 little-endian bytes of `audio`: bytes as they are, int16 samples, or floats in [-1, 1]."""
+    if isinstance(audio, bytes | bytearray | memoryview):
+        return bytes(audio)
+    samples = np.asarray(audio)
+    if samples.dtype.kind == "f":
+        return float_to_pcm16(samples)
+    if samples.dtype.kind not in "iu":
+        raise TypeError(f"audio must be bytes or a numpy array of samples, not {samples.dtype} data")
+    return np.clip(samples, -32768, 32767).astype("<i2").tobytes()
 
 
 def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:

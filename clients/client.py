@@ -73,25 +73,34 @@ def _asked_rate(voices: speech_pb2.ListVoicesResponse | None, voice: str, rate: 
     return 0 if rates is not None and rate not in rates and rate in RESAMPLED_RATES else rate
 
 
-def _chunk(reply: speech_pb2.SynthesizeResponse, resampler: Any, rate: int, numpy: bool) -> SpeechChunk:
-    pcm = reply.audio
-    if resampler is not None:
-        from rtmedia.engines.resample import float_to_pcm16
+class _Speech:
+    """One Synthesize call's replies as SpeechChunks at `rate` (0: the voice's own), resampled here
+    (the engines' streaming resampler) when the server sends another rate."""
 
-        floats = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768
-        out = resampler.process(floats)
-        pcm = float_to_pcm16(np.concatenate([out, resampler.flush()]) if reply.is_final else out)
-    audio: bytes | np.ndarray = np.frombuffer(pcm, "<i2") if numpy else pcm
-    return SpeechChunk(audio, rate or reply.sample_rate, reply.channels or 1, reply.chunk_index, reply.text,
-                       reply.is_final)
+    def __init__(self, rate: int, numpy: bool) -> None:
+        self.rate, self.numpy = rate, numpy
+        self.resampler: Any = None
+
+    def chunk(self, reply: speech_pb2.SynthesizeResponse) -> SpeechChunk:
+        pcm = reply.audio
+        if reply.chunk_index == 0 and self.rate and reply.sample_rate != self.rate:
+            from rtmedia.engines.resample import make_resampler
+
+            self.resampler = make_resampler(reply.sample_rate, self.rate)
+        if self.resampler is not None:
+            from rtmedia.engines.resample import float_to_pcm16
+
+            out = self.resampler.process(np.frombuffer(pcm, "<i2").astype(np.float32) / 32768)
+            pcm = float_to_pcm16(np.concatenate([out, self.resampler.flush()]) if reply.is_final else out)
+        audio: bytes | np.ndarray = np.frombuffer(pcm, "<i2") if self.numpy else pcm
+        return SpeechChunk(audio, self.rate or reply.sample_rate, reply.channels or 1, reply.chunk_index,
+                           reply.text, reply.is_final)
 
 
-def _resampler(reply: speech_pb2.SynthesizeResponse, rate: int) -> Any:
-    if not rate or reply.sample_rate == rate:
-        return None
-    from rtmedia.engines.resample import make_resampler
-
-    return make_resampler(reply.sample_rate, rate)
+def _synthesize_request(voices: speech_pb2.ListVoicesResponse | None, text: str, voice: str, rate: int,
+                        speed: float) -> speech_pb2.SynthesizeRequest:
+    return speech_pb2.SynthesizeRequest(text=text, voice=voice, sample_rate=_asked_rate(voices, voice, rate),
+                                        speed=speed, framing=speech_pb2.AUDIO_FRAMING_PCM16)
 
 
 def _transcribe_requests(audio: Audio, sample_rate: int, chunk_ms: int, partial_results: bool,
@@ -101,12 +110,10 @@ def _transcribe_requests(audio: Audio, sample_rate: int, chunk_ms: int, partial_
     yield speech_pb2.TranscribeRequest(config=speech_pb2.TranscribeConfig(
         audio_format=fmt, language=language, disable_partial_results=not partial_results))
     if isinstance(audio, bytes | bytearray | np.ndarray):
-        from rtmedia.clients.session import pcm16
+        from rtmedia.clients.audio_file import pcm16, resample
 
         data = pcm16(audio)
         if rate != sample_rate:
-            from rtmedia.clients.audio_file import resample
-
             data = resample(np.frombuffer(data, "<i2"), sample_rate, rate).astype("<i2").tobytes()
         step = max(2, rate * chunk_ms // 1000 * 2)
         for offset in range(0, len(data), step):
@@ -155,15 +162,11 @@ class SpeechClient:
         voice's own: rates the voice is not served at are resampled here)."""
         if sample_rate > 0 and self._voices is None:
             self._voices = self.list_voices()
-        asked = _asked_rate(self._voices, voice, sample_rate)
-        request = speech_pb2.SynthesizeRequest(text=text, voice=voice, sample_rate=asked, speed=speed,
-                                               framing=speech_pb2.AUDIO_FRAMING_PCM16)
-        resampler = None
+        request = _synthesize_request(self._voices, text, voice, sample_rate, speed)
+        speech = _Speech(sample_rate, numpy)
         try:
             for reply in self.stub.Synthesize(request, timeout=self.timeout):
-                if resampler is None and reply.chunk_index == 0:
-                    resampler = _resampler(reply, sample_rate)
-                yield _chunk(reply, resampler, sample_rate, numpy)
+                yield speech.chunk(reply)
         except grpc.RpcError as exc:
             raise RtmediaError.from_rpc(exc) from None
 
@@ -207,15 +210,11 @@ class AsyncSpeechClient:
                          numpy: bool = False) -> AsyncIterator[SpeechChunk]:
         if sample_rate > 0 and self._voices is None:
             self._voices = await self.list_voices()
-        asked = _asked_rate(self._voices, voice, sample_rate)
-        request = speech_pb2.SynthesizeRequest(text=text, voice=voice, sample_rate=asked, speed=speed,
-                                               framing=speech_pb2.AUDIO_FRAMING_PCM16)
-        resampler = None
+        request = _synthesize_request(self._voices, text, voice, sample_rate, speed)
+        speech = _Speech(sample_rate, numpy)
         try:
             async for reply in self.stub.Synthesize(request, timeout=self.timeout):
-                if resampler is None and reply.chunk_index == 0:
-                    resampler = _resampler(reply, sample_rate)
-                yield _chunk(reply, resampler, sample_rate, numpy)
+                yield speech.chunk(reply)
         except grpc.RpcError as exc:
             raise RtmediaError.from_rpc(exc) from None
 
@@ -292,6 +291,8 @@ class VideoClient:
         parts: list[bytes] = []
         try:
             for reply in self.stub.DecodeVideo(request, timeout=self.timeout):
+                if reply.part != len(parts):
+                    raise ValueError(f"chunk {reply.chunk_index} part {reply.part} arrived out of order")
                 parts.append(reply.data)  # a chunk bigger than a message comes in parts
                 if reply.part + 1 < reply.parts:
                     continue

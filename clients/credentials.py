@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from rtmedia.protocol.errors import error_metadata, error_reason
 from rtmedia.protocol.tokens import is_loopback, target_host
 
 TOKEN_ENV = "RTMEDIA_TOKEN"
@@ -202,15 +201,9 @@ def _aio_bearers(token: str) -> list[_AioBearer]:
 
 # ---- the server's refusals as one line ------------------------------------------------------------
 
-def refusal(error: grpc.RpcError, token_sent: bool) -> str | None:
-    """A refusal for want of a token or over a token's quota, as one line; None for other errors."""
-    return status_refusal(error.code(), error.details() or "", error_reason(error) or "",
-                          error_metadata(error), token_sent)
-
-
 def status_refusal(code: grpc.StatusCode, details: str, reason: str, metadata: dict[str, str],
                    token_sent: bool) -> str | None:
-    """`refusal` for a status already unpacked (the client library's RtmediaError)."""
+    """A refusal for want of a token or over a token's quota, as one line; None for other statuses."""
     lines = details.strip().splitlines()
     said = f": {lines[0]}" if lines else ""
     if code == grpc.StatusCode.UNAUTHENTICATED:

@@ -331,10 +331,9 @@ class Person:
         await asyncio.wait_for(asyncio.shield(reader), CLOSE_WAIT_S)
 
     async def stop_reader(self, reader: asyncio.Task[None]) -> None:
-        call = self.session.call
-        if not reader.done() and call is not None and not call.done():  # a finished call: the reader records why
+        if not reader.done() and not self.session.call.done():  # a finished call: the reader records why
             self.cancelled = True
-            call.cancel()
+            self.session.cancel_stream()
         await asyncio.gather(reader, return_exceptions=True)
 
     def error(self, code: str) -> None:

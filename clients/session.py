@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import numpy as np
 from rtmedia.clients import events
+from rtmedia.clients.audio_file import pcm16
 from rtmedia.clients.client import DEFAULT_TARGET, aio_channel
 from rtmedia.clients.credentials import Credentials
 from rtmedia.clients.errors import RtmediaError
@@ -33,20 +34,6 @@ from rtmedia.v1 import realtime_pb2
 from rtmedia.v1.realtime_pb2_grpc import RealtimeServiceStub
 
 CLOSE_WAIT_S = 5.0  # how long leaving waits for the server's end of the stream before cancelling it
-
-
-def pcm16(audio: bytes | np.ndarray) -> bytes:
-    """PCM16 little-endian bytes of `audio`: bytes as they are, int16 samples, or floats in [-1, 1]."""
-    if isinstance(audio, bytes | bytearray | memoryview):
-        return bytes(audio)
-    samples = np.asarray(audio)
-    if samples.dtype.kind == "f":
-        samples = np.clip(np.round(samples * 32767), -32768, 32767)
-    elif samples.dtype != np.int16 and samples.dtype.kind in "iu":
-        samples = np.clip(samples, -32768, 32767)
-    elif samples.dtype != np.int16:
-        raise TypeError(f"audio must be bytes or a numpy array of samples, not {samples.dtype} data")
-    return samples.astype("<i2", copy=False).tobytes()
 
 
 class RealtimeSession:

@@ -10,12 +10,8 @@ from pathlib import Path
 
 import numpy as np
 from rtmedia.clients.cli import CliError, non_negative_int, positive_float
-from rtmedia.clients.client import CHANNEL_OPTIONS, DEFAULT_TARGET
+from rtmedia.clients.client import DEFAULT_TARGET, FRAME_PLANS, VIDEO_DTYPES, VideoClient
 from rtmedia.clients.credentials import add_credential_flags, from_args
-from rtmedia.v1 import video_pb2, video_pb2_grpc
-
-DTYPES = {np.dtype(np.float32): video_pb2.TENSOR_DTYPE_FLOAT32, np.dtype(np.float16): video_pb2.TENSOR_DTYPE_FLOAT16}
-PLANS = {"causal": video_pb2.FRAME_PLAN_CAUSAL, "overlapped": video_pb2.FRAME_PLAN_OVERLAPPED}
 
 
 def add_video_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +26,7 @@ def add_video_parser(sub: argparse._SubParsersAction) -> None:
                    help="output .mp4 (fragmented H.264), or a directory for raw chunks (like --raw-dir)")
     p.add_argument("--raw-dir", type=Path, default=None, help="write each chunk's frames as chunk_NNNNN.npy here")
     p.add_argument("--fps", type=positive_float, default=16.0, help="frames per second of the video (16)")
-    p.add_argument("--plan", choices=sorted(PLANS), default="causal", help="frame plan (causal)")
+    p.add_argument("--plan", choices=sorted(FRAME_PLANS), default="causal", help="frame plan (causal)")
     p.add_argument("--width", type=non_negative_int, default=0, help="crop frames to this width (default: full)")
     p.add_argument("--height", type=non_negative_int, default=0, help="crop frames to this height (default: full)")
     p.add_argument("--steps-per-chunk", type=non_negative_int, default=0, help="latent steps per chunk (causal plan; default 1)")
@@ -59,18 +55,9 @@ def load_latent(path: Path) -> np.ndarray:
         raise CliError(f"{path}: expected C x T x H x W or 1 x C x T x H x W, got shape {latent.shape}")
     if latent.dtype == np.float64:
         latent = latent.astype(np.float32)
-    if latent.dtype not in DTYPES:
+    if latent.dtype not in VIDEO_DTYPES:
         raise CliError(f"{path}: dtype {latent.dtype} is not supported; use float32 or float16")
-    return np.ascontiguousarray(latent.astype(latent.dtype.newbyteorder("<")))
-
-
-def request_for(latent: np.ndarray, args: argparse.Namespace, fmt: int) -> video_pb2.DecodeVideoRequest:
-    return video_pb2.DecodeVideoRequest(
-        latent=video_pb2.Tensor(shape=latent.shape, dtype=DTYPES[latent.dtype.newbyteorder("=")],
-                                data=latent.tobytes()),
-        normalized=args.normalized, plan=PLANS[args.plan], width=args.width, height=args.height, fps=args.fps,
-        format=fmt, latent_steps_per_chunk=args.steps_per_chunk, one_shot=args.one_shot,
-    )
+    return latent  # VideoClient sends it little-endian
 
 
 def _progress(done_frames: int, total_frames: int, chunk: int, chunks: int) -> None:
@@ -95,7 +82,7 @@ def cmd_decode_video(args: argparse.Namespace) -> None:
     credentials = from_args(args)
     latent = load_latent(args.input)
     # Raw frames when they are asked for (the MP4 is then encoded here); otherwise the server's fMP4.
-    fmt = video_pb2.VIDEO_FORMAT_RAW_RGB24 if raw_dir else video_pb2.VIDEO_FORMAT_FMP4_H264
+    fmt = "numpy" if raw_dir else "fmp4"
     if raw_dir:
         raw_dir.mkdir(parents=True, exist_ok=True)
     tty = sys.stderr.isatty() and not args.json
@@ -103,37 +90,32 @@ def cmd_decode_video(args: argparse.Namespace) -> None:
     first_ms = None
     frames_done = chunks_done = 0
     writer = None
-    parts: list[bytes] = []
     out = open(mp4_path, "wb") if mp4_path else None
     written: list[Path] = [mp4_path] if mp4_path else []
     ok = False
     try:
-        with credentials.channel(args.target, CHANNEL_OPTIONS) as channel:
-            stub = video_pb2_grpc.VideoServiceStub(channel)
-            for reply in stub.DecodeVideo(request_for(latent, args, fmt), timeout=args.timeout):
-                if reply.chunk_index != chunks_done or reply.part != len(parts):
-                    raise CliError(f"chunk {reply.chunk_index} part {reply.part} arrived out of order")
-                parts.append(reply.data)
-                if reply.part + 1 < reply.parts:
-                    continue
-                data, parts = b"".join(parts), []
+        with VideoClient(args.target, args.timeout, credentials) as client:
+            for reply in client.decode(latent, format=fmt, fps=args.fps, plan=args.plan, width=args.width,
+                                       height=args.height, normalized=args.normalized,
+                                       steps_per_chunk=args.steps_per_chunk, one_shot=args.one_shot):
+                if reply.chunk_index != chunks_done:
+                    raise CliError(f"chunk {reply.chunk_index} arrived out of order")
                 t_ms = (time.perf_counter() - started) * 1000
                 if first_ms is None:
                     first_ms = t_ms
                     if not args.json:
                         print(f"first frame after {first_ms:.0f} ms", file=sys.stderr)
-                if raw_dir:
-                    frames = np.frombuffer(data, np.uint8).reshape(reply.frame_count, reply.height, reply.width, 3)
+                if reply.frames is not None:
                     written.append(raw_dir / f"chunk_{reply.chunk_index:05d}.npy")
-                    np.save(written[-1], frames)
+                    np.save(written[-1], reply.frames)
                     if out is not None:
                         if writer is None:
                             from rtmedia.protocol.video_mp4 import Fmp4Writer
 
                             writer = Fmp4Writer(reply.width, reply.height, reply.fps)
-                        out.write(writer.fragment(frames, reply.is_final))
+                        out.write(writer.fragment(reply.frames, reply.is_final))
                 elif out is not None:
-                    out.write(data)
+                    out.write(reply.data)
                 if out is not None:
                     out.flush()
                 frames_done += reply.frame_count

@@ -269,12 +269,13 @@ class Peer:
                 await self._outgoing.put(client_event("input_audio_buffer.append", audio=pcm))
 
     async def _write(self) -> None:
-        while (request := await self._outgoing.get()) is not None and not self._server_closed:
+        while (request := await self._outgoing.get()) is not None:
             try:
                 await self.session.send(request)  # type: ignore[union-attr]
             except RtmediaError:
-                # The server ended the stream (session.closed, e.g. server_shutdown while draining) while
-                # the microphone still had frames on the way: the reader reports how, and closes the peer.
+                # The server ended the session (session.closed, e.g. server_shutdown while draining: the
+                # session then half-closed its call) while the microphone still had frames on the way: the
+                # reader reports how, and closes the peer.
                 return
 
     def _on_datachannel(self, channel: Any) -> None:
@@ -407,7 +408,7 @@ class Peer:
                 reply.done = True
         elif name == "session.closed":
             self.close_reason = msg.session_closed.reason
-            self._server_closed = True  # the session half-closed its call; the writer stops at its next request
+            self._server_closed = True
         self.to_page_event(msg)
 
     def _on_audio(self, msg: realtime_pb2.ConverseResponse) -> None:

@@ -21,6 +21,7 @@ from rtmedia.clients import (
 )
 from rtmedia.clients.errors import InvalidArgument, NotFound, Refused, Unavailable
 
+from tests.integration.test_openai_realtime import earlier_sessions_closed
 from tests.integration.test_realtime import utterance
 from tests.support.speech import wer
 
@@ -93,15 +94,8 @@ async def test_a_manual_turn_with_every_client_event(server, speaker):
         error = (await until(session, events.ErrorEvent))[-1]
         assert (error.code, error.param) == ("invalid_value", "voice")
     assert session.closed is not None and session.closed.reason == "client"
-    assert not server.realtime.sessions or await _sessions_gone(server)
-
-
-async def _sessions_gone(server) -> bool:
-    for _ in range(100):
-        if not server.realtime.sessions:
-            return True
-        await asyncio.sleep(0.05)
-    return False
+    await earlier_sessions_closed(server)
+    assert not server.realtime.sessions
 
 
 async def test_server_vad_turn_and_a_shared_channel(server, speaker):

@@ -47,8 +47,13 @@ def bare_person() -> type:
     class BarePerson(loadtest.Person):
         async def open(self) -> bool:
             self.call = RealtimeServiceStub(self.run.channel_for(self.index)).Converse()
-            self.session = self  # stop_reader's `self.session.call`
             return True
+
+        async def stop_reader(self, reader: asyncio.Task[None]) -> None:
+            if not reader.done() and not self.call.done():
+                self.cancelled = True
+                self.call.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
 
         async def end(self, reader: asyncio.Task[None]) -> None:
             await self.call.write(client_event("session.close"))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from rtmedia.clients import events
+from rtmedia.clients.audio_file import pcm16
 from rtmedia.clients.events_gen import main as events_gen
-from rtmedia.clients.session import pcm16
 from rtmedia.protocol.events import SERVER_EVENTS, server_event, to_json
 from rtmedia.v1.realtime_pb2 import ConverseResponse
 
@@ -21,14 +21,40 @@ def test_one_class_per_server_event():
     assert set(events.BY_TYPE) == set(SERVER_EVENTS)
 
 
+def _distinct(payload, salt: int) -> dict:
+    """A distinct non-default value for each scalar field of `payload` (so a property reading the
+    wrong field shows)."""
+    values = {}
+    for n, field in enumerate(payload.DESCRIPTOR.fields, salt):
+        if field.is_repeated or field.type == field.TYPE_MESSAGE:
+            continue
+        if field.type == field.TYPE_ENUM:
+            values[field.name] = field.enum_type.values[-1].number
+        elif field.type == field.TYPE_STRING:
+            values[field.name] = f"{field.name}-{n}"
+        elif field.type == field.TYPE_BYTES:
+            values[field.name] = bytes([n % 256, 1])
+        elif field.type == field.TYPE_BOOL:
+            values[field.name] = True
+        elif field.type in (field.TYPE_FLOAT, field.TYPE_DOUBLE):
+            values[field.name] = n + 0.5
+        else:
+            values[field.name] = n + 7
+    return values
+
+
 @pytest.mark.parametrize("name", sorted(SERVER_EVENTS))
 def test_each_event_wraps_its_payload(name):
     member = SERVER_EVENTS[name]
-    msg = server_event(name)
+    msg = ConverseResponse()
+    payload = getattr(msg, member)
+    payload.SetInParent()
+    for key, value in _distinct(payload, salt=len(name)).items():
+        setattr(payload, key, value)
     event = events.wrap(msg)
-    assert type(event).type == name and event.proto is msg and event.data == getattr(msg, member)
-    for field in getattr(msg, member).DESCRIPTOR.fields:
-        assert getattr(event, field.name) == getattr(getattr(msg, member), field.name)
+    assert type(event).type == name and event.proto is msg and event.data == payload
+    for field in payload.DESCRIPTOR.fields:
+        assert getattr(event, field.name) == getattr(payload, field.name), field.name
     assert event.to_json() == to_json(msg) and event == events.wrap(msg)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from rtmedia.clients.session import RealtimeSession
 from rtmedia.protocol.events import server_event
 from rtmedia.web.realtime_config import new_config
 from rtmedia.web.realtime_events import Translator
@@ -55,11 +56,21 @@ class Call:
         self.cancelled = True
         return True
 
+    def done(self) -> bool:
+        return self.cancelled
+
+
+def session_on(call: Call) -> RealtimeSession:
+    """A RealtimeSession over the stand-in call (as the front's, once opened)."""
+    session = RealtimeSession(channel=object())
+    session.call = call
+    return session
+
 
 async def test_a_client_that_stops_reading_is_closed_and_its_call_ended():
     ws, call = StuckSocket(), Call()
     translator = Translator(new_config("gpt-realtime", "realtime"))
-    socket = RealtimeSocket(ws, call, translator, RealtimeLimits(send_timeout_s=0.2))
+    socket = RealtimeSocket(ws, session_on(call), translator, RealtimeLimits(send_timeout_s=0.2))
     first = [server_event("session.updated", session={})]
     await asyncio.wait_for(socket.run(first), 5)
     assert socket.closed_reason == "client_too_slow"
@@ -74,6 +85,6 @@ async def test_the_servers_end_of_the_call_closes_the_socket():
 
     ws = StuckSocket()
     ws.send_str = lambda text: asyncio.sleep(0)  # a reading client
-    socket = RealtimeSocket(ws, Ended(), Translator(new_config("gpt-realtime", "realtime")), RealtimeLimits())
+    socket = RealtimeSocket(ws, session_on(Ended()), Translator(new_config("gpt-realtime", "realtime")), RealtimeLimits())
     await asyncio.wait_for(socket.run([]), 5)
     assert ws.closed and ws.close_code == 1000
