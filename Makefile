@@ -9,6 +9,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 50051
 WEB_PORT ?= 8080
 PYTEST_ARGS ?=
+APT_PACKAGES := chromium haproxy libportaudio2 pulseaudio pulseaudio-utils libasound2-plugins
 
 .PHONY: setup serve test lint loadtest-smoke proto clean
 
@@ -27,9 +28,10 @@ $(STAMP): pyproject.toml package.json package-lock.json
 	$(BIN)/python -m pip install -q --no-deps pipecat-ai==1.14.0
 	npm ci --no-audit --no-fund --loglevel=error
 	# The browser tests drive Debian's chromium (Playwright uses it; no browser download); the
-	# proxy test puts Debian's haproxy in front of two replicas.
-	{ test -x /usr/bin/chromium && test -x /usr/sbin/haproxy; } || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium haproxy; }
+	# proxy test puts Debian's haproxy in front of two replicas; `talk --mic` needs PortAudio, and
+	# its tests run it on PulseAudio's clocked null sink and pipe source through ALSA's pulse plugin.
+	dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q $(APT_PACKAGES); }
 	touch $(STAMP)
 
 serve: setup

@@ -118,6 +118,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     common(p)
     p.set_defaults(func=cmd_health, timeout=5.0)
 
+    p = sub.add_parser("devices", help="list the audio devices `talk --mic` can use",
+                       description="List the microphones and speakers PortAudio sees, as `talk --mic "
+                                   "--input-device/--output-device` name them (by index or name); * marks the "
+                                   "defaults.")
+    p.add_argument("--json", action="store_true", help="one JSON object per device")
+    p.set_defaults(func=cmd_devices)
+
     from rtmedia.clients.loadtest import add_loadtest_parser  # imported here: both import this module
     from rtmedia.clients.talk import add_talk_parser
 
@@ -126,7 +133,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     add_video_parser(sub)
     add_loadtest_parser(sub)
-    for name in ("voices", "synth", "transcribe", "health", "talk", "decode-video", "loadtest"):
+    for name in ("voices", "synth", "transcribe", "health", "devices", "talk", "decode-video", "loadtest"):
         add_debug_flag(sub.choices[name])
 
 
@@ -211,6 +218,24 @@ def cmd_voices(args: argparse.Namespace) -> None:
     for v in reply.voices:
         rates = ", ".join(map(str, v.supported_sample_rates))
         print(f"{v.name}  {v.language}  native {v.native_sample_rate} Hz  rates: {rates}")
+
+
+def cmd_devices(args: argparse.Namespace) -> None:
+    from rtmedia.clients.audio_devices import DeviceError, list_devices
+
+    try:
+        devices = list_devices()
+    except DeviceError as exc:
+        raise CliError(str(exc)) from None
+    if not devices:
+        raise CliError("PortAudio sees no audio devices")
+    for d in devices:
+        if args.json:
+            print(json.dumps(d))
+            continue
+        ways = [f"{kind} {n} ch{' *' if d[f'default_{kind}'] else ''}"
+                for kind, n in (("input", d["input_channels"]), ("output", d["output_channels"])) if n]
+        print(f"{d['index']:>3}  {d['name']}  ({d['host_api']}; {', '.join(ways)}; {d['default_sample_rate']} Hz)")
 
 
 def cmd_health(args: argparse.Namespace) -> None:

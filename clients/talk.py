@@ -79,6 +79,19 @@ output_audio_buffer.cleared. Without --realtime the file is sent faster than it
 plays, so voice-to-voice leaves out most of the silence window: use --realtime
 for numbers comparable with a live user.
 
+With --mic there is no IN: the microphone (--input-device; `rtmedia devices` lists
+them) is the user's voice, in --chunk-ms chunks, and replies play on the speaker
+(--output-device) through a --jitter-ms buffer; playback.ack reports what the
+speaker actually played (PortAudio's output timing), so a barge-in truncates the
+history at what was heard. A live view shows the level, your words, the reply
+and latencies; Ctrl-C (or --duration) closes the session. Latencies are then
+acoustic: voice-to-voice from the capture of the turn's last voiced chunk to the
+reply's first sample at the speaker, barge-in from the capture of the
+interrupting speech to the reply's last sample out. --push-to-talk makes manual
+turns (space starts one, interrupting any reply; space again sends it);
+--half-duplex mutes the microphone while a reply plays (speakers that reach the
+microphone without echo cancellation would otherwise interrupt themselves).
+
 With --tools FILE the session offers FILE's public Python functions as tools (their
 docstrings and type hints are the declarations); each call the model makes runs here,
 is printed with its result, and its output goes back with response.create for the answer.
@@ -93,7 +106,7 @@ instead of the base64 "audio". The last line is {"type": "summary", ...}.
 def add_talk_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("talk", help="a duplex speech session from an audio file (RealtimeService)",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("input", type=Path, metavar="IN", help=f"the user's voice: {AUDIO_IN_HELP}")
+    p.add_argument("input", type=Path, metavar="IN", nargs="?", help=f"the user's voice: {AUDIO_IN_HELP}")
     p.add_argument("--rate", type=positive_int, default=None, metavar="HZ", help=RATE_HELP)
     p.add_argument("-o", "--output", type=Path, default=None, metavar="OUT",
                    help="write the reply audio (every audio delta, in order) to this file, its format from the "
@@ -121,6 +134,21 @@ def add_talk_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=positive_float, default=60.0,
                    help="after the file is sent, wait at most this many seconds for the session to go idle "
                         "(default 60); then exit non-zero")
+    live = p.add_argument_group("live voice (--mic)")
+    live.add_argument("--mic", action="store_true",
+                      help="talk live: the microphone is your voice and replies play on the speaker, instead of IN")
+    live.add_argument("--input-device", default=None, metavar="DEV",
+                      help="microphone: index or name from `rtmedia devices` (default: the system's)")
+    live.add_argument("--output-device", default=None, metavar="DEV",
+                      help="speaker: index or name from `rtmedia devices` (default: the system's)")
+    live.add_argument("--push-to-talk", action="store_true",
+                      help="manual turns: space starts a turn (interrupting a reply), space again sends it")
+    live.add_argument("--half-duplex", action="store_true",
+                      help="mute the microphone while a reply plays (laptop speakers without echo cancellation)")
+    live.add_argument("--jitter-ms", type=positive_int, default=None,
+                      help="reply audio buffered before it starts playing (default 60 ms)")
+    live.add_argument("--duration", type=positive_float, default=None, metavar="S",
+                      help="end the session after S seconds (default: at Ctrl-C)")
     add_credential_flags(p)
     p.set_defaults(func=cmd_talk)
 
@@ -141,7 +169,7 @@ class InputAudio:
         return sum(len(c) for c in self.chunks) / 2 / self.rate
 
     def chunk_at(self, ms: float) -> int:
-        return min(len(self.chunks) - 1, max(0, int(ms // self.chunk_ms)))
+        return min(len(self.starts_ms) - 1, max(0, int(ms // self.chunk_ms)))
 
 
 def load_input(path: Path, chunk_ms: int, tail_ms: int = 0, raw_rate: int | None = None) -> InputAudio:
@@ -207,8 +235,7 @@ class Reply:
 class Talk:
     args: argparse.Namespace
     audio: InputAudio
-    call: Any = None
-    session: Any = None  # the RealtimeSession (its call is `call`)
+    session: Any = None  # the RealtimeSession
     origin: float | None = None  # perf_counter when the first chunk was sent
     sent_t: list[float] = field(default_factory=list)  # send time of each chunk
     last_chunk_t: float | None = None
@@ -298,9 +325,9 @@ class Talk:
         except (asyncio.CancelledError, RtmediaError):
             raise
         except Exception as exc:
-            if not self.call.done():
+            if not self.session.call.done():
                 self.failure = exc
-                self.call.cancel()
+                self.session.cancel_stream()
 
     async def _drive(self) -> None:
         args, audio = self.args, self.audio
@@ -328,13 +355,17 @@ class Talk:
                     await self.write("input_audio_buffer.commit", event_id=COMMIT_ID)
                 await self.write("response.create", event_id=CREATE_ID)
             await self.wait_idle()
+        await self.close_session()
+
+    async def close_session(self) -> None:
+        """session.close, then half-close; cancel the call if the server does not end it in time."""
         async with self.write_lock:
             self.closing = True
             await self.session.send(client_event("session.close", reason="client"))
             await self.session.end_input()
         await asyncio.sleep(CLOSE_WAIT_S)
         self.close_cancelled = True  # the server did not end the stream
-        self.call.cancel()
+        self.session.cancel_stream()
 
     async def stream_file(self) -> None:
         audio = self.audio
@@ -455,8 +486,7 @@ class Talk:
             self.turn_floor_ms = decision_ms
         elif name == "conversation.item.input_audio_transcription.delta":
             self.partial[ev.item_id] = self.partial.get(ev.item_id, "") + ev.delta
-            if sys.stderr.isatty() and not self.args.json:
-                print(f"\r\033[K  … {self.partial[ev.item_id]}", end="", file=sys.stderr, flush=True)
+            self.show_partial(self.partial[ev.item_id])
         elif name == "conversation.item.input_audio_transcription.completed":
             self.transcripts.append(ev.transcript)
             self.say(now, f"you: {ev.transcript or '(nothing recognised)'}")
@@ -480,7 +510,7 @@ class Talk:
                 task.add_done_callback(self.tool_tasks.discard)
             reply.status = realtime_pb2.ResponseStatus.Name(ev.status).removeprefix("RESPONSE_STATUS_").lower()
             if reply.status == "cancelled":
-                heard = f" after {reply.played_ms(now) / 1000:.2f} s" if reply.first_audio_t else ""
+                heard = f" after {self.heard_ms(reply, now) / 1000:.2f} s" if reply.first_audio_t else ""
                 self.say(now, f"rtmedia (interrupted{heard}, {ev.status_reason}): "
                               f"{reply.text + '…' if reply.text else '(nothing yet)'}")
             elif reply.status == "incomplete":  # the token limit ended the reply
@@ -491,6 +521,14 @@ class Talk:
             self.on_cleared(ev, now)
         elif name == "session.closed":
             self.closed_reason = ev.reason
+
+    def heard_ms(self, reply: Reply, now: float) -> int:
+        """How much of the reply has played."""
+        return reply.played_ms(now)
+
+    def show_partial(self, text: str) -> None:
+        if sys.stderr.isatty() and not self.args.json:
+            print(f"\r\033[K  … {text}", end="", file=sys.stderr, flush=True)
 
     async def run_calls(self, calls: list[realtime_pb2.ConversationItem]) -> None:
         """Run a response's function calls here, send their outputs, and ask for the answer."""
@@ -597,11 +635,10 @@ class Talk:
         return sum(map(len, self.audio_parts))
 
 
-async def _converse(args: argparse.Namespace, audio: InputAudio, credentials: Credentials,
-                    toolbox: Toolbox | None = None) -> Talk:
-    talk = Talk(args, audio, toolbox=toolbox)
-    async with RealtimeSession(args.target, credentials=credentials) as session:
-        talk.session, talk.call = session, session.call
+async def converse(talk: Talk, credentials: Credentials) -> Talk:
+    """Run `talk`'s session: its drive and ack tasks beside the read of the server's events."""
+    async with RealtimeSession(talk.args.target, credentials=credentials) as session:
+        talk.session = session
         talk.on_event(session.created.proto, time.perf_counter())  # type: ignore[union-attr]
         tasks = [asyncio.create_task(talk.drive(), name="talk-send"),
                  asyncio.create_task(talk.ack_loop(), name="talk-ack")]
@@ -620,6 +657,15 @@ async def _converse(args: argparse.Namespace, audio: InputAudio, credentials: Cr
 
 
 def cmd_talk(args: argparse.Namespace) -> None:
+    if args.mic:
+        from rtmedia.clients.talk_mic import cmd_talk_mic
+
+        return cmd_talk_mic(args)
+    if args.input is None:
+        raise CliError("give IN, the audio file to speak, or --mic to speak into the microphone")
+    for flag in ("input_device", "output_device", "push_to_talk", "half_duplex", "duration", "jitter_ms"):
+        if getattr(args, flag) not in (None, False):
+            raise CliError(f"--{flag.replace('_', '-')} is for --mic")
     credentials = from_args(args)
     if args.format is not None and args.output is None:
         raise CliError("--format is the format of -o: give -o OUT too")
@@ -634,7 +680,7 @@ def cmd_talk(args: argparse.Namespace) -> None:
         toolbox = load_tools(args.tools) if args.tools is not None else None
     except ToolError as exc:
         raise CliError(f"--tools: {exc}") from None
-    talk = asyncio.run(_converse(args, audio, credentials, toolbox))
+    talk = asyncio.run(converse(Talk(args, audio, toolbox=toolbox), credentials))
     if sys.stderr.isatty() and not args.json and talk.partial:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     problem = ""
@@ -664,7 +710,7 @@ def _print_summary(talk: Talk) -> None:
     if talk.config_error:
         return
     s = talk.summary()
-    if talk.open_turn and talk.args.mode in VAD_MODES:
+    if talk.open_turn and talk.args.mode in VAD_MODES and not talk.args.mic:
         print("note: the file ended inside a turn (no speech_stopped): add trailing silence longer than "
               "silence_duration_ms", file=sys.stderr)
 
