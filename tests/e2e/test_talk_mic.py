@@ -35,7 +35,7 @@ def pulse(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with running_server("--metrics-port", str(free_port()), log=log) as (target, _):
+    with running_server("--metrics-port", str(free_port()), "--no-llm", "--responder", "echo", log=log) as (target, _):
         yield {"target": target, "log": log}
 
 
