@@ -29,7 +29,7 @@ import numpy as np
 
 SESSION_RATES = (24000, 16000, 8000)  # input rates a session takes, best first
 RESAMPLE_TO = 24000
-OUTPUT_BLOCK_MS = 10  # the speaker's callback period: short enough to start a reply soon, few wakeups
+OUTPUT_BLOCK_MS = 5  # the speaker's callback period: the device buffer is a few periods deep, so it sets latency
 
 
 class DeviceError(RuntimeError):
