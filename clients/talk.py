@@ -667,22 +667,33 @@ def cmd_talk(args: argparse.Namespace) -> None:
         if getattr(args, flag) not in (None, False):
             raise CliError(f"--{flag.replace('_', '-')} is for --mic")
     credentials = from_args(args)
-    if args.format is not None and args.output is None:
-        raise CliError("--format is the format of -o: give -o OUT too")
-    out_format = output_format(args.output, args.format) if args.output is not None else None
+    out_format, toolbox = output_and_tools(args)
     # server_vad: a second of silence after the file, as a live microphone keeps sending
     audio = load_input(args.input, args.chunk_ms, tail_ms=1000 if args.mode in VAD_MODES else 0, raw_rate=args.rate)
     if args.timeout <= 0:
         raise CliError(f"--timeout must be positive, got {args.timeout}")
     if args.eagerness is not None and args.mode != "semantic_vad":
         raise CliError(f"--eagerness is for --mode semantic_vad, not {args.mode}")
-    try:
-        toolbox = load_tools(args.tools) if args.tools is not None else None
-    except ToolError as exc:
-        raise CliError(f"--tools: {exc}") from None
     talk = asyncio.run(converse(Talk(args, audio, toolbox=toolbox), credentials))
     if sys.stderr.isatty() and not args.json and talk.partial:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
+    finish(talk, args, out_format)
+
+
+def output_and_tools(args: argparse.Namespace) -> tuple[str | None, Any]:
+    """The `-o` file's format (None without -o) and the `--tools` toolbox (None without it)."""
+    if args.format is not None and args.output is None:
+        raise CliError("--format is the format of -o: give -o OUT too")
+    out_format = output_format(args.output, args.format) if args.output is not None else None
+    try:
+        return out_format, load_tools(args.tools) if args.tools is not None else None
+    except ToolError as exc:
+        raise CliError(f"--tools: {exc}") from None
+
+
+def finish(talk: Talk, args: argparse.Namespace, out_format: str | None) -> None:
+    """The end of a talk: `-o` written, the summary (or its JSON) printed, and what went wrong
+    raised as one line."""
     problem = ""
     if talk.config_error:
         problem = f"the server rejected the session config: {talk.config_error}"

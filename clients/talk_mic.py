@@ -35,6 +35,8 @@ from rtmedia.clients.talk import (
     Reply,
     Talk,
     converse,
+    finish,
+    output_and_tools,
 )
 from rtmedia.protocol.events import client_event
 
@@ -407,41 +409,12 @@ def check_mic_args(args: argparse.Namespace) -> None:
 
 
 def cmd_talk_mic(args: argparse.Namespace) -> None:
-    from rtmedia.clients.audio_file import AudioWriter, output_format
-    from rtmedia.clients.talk import _print_summary
-
     check_mic_args(args)
     credentials = from_args(args)
-    if args.format is not None and args.output is None:
-        raise CliError("--format is the format of -o: give -o OUT too")
-    out_format = output_format(args.output, args.format) if args.output is not None else None
-    toolbox = None
-    if args.tools is not None:
-        from rtmedia.clients.tools import ToolError, load_tools
-
-        try:
-            toolbox = load_tools(args.tools)
-        except ToolError as exc:
-            raise CliError(f"--tools: {exc}") from None
+    out_format, toolbox = output_and_tools(args)
     talk = MicTalk(args, InputAudio(0, 0, [], [], [], args.chunk_ms), toolbox=toolbox)
     try:
         asyncio.run(_live(talk, credentials))
     except DeviceError as exc:
         raise CliError(str(exc)) from None
-    problem = ""
-    if talk.config_error:
-        problem = f"the server rejected the session config: {talk.config_error}"
-    elif talk.closed_reason != "client":
-        problem = f"the server closed the session: {talk.closed_reason or 'stream ended without session.closed'}"
-    if args.output and talk.audio_parts and not talk.rate_change:
-        with AudioWriter(args.output, talk.audio_rate, out_format) as writer:
-            writer.write(b"".join(talk.audio_parts))
-    if args.json:
-        import json
-
-        talk.flush_early()
-        print(json.dumps(talk.summary(), ensure_ascii=False), flush=True, file=talk.text_out)
-    else:
-        _print_summary(talk)
-    if problem:
-        raise CliError(problem)
+    finish(talk, args, out_format)
