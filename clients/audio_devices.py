@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from rtmedia.engines.resample import float_to_pcm16, make_resampler
 
 SESSION_RATES = (24000, 16000, 8000)  # input rates a session takes, best first
 RESAMPLE_TO = 24000
@@ -144,10 +145,47 @@ class Chunk:
     level_dbfs: float
 
 
-class Microphone:
+class _Device:
+    """One open PortAudio stream of mono int16 blocks: what the microphone and speaker share."""
+
+    what = "device"  # how errors name it
+    info: dict[str, Any]
+    stream: Any
+    _stopping = False
+
+    @property
+    def name(self) -> str:
+        return str(self.info["name"])
+
+    def _open(self, sd: Any, stream_type: Any, rate: int, block_ms: int) -> None:
+        try:
+            with native_quiet():
+                self.stream = stream_type(samplerate=rate, blocksize=rate * block_ms // 1000,
+                                          device=self.info["index"], channels=1, dtype="int16", latency="low",
+                                          callback=self._callback, finished_callback=self._finished)
+                self.stream.start()
+        except (sd.PortAudioError, ValueError) as exc:
+            raise DeviceError(f"cannot open the {self.what} {self.name!r}: {_reason(exc)}") from None
+
+    def _callback(self, data: np.ndarray, frames: int, t: Any, status: Any) -> None:
+        raise NotImplementedError
+
+    def _finished(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._stopping = True
+        with native_quiet():
+            self.stream.abort()
+            self.stream.close()
+
+
+class Microphone(_Device):
     """The input device as `chunk_ms` PCM16 chunks at a session rate (24/16/8 kHz, else resampled to
     24 kHz), queued to the event loop; `await next()` returns one, or raises DeviceError when the
     stream stopped."""
+
+    what = "microphone"
 
     def __init__(self, device: str | int | None, chunk_ms: int, loop: asyncio.AbstractEventLoop) -> None:
         sd = portaudio()
@@ -156,25 +194,10 @@ class Microphone:
         self.rate = self.device_rate if self.device_rate in SESSION_RATES else RESAMPLE_TO
         self._resampler: Any = None
         if self.rate != self.device_rate:
-            from rtmedia.engines.resample import make_resampler
-
             self._resampler = make_resampler(self.device_rate, self.rate)
         self.loop, self.overflows = loop, 0
         self.queue: asyncio.Queue[Chunk | DeviceError] = asyncio.Queue()
-        self._stopping = False
-        try:
-            with native_quiet():
-                self.stream = sd.InputStream(samplerate=self.device_rate,
-                                             blocksize=self.device_rate * chunk_ms // 1000, device=self.info["index"],
-                                             channels=1, dtype="int16", latency="low", callback=self._callback,
-                                             finished_callback=self._finished)
-                self.stream.start()
-        except (sd.PortAudioError, ValueError) as exc:
-            raise DeviceError(f"cannot open the microphone {self.info['name']!r}: {_reason(exc)}") from None
-
-    @property
-    def name(self) -> str:
-        return str(self.info["name"])
+        self._open(sd, sd.InputStream, self.device_rate, chunk_ms)
 
     def _callback(self, indata: np.ndarray, frames: int, t: Any, status: Any) -> None:
         if status.input_overflow:
@@ -184,8 +207,6 @@ class Microphone:
 
     def _arrived(self, samples: np.ndarray, captured: float) -> None:
         if self._resampler is not None:
-            from rtmedia.engines.resample import float_to_pcm16
-
             pcm = float_to_pcm16(self._resampler.process(samples.astype(np.float32) / 32768))
             samples = np.frombuffer(pcm, "<i2")
         self.queue.put_nowait(Chunk(samples.astype("<i2").tobytes(), captured, dbfs(samples)))
@@ -201,11 +222,6 @@ class Microphone:
             raise item
         return item
 
-    def close(self) -> None:
-        self._stopping = True
-        with native_quiet():
-            self.stream.abort()
-            self.stream.close()
 
 
 @dataclass
@@ -216,7 +232,7 @@ class _Segment:
     frames: int
 
 
-class Speaker:
+class Speaker(_Device):
     """The output device, playing replies in order from a jitter buffer.
 
     The timeline counts every frame handed to PortAudio, silence included. After each callback the
@@ -225,6 +241,8 @@ class Speaker:
     starts once `jitter_ms` is buffered or the reply has ended; an underrun plays silence and
     buffers again.
     """
+
+    what = "speaker"
 
     def __init__(self, device: str | int | None, rate_hint: int, jitter_ms: int) -> None:
         sd = portaudio()
@@ -245,19 +263,7 @@ class Speaker:
         self.device_underflows = 0  # PortAudio's: the callback came too late for the device
         self.output_latency_s = 0.0
         self.failed: str = ""
-        self._stopping = False
-        try:
-            with native_quiet():
-                self.stream = sd.OutputStream(samplerate=self.rate, blocksize=self.rate * OUTPUT_BLOCK_MS // 1000,
-                                              device=self.info["index"], channels=1, dtype="int16", latency="low", callback=self._callback,
-                                              finished_callback=self._finished)
-                self.stream.start()
-        except (sd.PortAudioError, ValueError) as exc:
-            raise DeviceError(f"cannot open the speaker {self.info['name']!r}: {_reason(exc)}") from None
-
-    @property
-    def name(self) -> str:
-        return str(self.info["name"])
+        self._open(sd, sd.OutputStream, self.rate, OUTPUT_BLOCK_MS)
 
     # ---- the event loop's side -----------------------------------------------------------------
     def play(self, response_id: str, pcm: bytes) -> None:
@@ -353,8 +359,3 @@ class Speaker:
         if not self._stopping:
             self.failed = f"the speaker {self.name!r} stopped"
 
-    def close(self) -> None:
-        self._stopping = True
-        with native_quiet():
-            self.stream.abort()
-            self.stream.close()

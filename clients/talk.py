@@ -217,6 +217,10 @@ class Reply:
     acked_ms: int = 0
     cleared: bool = False
 
+    def add_received(self, frames: int, rate: int) -> None:
+        self.received_frames += frames
+        self.received_ms = self.received_frames * 1000 // rate
+
     def played_ms(self, now: float) -> int:
         if self.first_audio_t is None:
             return 0
@@ -329,16 +333,22 @@ class Talk:
                 self.failure = exc
                 self.session.cancel_stream()
 
-    async def _drive(self) -> None:
-        args, audio = self.args, self.audio
-        session = {
-            "input_audio_format": {"encoding": "pcm16", "sample_rate": audio.rate, "channels": 1},
-            "turn_detection": {"type": args.mode, "eagerness": args.eagerness},
+    def session_config(self, input_rate: int, mode: str, output_rate: int) -> dict[str, Any]:
+        """The session.update of this talk: its voice's rate, turn mode, responder and tools."""
+        args = self.args
+        session: dict[str, Any] = {
+            "input_audio_format": {"encoding": "pcm16", "sample_rate": input_rate, "channels": 1},
+            "turn_detection": {"type": mode, "eagerness": args.eagerness},
             "responder": args.responder, "instructions": args.instructions, "voice": args.voice,
-            "output_sample_rate": args.output_rate,
+            "output_sample_rate": output_rate,
         }
         if self.toolbox is not None:
             session["tools"] = {"functions": self.toolbox.declarations}
+        return session
+
+    async def _drive(self) -> None:
+        args, audio = self.args, self.audio
+        session = self.session_config(audio.rate, args.mode, args.output_rate)
         # Nothing is written before the server admits the session: a refusal (at capacity, over a
         # quota) then never races a write, which gRPC would report as INTERNAL instead.
         await self.created.wait()
@@ -563,21 +573,24 @@ class Talk:
             self.create_pending = False
         self.say(now, f"! error {ev.code}: {ev.message}")
 
+    def note_rate(self, rate: int) -> None:
+        """The replies' audio rate: the first one's, and a note if a later one differs (-o cannot hold both)."""
+        if not self.audio_rate:
+            self.audio_rate = rate
+        elif rate != self.audio_rate and not self.rate_change:
+            self.rate_change = f"reply audio changed rate from {self.audio_rate} to {rate} Hz"
+
     def on_audio(self, ev: Any, now: float) -> None:
         reply = self.replies.get(ev.response_id)
         if reply is None or not ev.audio:
             return
-        if not self.audio_rate:
-            self.audio_rate = ev.sample_rate
-        elif ev.sample_rate != self.audio_rate and not self.rate_change:
-            self.rate_change = f"reply audio changed rate from {self.audio_rate} to {ev.sample_rate} Hz"
+        self.note_rate(ev.sample_rate)
         self.audio_parts.append(ev.audio)
         if reply.first_audio_t is None:
             reply.first_audio_t = reply.play_until = now
         if not reply.cleared:
             frames = len(ev.audio) // (2 * max(1, ev.channels))
-            reply.received_frames += frames
-            reply.received_ms = reply.received_frames * 1000 // ev.sample_rate
+            reply.add_received(frames, ev.sample_rate)
             reply.play_until = max(now, reply.play_until) + frames / ev.sample_rate
 
     def on_cleared(self, ev: Any, now: float) -> None:

@@ -119,16 +119,8 @@ class MicTalk(Talk):
     # ---- sending ------------------------------------------------------------------------------
     async def _drive(self) -> None:
         assert self.mic is not None and self.speaker is not None
-        args = self.args
-        mode = "manual" if args.push_to_talk else args.mode
-        session = {
-            "input_audio_format": {"encoding": "pcm16", "sample_rate": self.mic.rate, "channels": 1},
-            "turn_detection": {"type": mode, "eagerness": args.eagerness},
-            "responder": args.responder, "instructions": args.instructions, "voice": args.voice,
-            "output_sample_rate": self.speaker.rate,
-        }
-        if self.toolbox is not None:
-            session["tools"] = {"functions": self.toolbox.declarations}
+        mode = "manual" if self.args.push_to_talk else self.args.mode
+        session = self.session_config(self.mic.rate, mode, self.speaker.rate)
         await self.created.wait()
         await self.write("session.update", event_id=CONFIG_ID, session=session)
         await self.configured.wait()
@@ -159,7 +151,7 @@ class MicTalk(Talk):
                 async with self.write_lock:
                     if self.closing:
                         return
-                    self.audio.starts_ms.append(self.samples_sent * 1000 / self.mic.rate)
+                    self.audio.starts_ms.append(self.input_ms)
                     self.audio.voiced.append(not self.muted and chunk.level_dbfs > VOICED_DBFS)
                     self.sent_t.append(chunk.captured_t)  # latencies are from the capture
                     self.samples_sent += len(pcm) // 2
@@ -211,8 +203,8 @@ class MicTalk(Talk):
     # ---- playback -------------------------------------------------------------------------------
     def on_event(self, msg: Any, now: float) -> None:
         super().on_event(msg, now)
-        ev = getattr(msg, msg.WhichOneof("event") or "", None)
         kind = msg.WhichOneof("event")
+        ev = getattr(msg, kind or "", None)
         if kind == "response_done" and self.speaker is not None:
             self.speaker.end(ev.response_id)
         elif kind == "conversation_item_input_audio_transcription_completed":
@@ -224,10 +216,7 @@ class MicTalk(Talk):
         reply = self.replies.get(ev.response_id)
         if reply is None or not ev.audio or reply.cleared or self.speaker is None:
             return
-        if not self.audio_rate:
-            self.audio_rate = ev.sample_rate
-        elif ev.sample_rate != self.audio_rate and not self.rate_change:
-            self.rate_change = f"reply audio changed rate from {self.audio_rate} to {ev.sample_rate} Hz"
+        self.note_rate(ev.sample_rate)
         if ev.sample_rate != self.speaker.rate:
             self.fail(CliError(f"the server sent reply audio at {ev.sample_rate} Hz; the speaker plays "
                                f"{self.speaker.rate} Hz"))
@@ -235,8 +224,7 @@ class MicTalk(Talk):
         if self.args.output is not None:
             self.audio_parts.append(ev.audio)
         self.received_t.setdefault(ev.response_id, now)
-        reply.received_frames += len(ev.audio) // (2 * max(1, ev.channels))
-        reply.received_ms = reply.received_frames * 1000 // ev.sample_rate
+        reply.add_received(len(ev.audio) // (2 * max(1, ev.channels)), ev.sample_rate)
         self.speaker.play(ev.response_id, ev.audio)
 
     def on_cleared(self, ev: Any, now: float) -> None:
