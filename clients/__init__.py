@@ -6,6 +6,10 @@
 import os
 from typing import TYPE_CHECKING, Any
 
+from rtmedia.protocol.import_names import step_aside
+
+step_aside(__name__, __file__)
+
 # Client commands report a failed connection (refused, TLS mismatch) as one line; gRPC
 # core's own info logs about it would add more. Set before grpc is first imported; the
 # `rtmedia` entry point imports this package first, so `rtmedia serve` gets it too (gRPC core

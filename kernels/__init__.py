@@ -1,1 +1,5 @@
 """rtmedia.kernels."""
+
+from rtmedia.protocol.import_names import step_aside
+
+step_aside(__name__, __file__)

@@ -1,7 +1,8 @@
 """Imports between the top-level folders flow one way (docs/architecture.md, "Folders"):
 proto and kernels import nothing of rtmedia; engines -> kernels; server -> proto, engines,
 kernels; clients -> proto and the pure audio helpers of engines; web -> proto, clients and
-the same helpers. The console entry point is the one module that imports every door."""
+the same helpers. The console entry point is the one module that imports every door, and each
+folder's `__init__` imports the bare-name guard (rtmedia.protocol.import_names)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ ALLOWED = {
     "web": {"web", "proto", "clients"},
 }
 AUDIO_HELPERS = {"rtmedia.engines.resample"}  # pure numpy, no model: the clients and the web front use them
+GUARD = "rtmedia.protocol.import_names"  # every folder's __init__ steps aside under a bare name
 ENTRY = ROOT / "server" / "cli.py"  # the `rtmedia` console script
 
 
@@ -46,6 +48,8 @@ def edges() -> list[tuple[str, str, str]]:
             if path == ENTRY:
                 continue
             for line, module in imported_modules(path):
+                if module == GUARD and path.name == "__init__.py" and path.parent == source:
+                    continue
                 target = FOLDERS.get(module.split(".")[1])
                 if target is None or target in ALLOWED[folder]:
                     continue
