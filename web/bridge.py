@@ -17,13 +17,17 @@ event); `/healthz` counts peers and names none, and only the id ends or shows a 
 Logs and task names carry a short prefix of it (`Peer.tag`).
 
 Bad input gets a 4xx with a JSON body `{"error": "..."}` naming the problem (every error
-answer has that shape, aiohttp's own 404/405/413 included); the request body is bounded
+answer has that shape, aiohttp's own 404/405/413 included: rtmedia.web.http_errors, which also
+keeps requests aiohttp cannot parse from flooding the log); the request body is bounded
 (`max_body_bytes`, aiohttp's `client_max_size`) and so are an offer's media sections
-(`max_media_sections`). A full bridge (`max_peers`) answers 503 and says so; a server that
-refuses the session answers 401, 429, 502 or 503 with its gRPC status (below).
+(`max_media_sections`). An offer is checked before anything is spent on it
+(rtmedia.web.offers): one that could never connect is refused with 400 at once. A full bridge
+(`max_peers`) answers 503 and says so; a server that refuses the session answers 401, 429, 502
+or 503 with its gRPC status (below). An answered peer holds its slot and its session only until
+the connect deadline (`connect_timeout_s`) unless its connection is up by then.
 
 ICE binds only where the operator said (`media_host`, default the page's `host`): see
-`install_ice_binding`.
+rtmedia.web.ice_binding.
 
 Tokens (`auth_tokens`, rtmedia.protocol.tokens): while the table has tokens, the `authenticate`
 middleware wants `Authorization: Bearer TOKEN` on every route but the page (`GET /`,
@@ -47,29 +51,18 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import contextlib
-import contextvars
-import ipaddress
 import json
 import logging
-import random
 import secrets
-import socket
 import ssl
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aioice.ice as aioice_ice
-import aioice.mdns as aioice_mdns
 import grpc
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription, rtcsctptransport
-from aiortc.exceptions import InternalError, InvalidAccessError, InvalidStateError, OperationError
-from aiortc.rtcrtpsender import RTCRtpSender
-from aiortc.sdp import SessionDescription
 from rtmedia.clients.client import CHANNEL_OPTIONS
 from rtmedia.clients.credentials import read_pem
 from rtmedia.protocol.tokens import (
@@ -81,8 +74,16 @@ from rtmedia.protocol.tokens import (
     is_loopback,
     target_host,
 )
-from rtmedia.web.openai_api import OpenAIConfig, OpenAIFront, Upstream, is_openai_path, openai_errors
-from rtmedia.web.openai_errors import http_error
+from rtmedia.web.http_errors import ServerLog, error_response, json_errors, refusal
+from rtmedia.web.ice_binding import IceBinding, binding_in_force, ice_binding, install_ice_binding
+from rtmedia.web.offers import (
+    MAX_BODY_BYTES,
+    MAX_MEDIA_SECTIONS,
+    NEGOTIATION_ERRORS,
+    negotiation_failure,
+    validate_offer,
+)
+from rtmedia.web.openai_api import OpenAIConfig, OpenAIFront, Upstream, openai_errors
 from rtmedia.web.peer import OfferError, Peer, VideoDefaults
 from rtmedia.web.realtime_calls import SECRET_KEY
 from rtmedia.web.realtime_events import Translator
@@ -91,15 +92,7 @@ from rtmedia.web.tracks import PLAYOUT_RATE, set_audio_prefetch
 log = logging.getLogger("rtmedia.web")
 
 STATIC = Path(__file__).with_name("static")
-# A browser's offer (audio, video, data channel) is 4-12 KB of SDP; JSON adds a little.
-MAX_BODY_BYTES = 64 * 1024
-# The page offers audio, video and the data channel; WHIP clients audio and video.
-MAX_MEDIA_SECTIONS = 4
 PEER_ID_BYTES = 32  # secrets.token_urlsafe: 256 bits, 43 characters
-MEDIA_KINDS = ("audio", "video", "application")
-# What aiortc raises for an offer it cannot take (setRemoteDescription, createAnswer, setLocalDescription).
-NEGOTIATION_ERRORS = (ValueError, TypeError, KeyError, IndexError, InternalError, InvalidAccessError,
-                      InvalidStateError, OperationError)
 # Small-MTU paths (IPv6 minimum 1280, VPN tunnels): aiortc fragments data-channel
 # messages into DATA chunks of this much user data at most. 1100 bytes keeps a full
 # SCTP packet, with DTLS, UDP and IPv6 headers, well under 1280 bytes; oversized
@@ -137,7 +130,10 @@ class BridgeConfig:
     # packet is dropped), N adds N x 20 ms (aiortc's own 4: 80 ms). Raise it on paths with
     # much jitter or reordering.
     audio_prefetch: int = 0
-    connect_timeout_s: float = 30.0  # an answered peer must connect within this
+    # The connect deadline: an answered peer whose connection (ICE and DTLS) is not up within this
+    # is closed, giving back its slot and its session. A browser on loopback connects well within
+    # a second; a TURN relay across the world within a few.
+    connect_timeout_s: float = 10.0
     max_body_bytes: int = MAX_BODY_BYTES  # an HTTP request body (aiohttp's client_max_size); larger is 413
     max_media_sections: int = MAX_MEDIA_SECTIONS  # m= sections of one offer; more is 400
     # Address ICE's UDP media sockets bind (and gather host candidates) on; None: `host`'s.
@@ -160,6 +156,8 @@ class BridgeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.audio_prefetch <= 16:
             raise ValueError(f"audio_prefetch must be 0..16 frames, got {self.audio_prefetch}")
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s must be more than 0 seconds, got {self.connect_timeout_s}")
         if self.max_peers < 1:
             raise ValueError(f"max_peers must be at least 1, got {self.max_peers}")
         if not 1024 <= self.max_body_bytes <= 16 * 1024 * 1024:
@@ -244,82 +242,6 @@ def ice_server(url: str) -> RTCIceServer:
     return RTCIceServer(urls=url)
 
 
-def validate_offer(sdp: Any, max_bytes: int = MAX_BODY_BYTES, max_media: int = MAX_MEDIA_SECTIONS) -> SessionDescription:
-    """The parsed offer, or OfferError(4xx) naming what is wrong with it. Checks what aiortc
-    would otherwise fail on deep inside (or, worse, in a task of its own): the sections'
-    kinds and mids, the BUNDLE group, the codecs."""
-    if not isinstance(sdp, str) or not sdp.strip():
-        raise OfferError(400, "the offer has no SDP")
-    try:
-        size = len(sdp.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise OfferError(400, "the SDP offer is not valid Unicode text (it holds a lone surrogate)") from None
-    if size > max_bytes:
-        raise OfferError(413, f"the SDP offer is {size} bytes; at most {max_bytes} are accepted (--max-body-bytes)")
-    if not sdp.lstrip().startswith("v=0"):
-        raise OfferError(400, "malformed SDP offer: it must start with 'v=0'")
-    sections = sum(1 for line in sdp.splitlines() if line.startswith("m="))
-    if sections > max_media:
-        raise OfferError(400, f"the SDP offer has {sections} media sections (m= lines); at most {max_media} are "
-                              "accepted (--max-media-sections)")
-    try:
-        parsed = SessionDescription.parse(sdp)
-    except Exception as exc:  # the parser raises whatever the bad line provokes
-        raise OfferError(400, f"malformed SDP offer: {type(exc).__name__}: {exc}") from None
-    _check_sections(parsed)
-    audio = [m for m in parsed.media if m.kind == "audio"]
-    if not audio:
-        raise OfferError(400, "the SDP offer has no audio section: the bridge needs the microphone (m=audio)")
-    if not any((m.direction or "sendrecv") in ("sendrecv", "sendonly") for m in audio):
-        raise OfferError(400, "the SDP offer's audio is receive-only: the bridge needs the browser to send "
-                              "its microphone (a=sendrecv or a=sendonly)")
-    for m in parsed.media:  # aiortc needs them in every section, even a rejected (port 0) one
-        if not (m.ice.usernameFragment and m.ice.password and m.dtls and m.dtls.fingerprints):
-            raise OfferError(400, f"the SDP offer's {m.kind} section (mid {m.rtp.muxId[:32]}) lacks ICE "
-                                  "credentials or a DTLS fingerprint")
-    return parsed
-
-
-def _check_sections(parsed: SessionDescription) -> None:
-    """Kinds, mids, BUNDLE groups and codecs of the offer's media sections."""
-    for m in parsed.media:
-        if m.kind not in MEDIA_KINDS:
-            raise OfferError(400, f"the SDP offer has a {m.kind[:32]!r} section (m={m.kind[:32]}); the bridge takes "
-                                  "audio, video and one application (data channel) section")
-    if sum(m.kind == "application" for m in parsed.media) > 1:
-        raise OfferError(400, "the SDP offer has more than one application (data channel) section")
-    mids = [m.rtp.muxId for m in parsed.media]
-    if not all(mids):
-        index = mids.index(next(mid for mid in mids if not mid))
-        raise OfferError(400, f"media section {index} (m={parsed.media[index].kind}) of the SDP offer has no a=mid")
-    shared = sorted(mid for mid, n in Counter(mids).items() if n > 1)
-    if shared:
-        raise OfferError(400, f"mid {shared[0][:32]} names more than one media section of the SDP offer")
-    bundled: set[str] = set()
-    for group in parsed.group:
-        if group.semantic != "BUNDLE":
-            continue
-        items = [str(item) for item in group.items]
-        unknown = [item for item in items if item not in mids]
-        if unknown:
-            raise OfferError(400, f"the SDP offer's BUNDLE group names mid {unknown[0][:32]}, "
-                                  "which no media section has")
-        if len(set(items)) != len(items) or bundled & set(items):
-            raise OfferError(400, "the SDP offer's BUNDLE groups name a mid more than once")
-        bundled.update(items)
-    for m in parsed.media:
-        if m.kind == "application":
-            continue
-        supported = {c.mimeType.lower(): c.mimeType.split("/", 1)[1] for c in RTCRtpSender.getCapabilities(m.kind).codecs
-                     if not c.mimeType.lower().endswith("/rtx")}
-        offered = [c.mimeType for c in m.rtp.codecs]
-        if not any(mime.lower() in supported for mime in offered):
-            named = ", ".join(mime.split("/", 1)[1] for mime in offered[:8] if "/" in mime) or "none"
-            raise OfferError(400, f"the SDP offer's {m.kind} section (mid {m.rtp.muxId[:32]}) has no codec the "
-                                  f"bridge supports: it offers {named[:200]}; the bridge takes "
-                                  f"{', '.join(dict.fromkeys(supported.values()))}")
-
-
 class Bridge:
     def __init__(self, config: BridgeConfig, tokens: TokenTable | None = None) -> None:
         """`tokens`: the web port's token table (shared with the server beside it); None: read
@@ -380,7 +302,8 @@ class Bridge:
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
         self.ssl_context = ssl_context
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        # logger: a request aiohttp cannot parse is a rate-limited warning, not an ERROR with a traceback.
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, logger=ServerLog())
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, ssl_context=ssl_context)
         await site.start()
@@ -669,8 +592,7 @@ class Bridge:
                       token_name: str | None = None, translator: Translator | None = None) -> tuple[Peer, str]:
         servers = [ice_server(url) for url in self.config.ice_servers]
         # Every socket aioice opens for this peer (in this task and the tasks it starts) binds per self.ice.
-        binding = _ICE_BINDING.set(self.ice)
-        try:
+        with binding_in_force(self.ice):
             pc = RTCPeerConnection(RTCConfiguration(iceServers=servers or None))
             peer_id = secrets.token_urlsafe(PEER_ID_BYTES)
             assert self.channel is not None, "start() the bridge first"
@@ -680,7 +602,7 @@ class Bridge:
                 try:
                     await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
                 except NEGOTIATION_ERRORS as exc:
-                    raise OfferError(400, f"the SDP offer was not accepted: {exc}") from None
+                    raise OfferError(400, f"the SDP offer was not accepted: {negotiation_failure(exc)}") from None
                 peer.mic_buffers = set_audio_prefetch(pc, self.config.audio_prefetch)
                 await peer.open_session(self.config.session)  # SessionRefused is an OfferError
                 pc.addTrack(peer.audio_out)
@@ -689,24 +611,16 @@ class Bridge:
                 try:
                     await pc.setLocalDescription(await pc.createAnswer())
                 except NEGOTIATION_ERRORS as exc:
-                    raise OfferError(400, f"the bridge cannot answer this SDP offer: {exc}") from None
+                    raise OfferError(400, f"the bridge cannot answer this SDP offer: {negotiation_failure(exc)}"
+                                     ) from None
             except BaseException:
                 await peer.close("offer failed")
                 raise
-        finally:
-            _ICE_BINDING.reset(binding)
         self.peers[peer_id] = peer
-        asyncio.get_running_loop().create_task(self._expect_connection(peer), name=f"peer-{peer.tag}-connect")
+        # Its slot and its session are held only until the connect deadline unless it connects.
+        peer.expect_connection(self.config.connect_timeout_s)
         log.info("peer answered", extra={**peer.log_fields, "session_id": peer.session_id, "video": video})
         return peer, pc.localDescription.sdp
-
-    async def _expect_connection(self, peer: Peer) -> None:
-        """A peer that never connects (the browser went away) is closed."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(peer.closed.wait(), self.config.connect_timeout_s)
-            return
-        if peer.pc.connectionState != "connected":
-            await peer.close(f"not connected within {self.config.connect_timeout_s:g} s")
 
     def _reload_server_credentials(self) -> None:
         if not self.config.server_tls or self.channel is None or self._stopping:
@@ -745,14 +659,6 @@ def static_file(name: str, root: Path = STATIC) -> Path | None:
         return None
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None,
-                   reason: str | None = None) -> web.Response:
-    """The one shape of every error answer: `{"error": "..."}`, with `"reason"` (a stable word:
-    unauthenticated, quota, draining, ...) where a client acts on it."""
-    body = {"error": message, **({"reason": reason} if reason else {})}
-    return web.json_response(body, status=status, headers=headers)
-
-
 def presented_token(request: web.Request) -> tuple[str | None, str | None]:
     """The token a request presents, and the WebSocket subprotocol that carried it (None when the
     Authorization header did): `Authorization: Bearer TOKEN`, else, on a WebSocket handshake,
@@ -767,147 +673,6 @@ def presented_token(request: web.Request) -> tuple[str | None, str | None]:
                 if protocol.startswith(prefix) and len(protocol) > len(prefix):
                     return protocol[len(prefix):], protocol
     return None, None
-
-
-@web.middleware
-async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """aiohttp's own error answers (no such route, method not allowed, body too large) in the bridge's shape."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after", "www-authenticate")}
-        return refusal(request, exc.status, f"{exc.reason}: {request.method} {request.path[:200]}", headers)
-
-
-def refusal(request: web.Request, status: int, message: str, headers: dict[str, str] | None = None,
-            reason: str | None = None) -> web.Response:
-    """An error answer in the shape of the API the request is for: OpenAI's under /v1/, else
-    the bridge's."""
-    if is_openai_path(request.path):
-        return http_error(status, message, headers)
-    return error_response(status, message, headers, reason)
-
-
-# ---- where ICE binds ----------------------------------------------------------------------------------------
-# aiortc has no setting for the addresses ICE uses: each peer's aioice Connection opens one UDP
-# socket on every local address that aioice.ice.get_host_addresses finds (all interfaces but
-# loopback), whatever --host says. install_ice_binding() is the one place the bridge changes
-# that: it replaces get_host_addresses with a function that returns the addresses of the
-# IceBinding in force (a context variable the bridge sets around one peer's negotiation, so it
-# holds for every task aiortc starts for that peer and for nothing else in the process), and
-# wraps the loop's create_datagram_endpoint so that aioice's sockets take a port of --udp-ports
-# and a TURN allocation's socket (UDP or TCP) binds the same address. The mDNS socket aioice opens to resolve
-# a browser's `.local` candidates binds the wildcard (0.0.0.0:5353) and joins the group on the
-# default interface; under an IceBinding with addresses it binds the group address instead and
-# joins it only on the binding's IPv4 address (127.0.0.1 for an IPv6-only binding: aioice's mDNS
-# is IPv4 only), so it receives nothing from elsewhere.
-
-@dataclass(frozen=True)
-class IceBinding:
-    """Where one bridge's ICE sockets bind. `addresses` None: every address aioice finds (IPv6
-    ones only with `ipv6`); `ports`: the --udp-ports range, None for any port."""
-    addresses: tuple[str, ...] | None = None
-    ipv6: bool = True
-    ports: tuple[int, int] | None = None
-
-
-_ICE_BINDING: contextvars.ContextVar[IceBinding | None] = contextvars.ContextVar("rtmedia_ice_binding", default=None)
-_aioice_host_addresses = aioice_ice.get_host_addresses
-_aioice_create_mdns_protocol = aioice_mdns.create_mdns_protocol
-
-
-async def ice_binding(host: str, ports: tuple[int, int] | None = None) -> IceBinding:
-    """The IceBinding of a --host/--media-host value: a wildcard keeps aioice's own choice
-    ("0.0.0.0": IPv4 only), an address is used as is, a name is resolved."""
-    if host in ("", "::"):
-        return IceBinding(ports=ports)
-    if host == "0.0.0.0":
-        return IceBinding(ipv6=False, ports=ports)
-    try:
-        return IceBinding(addresses=(str(ipaddress.ip_address(host)),), ports=ports)
-    except ValueError:
-        pass
-    infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_DGRAM)
-    return IceBinding(addresses=tuple(dict.fromkeys(str(info[4][0]) for info in infos)), ports=ports)
-
-
-def _host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
-    """aioice.ice.get_host_addresses, narrowed to the IceBinding in force."""
-    binding = _ICE_BINDING.get()
-    if binding is None:
-        return _aioice_host_addresses(use_ipv4=use_ipv4, use_ipv6=use_ipv6)
-    if binding.addresses is None:
-        return _aioice_host_addresses(use_ipv4=use_ipv4, use_ipv6=use_ipv6 and binding.ipv6)
-    return [a for a in binding.addresses if (use_ipv6 if ":" in a else use_ipv4)]
-
-
-async def _create_mdns_protocol() -> aioice_mdns.MDnsProtocol:
-    """aioice.mdns.create_mdns_protocol, narrowed to the IceBinding in force."""
-    binding = _ICE_BINDING.get()
-    if binding is None or binding.addresses is None:
-        return await _aioice_create_mdns_protocol()
-    interface = next((a for a in binding.addresses if ":" not in a), "127.0.0.1")
-    group = aioice_mdns.MDNS_ADDRESS
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((group, aioice_mdns.MDNS_PORT))
-        sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(group) + socket.inet_aton(interface))
-        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(interface))
-    except OSError:
-        sock.close()
-        raise
-    _, protocol = await asyncio.get_running_loop().create_datagram_endpoint(aioice_mdns.MDnsProtocol, sock=sock)
-    protocol._MDnsProtocol__joined = True  # joined above on `interface`; aioice would join on the default one
-    return protocol
-
-
-def install_ice_binding(loop: asyncio.AbstractEventLoop) -> None:
-    """Make aioice follow the IceBinding in force (see above); idempotent, and a no-op for
-    ICE outside a bridge's negotiation."""
-    aioice_ice.get_host_addresses = _host_addresses
-    aioice_mdns.create_mdns_protocol = _create_mdns_protocol
-    if getattr(loop, "_rtmedia_ice_binding", False):
-        return
-    original = loop.create_datagram_endpoint
-
-    async def create_datagram_endpoint(protocol_factory: Any, local_addr: Any = None, **kwargs: Any) -> Any:
-        binding = _ICE_BINDING.get()
-        module = getattr(protocol_factory, "__module__", "") or ""
-        if binding is None or not module.startswith("aioice") or kwargs.get("sock") is not None:
-            return await original(protocol_factory, local_addr=local_addr, **kwargs)
-        remote = kwargs.get("remote_addr")
-        if local_addr is None and remote and binding.addresses:
-            # A TURN allocation's socket: from the bridge's own address, not the wildcard.
-            v6 = ":" in str(remote[0])
-            local_addr = (next((a for a in binding.addresses if (":" in a) == v6), binding.addresses[0]), 0)
-        if not (local_addr and local_addr[1] == 0 and binding.ports):
-            return await original(protocol_factory, local_addr=local_addr, **kwargs)
-        lo, hi = binding.ports
-        candidates = list(range(lo, hi + 1))
-        random.shuffle(candidates)
-        for port in candidates:
-            with contextlib.suppress(OSError):
-                return await original(protocol_factory, local_addr=(local_addr[0], port), **kwargs)
-        raise OSError(f"no free UDP port in {lo}-{hi} on {local_addr[0]} (--udp-ports)")
-
-    original_tcp = loop.create_connection
-
-    async def create_connection(protocol_factory: Any, host: Any = None, port: Any = None, **kwargs: Any) -> Any:
-        binding = _ICE_BINDING.get()
-        module = getattr(protocol_factory, "__module__", "") or ""
-        if binding is not None and binding.addresses and module.startswith("aioice") and not kwargs.get("local_addr"):
-            # A TURN/TCP allocation's connection: from the bridge's own address too.
-            v6 = ":" in str(host)
-            kwargs["local_addr"] = (next((a for a in binding.addresses if (":" in a) == v6), binding.addresses[0]), 0)
-        return await original_tcp(protocol_factory, host, port, **kwargs)
-
-    loop.create_datagram_endpoint = create_datagram_endpoint  # type: ignore[method-assign]
-    loop.create_connection = create_connection  # type: ignore[method-assign]
-    loop._rtmedia_ice_binding = True  # type: ignore[attr-defined]
 
 
 async def start_beside(server_config: Any, target: str, tokens: TokenTable) -> Bridge:

@@ -63,6 +63,9 @@ def add_web_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-media-sections", type=int, default=4, metavar="N",
                    help="most m= sections (media sections) an offer may have (default 4: audio, video and the "
                         "data channel fit); more is refused with 400")
+    p.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
+                   help="an answered peer whose connection (ICE and DTLS) is not up within S seconds is closed, "
+                        "giving back its slot and its session (default 10)")
     p.add_argument("--responder", default=None, help="responder of the sessions, e.g. echo (default: the server's)")
     p.add_argument("--grace", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, how long live calls may go on while new offers are refused (default 30)")
@@ -106,6 +109,7 @@ def bridge_config(args: argparse.Namespace) -> object:
                         max_peers=args.max_peers, input_rate=args.input_rate, session=session,
                         audio_prefetch=args.audio_prefetch, media_host=args.media_host,
                         max_body_bytes=args.max_body_bytes, max_media_sections=args.max_media_sections,
+                        connect_timeout_s=args.connect_timeout,
                         auth_tokens=args.auth_tokens, server_tls=args.server_tls, server_ca=args.server_ca,
                         server_cert=args.server_cert, server_key=args.server_key, server_token=server_token,
                         openai=OpenAIConfig(**{k: v for k, v in (("max_upload_bytes", args.openai_max_upload_bytes),

@@ -10,7 +10,9 @@ The peer owns its tasks and ends them all in `close()`:
   (and a light form of the audio deltas) to the page on the `events` data channel;
   `output_audio_buffer.cleared` empties the playout buffer at once;
 - `acks`: `playback.ack` from what the outgoing audio track has actually played out;
-- `video`: a demo `DecodeVideo` whose frames go out on the video track.
+- `video`: a demo `DecodeVideo` whose frames go out on the video track;
+- `connect`: the connect deadline (`expect_connection`): a peer whose connection is not up
+  by then is closed, so one that never connects holds its bridge slot and session no longer.
 
 Every call the peer makes to the server carries `metadata` (`authorization: Bearer TOKEN`:
 the token its browser presented, else the bridge's --server-token); `token_name` is the NAME
@@ -148,6 +150,7 @@ class Peer:
         self.close_reason = ""
         self.closed = asyncio.Event()
         self._closing = False
+        self._connected = asyncio.Event()  # the peer connection (ICE and DTLS) has been up
         self._outgoing: asyncio.Queue[realtime_pb2.ConverseRequest | None] = asyncio.Queue(256)
         self._replies: dict[str, ReplyState] = {}
         self._channel: Any = None  # the `events` RTCDataChannel
@@ -192,6 +195,18 @@ class Peer:
         self._start("reader", self._read)
         self._start("writer", self._write)
         self._start("acks", self._ack_loop)
+
+    def expect_connection(self, timeout_s: float) -> None:
+        """Close the peer unless its connection (ICE and DTLS) is up within `timeout_s`: an
+        answered peer holds a bridge slot and a session, which a browser that went away, or an
+        offer that can never connect, must not keep."""
+        self._start("connect", self._connect_deadline, timeout_s)
+
+    async def _connect_deadline(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout_s)
+        except TimeoutError:
+            await self.close(f"not connected within {timeout_s:g} s")
 
     def _start(self, name: str, run: Callable[..., Any], *args: Any) -> None:
         # The coroutine is made inside the task: a task cancelled before it runs leaves none un-awaited.
@@ -242,6 +257,8 @@ class Peer:
 
     def _on_connection_state(self) -> None:
         state = self.pc.connectionState
+        if state == "connected":
+            self._connected.set()
         if state in ("failed", "closed"):
             self.schedule_close(f"peer connection {state}")
 

@@ -1,6 +1,8 @@
 """The bridge against hostile clients, in process: peer ids are capabilities, every bad
-request gets a 4xx with a JSON error (no 500, no traceback) while other peers carry on,
-and a peer's media sockets bind only the address the operator gave.
+request gets a 4xx with a JSON error (no 500, no traceback) while other peers carry on, an
+offer that could never connect is refused before it takes a slot, a request aiohttp cannot
+parse costs the log one warning per peer at most, and a peer's media sockets bind only the
+address the operator gave.
 
 The rtmedia server is not needed: `Peer.open_session` is replaced by one that opens no
 Converse stream, so these tests exercise the HTTP front, aiortc and aioice only."""
@@ -21,6 +23,7 @@ import aiohttp
 import pytest
 from aiortc import RTCPeerConnection
 from rtmedia.web import bridge as bridge_module
+from rtmedia.web import ice_binding as ice_module
 from rtmedia.web.bridge import Bridge, BridgeConfig, OfferError, validate_offer
 from rtmedia.web.cli import add_web_parser, bridge_config
 from rtmedia.web.peer import Peer
@@ -34,10 +37,11 @@ async def started(config: BridgeConfig) -> Bridge:
     return bridge
 
 
-async def offer_sdp(video: bool = True, data: bool = True) -> str:
+async def offer_sdp(video: bool = True, data: bool = True, audio: bool = True) -> str:
     pc = RTCPeerConnection()
     try:
-        pc.addTransceiver("audio")
+        if audio:
+            pc.addTransceiver("audio")
         if video:
             pc.addTransceiver("video", direction="recvonly")
         if data:
@@ -176,9 +180,88 @@ async def test_offer_validation_bounds_sections_and_names_structure_problems():
     validate_offer(re.sub(r"a=group:BUNDLE [^\r\n]*\r\n", "", sdp))
 
 
+# What names an exception class: a refusal speaks of the offer, never of the code that read it.
+EXCEPTION_NAME = re.compile(r"\b[A-Z]\w*(?:Error|Exception)\b|StopIteration")
+
+
+def unusable_offers(sdp: str) -> list[tuple[str, str, str]]:
+    """Offers made from a good one (`sdp`: audio, video, data channel) that parse but could never
+    carry a call, or hold a line aiortc cannot read: (name, offer, what the refusal must name)."""
+    return [
+        ("fingerprints in an unknown algorithm", re.sub(r"a=fingerprint:[\w-]+", "a=fingerprint:sha-999", sdp),
+         "sha-999"),
+        ("audio rejected", re.sub(r"m=audio \d+", "m=audio 0", sdp), "m=audio 0"),
+        ("audio inactive", sdp.replace("a=sendrecv", "a=inactive", 1), "inactive"),
+        ("audio receive-only", sdp.replace("a=sendrecv", "a=recvonly", 1), "recvonly"),
+        ("an unreadable a=setup", sdp.replace("a=setup:actpass", "a=setup:sideways"), "a=setup:sideways"),
+        ("an unreadable m= line", re.sub(r"m=audio \d+", "m=audio x", sdp), "m=audio x"),
+        ("an unreadable a=rtpmap", sdp.replace("a=rtpmap:96 opus/48000/2", "a=rtpmap:96 opus"), "a=rtpmap:96 opus"),
+    ]
+
+
+def offer_requests(sdp: str) -> list[tuple[str, dict]]:
+    """The offer as each door takes it: the page's JSON, WHIP's SDP, and OpenAI's Realtime calls' SDP."""
+    as_sdp = {"data": sdp, "headers": {"Content-Type": "application/sdp"}}
+    return [("/offer", {"json": {"sdp": sdp, "type": "offer"}}), ("/whip", as_sdp), ("/v1/realtime/calls", as_sdp)]
+
+
+async def test_offers_that_could_never_connect_are_refused_at_once(sessionless, caplog):
+    """Every door that takes an offer refuses one that could never carry a call with 400 at once,
+    naming the problem in its API's error shape, and such an offer holds no slot: with room for
+    one peer, a good offer is still answered after them all."""
+    caplog.set_level(logging.INFO)
+    bridge = await started(BridgeConfig(port=0, max_peers=1))
+    url = f"http://127.0.0.1:{bridge.port}"
+    sdp = await offer_sdp()
+    cases = [*unusable_offers(sdp), ("no audio section", await offer_sdp(audio=False), "no audio section")]
+    good = BridgePeer(url)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for name, offer, word in cases:
+                for path, request in offer_requests(offer):
+                    async with http.post(url + path, **request) as res:
+                        body = await res.json()
+                    assert res.status == 400, (name, path, res.status, body)
+                    if path.startswith("/v1/"):
+                        assert body["error"]["code"] == "invalid_offer", (name, body)
+                        message = body["error"]["message"]
+                    else:
+                        message = body["error"]
+                    assert word.lower() in message.lower(), (name, path, message)
+                    assert not EXCEPTION_NAME.search(message), (name, path, message)
+            assert not bridge.peers
+            await good.connect(http)
+            await good.wait_for("bridge.peer")
+    finally:
+        await good.close()
+        await bridge.stop()
+    failures = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not failures, [r.getMessage() for r in failures]
+
+
+async def test_offer_checks_keep_what_can_connect():
+    """A bundled section with port 0 (a=bundle-only, RFC 8843) is in use, and one fingerprint in an
+    algorithm aiortc checks is enough beside others it does not know; an unreadable line is named
+    by its number and text whatever the parser raised for it."""
+    sdp = await offer_sdp()
+    rejected = re.sub(r"m=audio \d+", "m=audio 0", sdp)
+    with pytest.raises(OfferError, match="rejected"):
+        validate_offer(rejected)
+    validate_offer(rejected.replace("a=mid:0\r\n", "a=mid:0\r\na=bundle-only\r\n"))
+    validate_offer(sdp.replace("a=fingerprint:sha-384", "a=fingerprint:sha-999"))
+    lines = sdp.splitlines()
+    setup = next(i for i, line in enumerate(lines) if line.startswith("a=setup:")) + 1
+    with pytest.raises(OfferError, match=f"line {setup} cannot be read: 'a=setup:sideways'"):
+        validate_offer(sdp.replace("a=setup:actpass", "a=setup:sideways"))
+
+
 def test_limits_are_settings():
     config = BridgeConfig()
     assert config.max_body_bytes == 64 * 1024 and config.max_media_sections == 4
+    # The connect deadline: short, so that peers that never connect cannot fill the bridge for long.
+    assert config.connect_timeout_s == 10.0
+    with pytest.raises(ValueError, match="connect_timeout_s"):
+        BridgeConfig(connect_timeout_s=0)
     with pytest.raises(ValueError, match="max_body_bytes"):
         BridgeConfig(max_body_bytes=10)
     with pytest.raises(ValueError, match="max_media_sections"):
@@ -188,10 +271,51 @@ def test_limits_are_settings():
     parser = argparse.ArgumentParser()
     add_web_parser(parser.add_subparsers())
     defaults = bridge_config(parser.parse_args(["web"]))
-    assert (defaults.max_body_bytes, defaults.max_media_sections, defaults.media_host) == (65536, 4, None)
+    assert (defaults.max_body_bytes, defaults.max_media_sections, defaults.media_host,
+            defaults.connect_timeout_s) == (65536, 4, None, 10.0)
     given = bridge_config(parser.parse_args(["web", "--max-body-bytes", "8192", "--max-media-sections", "3",
-                                             "--media-host", "0.0.0.0"]))
-    assert (given.max_body_bytes, given.max_media_sections, given.media_bind_host) == (8192, 3, "0.0.0.0")
+                                             "--media-host", "0.0.0.0", "--connect-timeout", "25"]))
+    assert (given.max_body_bytes, given.max_media_sections, given.media_bind_host,
+            given.connect_timeout_s) == (8192, 3, "0.0.0.0", 25.0)
+
+
+async def raw_request(port: int, data: bytes, source: str) -> bytes:
+    """`data` sent on a fresh connection from address `source` (any of 127.0.0.0/8): the status
+    line of the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.readline(), 10)
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+async def test_requests_aiohttp_cannot_parse_get_400_and_a_warning_per_peer(caplog):
+    """A request line or a header over aiohttp's limit, or a malformed header, never reaches the
+    app: each gets aiohttp's 400, and the log gets one warning line without a traceback per
+    peer address however many come, not an ERROR with the parser's traceback each time."""
+    caplog.set_level(logging.INFO)
+    bridge = await started(BridgeConfig(port=0))
+    unparsable = [b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                  b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: " + b"b" * 9000 + b"\r\n\r\n",
+                  b"GET /healthz HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n"]
+    try:
+        for source in ("127.0.0.1", "127.0.0.2"):
+            for data in unparsable * 3:
+                status = await raw_request(bridge.port, data, source)
+                assert re.match(rb"HTTP/1\.[01] 400 ", status), (data[:40], status)
+        status = await raw_request(bridge.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.1")
+        assert status.startswith(b"HTTP/1.1 200 "), status
+    finally:
+        await bridge.stop()
+    failures = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not failures, [r.getMessage() for r in failures]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert sorted(r.peer for r in warnings) == ["127.0.0.1", "127.0.0.2"], [r.getMessage() for r in warnings]
+    assert all(r.getMessage() == "unparsable HTTP request" and r.kind == "LineTooLong" for r in warnings)
 
 
 async def test_page_events_nested_too_deeply_are_refused():
@@ -253,19 +377,19 @@ async def test_media_sockets_bind_only_the_host(sessionless):
 
 
 async def test_media_host_setting_and_wildcards():
-    binding = await bridge_module.ice_binding("127.0.0.1")
+    binding = await ice_module.ice_binding("127.0.0.1")
     assert binding.addresses == ("127.0.0.1",)
-    assert (await bridge_module.ice_binding("localhost")).addresses is not None
-    assert "127.0.0.1" in (await bridge_module.ice_binding("localhost")).addresses
-    assert (await bridge_module.ice_binding("::")).addresses is None
-    v4_only = await bridge_module.ice_binding("0.0.0.0")
+    assert (await ice_module.ice_binding("localhost")).addresses is not None
+    assert "127.0.0.1" in (await ice_module.ice_binding("localhost")).addresses
+    assert (await ice_module.ice_binding("::")).addresses is None
+    v4_only = await ice_module.ice_binding("0.0.0.0")
     assert v4_only.addresses is None and not v4_only.ipv6
-    bridge_module.install_ice_binding(asyncio.get_running_loop())
-    token = bridge_module._ICE_BINDING.set(v4_only)
+    ice_module.install_ice_binding(asyncio.get_running_loop())
+    token = ice_module.ICE_BINDING.set(v4_only)
     try:
-        assert all(":" not in a for a in bridge_module.aioice_ice.get_host_addresses(True, True))
+        assert all(":" not in a for a in ice_module.aioice_ice.get_host_addresses(True, True))
     finally:
-        bridge_module._ICE_BINDING.reset(token)
+        ice_module.ICE_BINDING.reset(token)
     # --media-host overrides --host for the media sockets only.
     config = BridgeConfig(host="127.0.0.1", media_host="0.0.0.0")
     assert config.media_bind_host == "0.0.0.0"
@@ -275,25 +399,25 @@ async def test_media_host_setting_and_wildcards():
 async def test_mdns_socket_binds_the_group_on_the_bindings_address_only():
     """Resolving a browser's `.local` candidate under a --media-host binding: aioice's mDNS
     socket is bound to the group address (not 0.0.0.0), joined on that address, and works."""
-    bridge_module.install_ice_binding(asyncio.get_running_loop())
-    token = bridge_module._ICE_BINDING.set(await bridge_module.ice_binding("127.0.0.1"))
+    ice_module.install_ice_binding(asyncio.get_running_loop())
+    token = ice_module.ICE_BINDING.set(await ice_module.ice_binding("127.0.0.1"))
     subscriber = object()
     try:
-        protocol = await bridge_module.aioice_ice.get_or_create_mdns_protocol(subscriber)
+        protocol = await ice_module.aioice_ice.get_or_create_mdns_protocol(subscriber)
         sock = protocol.transport.get_extra_info("socket")
-        assert sock.getsockname() == (bridge_module.aioice_mdns.MDNS_ADDRESS, bridge_module.aioice_mdns.MDNS_PORT)
+        assert sock.getsockname() == (ice_module.aioice_mdns.MDNS_ADDRESS, ice_module.aioice_mdns.MDNS_PORT)
         await protocol.publish("rtmedia-test.local", "127.0.0.1")  # answered by itself, over loopback
         assert await protocol.resolve("rtmedia-test.local", timeout=2) == "127.0.0.1"
     finally:
-        await bridge_module.aioice_ice.unref_mdns_protocol(subscriber)
-        bridge_module._ICE_BINDING.reset(token)
+        await ice_module.aioice_ice.unref_mdns_protocol(subscriber)
+        ice_module.ICE_BINDING.reset(token)
 
 
 async def test_turn_tcp_connection_leaves_from_the_bindings_address():
     """aioice's TURN/TCP connection under a binding starts from the bound address (127.0.0.2:
     the kernel would pick 127.0.0.1 to reach 127.0.0.1)."""
     loop = asyncio.get_running_loop()
-    bridge_module.install_ice_binding(loop)
+    ice_module.install_ice_binding(loop)
     accepted: list = []
 
     async def on_client(reader, writer):
@@ -302,7 +426,7 @@ async def test_turn_tcp_connection_leaves_from_the_bindings_address():
 
     server = await asyncio.start_server(on_client, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    token = bridge_module._ICE_BINDING.set(await bridge_module.ice_binding("127.0.0.2"))
+    token = ice_module.ICE_BINDING.set(await ice_module.ice_binding("127.0.0.2"))
     try:
         from aioice.turn import create_turn_endpoint
 
@@ -311,6 +435,6 @@ async def test_turn_tcp_connection_leaves_from_the_bindings_address():
                                                         transport="tcp"), 1)
         assert accepted and accepted[0][0] == "127.0.0.2"
     finally:
-        bridge_module._ICE_BINDING.reset(token)
+        ice_module.ICE_BINDING.reset(token)
         server.close()
         await server.wait_closed()
