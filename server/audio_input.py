@@ -60,6 +60,17 @@ _EMPTY = np.zeros(0, np.float32)
 
 
 @dataclass(frozen=True, slots=True)
+class Overflow:
+    """An append that did not fit the inbox (`AudioInput.append`): the ms of audio it discarded
+    (with VAD: what was queued before it, and the chunk too when it alone is over the bound),
+    and whether the chunk itself was queued (without VAD it is refused whole, and nothing
+    queued is discarded)."""
+
+    discarded_ms: int
+    chunk_kept: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """A turn's end: where its speech ended, why (silence, semantic, max_wait), the end-of-turn
     score it ended on (semantic), and the silence waited before it ended."""
@@ -152,24 +163,32 @@ class AudioInput:
         return self._settings.input_rate * BYTES_PER_SAMPLE[self._settings.input_encoding] / 1000
 
     # ---- loop side -------------------------------------------------------
-    def append(self, data: bytes) -> int:
-        """Queue input; returns the ms discarded when the inbox overflowed, else 0. The
-        queued audio is discarded and the new chunk kept, unless it alone is too big. Only whole
-        samples: the VAD tick decodes every input's inbox in one step, so a broken one would fail
-        the tick for all (callers check a client's audio first and name its mistake)."""
+    def append(self, data: bytes) -> Overflow | None:
+        """Queue input; None when the chunk was queued with nothing lost, else what the overflow
+        cost. With VAD the inbox bounds how far the input may run ahead of the turn detector, which
+        must keep pace with the speaker: the queued audio is discarded and the new chunk kept,
+        unless it alone is too big. Without VAD (manual, none) nothing has to keep pace: a chunk is
+        queued whole, whatever its size, while the audio queued before it is within the bound, and
+        refused whole (nothing queued is discarded) once the tick has fallen that far behind; the
+        inbox then never holds more than the bound and one message. Only whole samples: the VAD
+        tick decodes every input's inbox in one step, so a broken one would fail the tick for all
+        (callers check a client's audio first and name its mistake)."""
         if len(data) % BYTES_PER_SAMPLE[self._settings.input_encoding]:
             raise ValueError(f"{len(data)} bytes of {self._settings.input_encoding} audio are not whole samples")
         limit = self.inbox_ms * self.bytes_per_ms
-        if len(self.inbox) + len(data) <= limit:
+        if len(self.inbox) + len(data) <= limit or (not self._settings.vad_turns and len(self.inbox) < limit):
             self.inbox += data
-            return 0
+            return None
+        if not self._settings.vad_turns:
+            return Overflow(0, chunk_kept=False)
         dropped = len(self.inbox)
         self.inbox.clear()
-        if len(data) <= limit:
+        kept = len(data) <= limit
+        if kept:
             self.inbox += data
         else:
             dropped += len(data)
-        return max(1, round(dropped / self.bytes_per_ms))
+        return Overflow(max(1, round(dropped / self.bytes_per_ms)), kept)
 
     def reconfigure(self, settings: SessionSettings, reset: bool) -> None:
         """New settings from session.update. Turn parameters change live; a new input

@@ -21,6 +21,7 @@ from rtmedia.protocol.errors import abort
 from rtmedia.protocol.tokens import Token
 from rtmedia.server.auth import Quotas, caller
 from rtmedia.server.engine_access import EngineAccess
+from rtmedia.server.interceptors import UndecodableRequest
 from rtmedia.server.metrics import TRANSPORTS
 from rtmedia.server.session import Limits, Session, SessionContext
 from rtmedia.server.session_config import SessionSettings
@@ -173,10 +174,18 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
     async def _read(self, session: Session, request_iterator: Any) -> None:
         """The reader: every client event goes to the session as it arrives (a draining session
         still hears the turn in flight). Once the session is closed, what the client had in flight
-        is read and dropped (session.closed said so) until it half-closes."""
-        async for request in request_iterator:
-            if not session.outbox.closed:
-                session.handle(request)
+        is read and dropped (session.closed said so) until it half-closes. A request that does not
+        decode ends the call (server/interceptors.py ends it with INVALID_ARGUMENT, cancelling the
+        writer): the session keeps that as its closing reason, so that its end is logged with it
+        and not as a cancellation."""
+        try:
+            async for request in request_iterator:
+                if not session.outbox.closed:
+                    session.handle(request)
+        except UndecodableRequest:
+            if not session.outbox.closed:  # else session.closed went out already, with its reason
+                session.closing_reason = "undecodable_request"
+            raise
         if session.outbox.closed:
             return
         # The client finished sending: let a response in flight complete, then close.

@@ -101,12 +101,14 @@ class Session:
         self._ids = itertools.count(1)
         self.client_ids: set[str] = set()  # item ids the client chose: the server's own skip them
         self.history: list[Message] = []  # the conversation, each message under its item id
-        self.turn: Turn | None = None  # the turn being spoken or committed
-        self.pending_turns: deque[Turn] = deque()  # turns sent to the recogniser, oldest first
+        self.turn: Turn | None = None  # the turn being spoken, or buffered for a commit
+        self.pending_turns: deque[Turn] = deque()  # committed turns not yet transcribed, oldest first
+        # Committed turns (manual, none) whose audio is still on its way through the VAD tick,
+        # oldest first: the audio the tick delivers goes to the first of them, not to `turn`.
+        self._committing: deque[Turn] = deque()
         self.buffer_ms = 0.0  # uncommitted input audio (manual / none)
         self._since_commit_ms = 0.0  # of it, what came after the last commit asked for
         self.speech_start_ms = 0
-        self.response_requested = False  # a response.create waits behind queued input
         self._asr_samples = 0  # 16 kHz samples sent to the recogniser
         self.input_ms = 0.0  # input audio appended so far
         self._quiet_since = 0.0  # perf_counter of the last speech stop or idle timeout
@@ -181,10 +183,15 @@ class Session:
 
     @property
     def responding(self) -> bool:
-        return self.response_requested or self.replies.generating
+        return self.replies.generating
 
     # ---- client events ---------------------------------------------------
     def handle(self, request: realtime_pb2.ConverseRequest) -> None:
+        """Handle one client event and answer it before the next is handled: the answer (success
+        or error) is queued here, not after an await, so that a session's answers follow the order
+        of the client events they answer. What waits for the input still queued for the VAD tick
+        (a committed turn's audio reaching the recogniser, a response's transcript) goes on after
+        the answer. (An audio item's conversation.item.added follows its transcript, as documented.)"""
         kind = request.WhichOneof("event")
         event_id = request.event_id
         self.last_input = time.monotonic()
@@ -223,16 +230,26 @@ class Session:
                        "PCM16 samples; the chunk was dropped", event_id, "audio")
             return
         self._bytes_in.inc(len(data))
-        self.input_ms += len(data) / self.input.bytes_per_ms
-        discarded = self.input.append(data)
-        if not self.settings.vad_turns:
-            self.buffer_ms += len(data) / self.input.bytes_per_ms
-            self._since_commit_ms += len(data) / self.input.bytes_per_ms
-        if discarded:
-            self.metrics.input_backpressure.inc()
+        overflow = self.input.append(data)
+        if overflow is None or overflow.chunk_kept:
+            chunk_ms = len(data) / self.input.bytes_per_ms
+            self.input_ms += chunk_ms
+            if not self.settings.vad_turns:
+                self.buffer_ms += chunk_ms
+                self._since_commit_ms += chunk_ms
+        if overflow is None:
+            return
+        self.metrics.input_backpressure.inc()
+        if overflow.discarded_ms:  # with VAD: the input stays close to the speaker
+            what = "queued audio" if overflow.chunk_kept else "audio (this chunk, over the inbox by itself, included)"
             self.error("input_backpressure", f"the input inbox was full ({self.limits.inbox_ms} ms); "
-                       f"{discarded} ms of queued audio were discarded", event_id)
-            self.send("input_audio_buffer.cleared", discarded_ms=discarded, reason="input_backpressure")
+                       f"{overflow.discarded_ms} ms of {what} were discarded", event_id)
+            self.send("input_audio_buffer.cleared", discarded_ms=overflow.discarded_ms, reason="input_backpressure")
+        else:  # without VAD: the chunk is refused whole, the buffer keeps everything before it
+            queued = round(len(self.input.inbox) / self.input.bytes_per_ms)
+            self.error("input_backpressure", f"the input inbox already holds {queued} ms not yet processed (its "
+                       f"bound is {self.limits.inbox_ms} ms): this chunk of {round(len(data) / self.input.bytes_per_ms)}"
+                       " ms was refused whole and nothing was discarded; send it again", event_id, "audio")
 
     def on_session_update(self, event: Any, event_id: str) -> None:
         try:
@@ -247,7 +264,8 @@ class Session:
                        "this server runs none (--no-llm without --transformers-model); use server_vad",
                        event_id, "turn_detection.type")
             return
-        mid_turn = (self.turn is not None and not self.turn.transcript.done()) or self.buffer_ms > 0
+        mid_turn = (self.turn is not None and not self.turn.transcript.done()) or self.buffer_ms > 0 \
+            or bool(self._committing)  # a committed turn's audio not yet decoded
         if new.input_format != self.settings.input_format and (mid_turn or self.input.inbox):
             self.error("invalid_state", "input_audio_format cannot change mid-turn; commit or clear the input "
                        "audio buffer first", event_id, "input_audio_format")
@@ -271,19 +289,32 @@ class Session:
         elif self._since_commit_ms < 1:  # nothing appended since the last commit (or clear)
             self.error("input_audio_buffer_commit_empty", "the input audio buffer is empty: nothing to commit",
                        event_id)
-        else:  # behind the audio still queued for the VAD tick
-            self._since_commit_ms = 0
-            self.input.after_input(self._commit)
+        else:
+            self._commit()
 
     def _commit(self) -> Turn:
+        """The buffered input (manual, none) becomes a turn, committed at once: the buffer's
+        length is known now, and input_audio_buffer.committed goes out in the order of the client's
+        events. The part of its audio still queued for the VAD tick reaches it there
+        (`_committing`), and the recogniser hears the turn's end once all of it has."""
         turn = self.turn or self._start_turn()
+        self.turn = None
         turn.audio_ms = round(self.buffer_ms)
-        self.buffer_ms = 0
-        self._end_turn()
+        self.buffer_ms = self._since_commit_ms = 0
+        self._committing.append(turn)
+        self._committed(turn)
+        self.input.after_input(self._commit_delivered)
         return turn
 
+    def _commit_delivered(self) -> None:
+        """The oldest committed turn has all its audio: the recogniser hears its end."""
+        self._finish_recognition(self._committing.popleft())
+
     def on_input_audio_buffer_clear(self, event: Any, event_id: str) -> None:
-        dropped = self.input.clear() + round(self.buffer_ms)
+        # Without VAD the buffer counts all uncommitted audio, the inbox's included; with VAD
+        # only the inbox holds input not yet taken.
+        queued = self.input.clear()
+        dropped = queued if self.settings.vad_turns else round(self.buffer_ms)
         self.buffer_ms = self._since_commit_ms = 0
         if self.turn is not None:  # the recogniser forgets the uncommitted turn
             self.recognizer.send("abort", self.turn)
@@ -304,7 +335,7 @@ class Session:
 
     def on_response_create(self, event: Any, event_id: str) -> None:
         filler = self.response if self.response is not None and self.response.filler else None
-        if filler is not None and not self.response_requested and filler.audible(time.perf_counter()):
+        if filler is not None and filler.audible(time.perf_counter()):
             self.replies.cancel("answer_started")  # the answer takes the filler's place, even mid-playback
         if self.responding:
             self.error("response_in_progress", "a response is already in progress; cancel it first", event_id)
@@ -329,21 +360,12 @@ class Session:
                        "\"auto\" or \"none\"", event_id, "conversation")
             return
         start = {"modality": options["output_modality"], "joins_history": options["conversation"] != "none"}
-        # none mode responds to the buffered audio (committing it; not for an out-of-band
-        # response); a commit still queued behind input goes first. Either way the response
-        # waits its turn.
+        # none mode responds to the buffered audio, committing it (not for an out-of-band
+        # response). The response starts now, answered by response.created; it waits for its
+        # turn's transcript, which comes once the turn's audio has gone through the VAD tick.
         commit = self.settings.turn_type == "none" and start["joins_history"] and \
             (self.buffer_ms >= 1 or bool(self.input.inbox))
-        if commit or self.input.segments:
-            self.response_requested = True
-
-            def respond_after_input() -> None:
-                self.response_requested = False
-                self._respond_to(self._commit() if commit else None, instructions, max_tokens, event_id, start)
-
-            self.input.after_input(respond_after_input)
-        else:
-            self._respond_to(None, instructions, max_tokens, event_id, start)
+        self._respond_to(self._commit() if commit else None, instructions, max_tokens, event_id, start)
 
     def _respond_to(self, turn: Turn | None, instructions: str | None, max_tokens: int | None,
                     event_id: str, start: dict[str, Any]) -> None:
@@ -406,7 +428,7 @@ class Session:
             elif kind == "audio":
                 if self.settings.transcription:
                     offset_ms, pcm = value
-                    turn = self.turn or self._start_turn()
+                    turn = self._committing[0] if self._committing else self.turn or self._start_turn()
                     if turn.input_offset_ms is None:
                         turn.input_offset_ms, turn.asr_offset_ms = offset_ms, self._asr_samples // 16
                     self._asr_samples += len(pcm) // 2
@@ -432,12 +454,23 @@ class Session:
         return self.turn
 
     def _end_turn(self) -> None:
+        """The turn being spoken ends with all its audio delivered: committed, and its end
+        heard by the recogniser."""
         turn, self.turn = self.turn, None
         if turn is None:
             return
+        self._committed(turn)
+        self._finish_recognition(turn)
+
+    def _committed(self, turn: Turn) -> None:
+        """input_audio_buffer.committed: the turn is pending until its transcript is in."""
         turn.stopped_at = time.perf_counter()
         self.pending_turns.append(turn)
         self.send("input_audio_buffer.committed", item_id=turn.item_id, audio_ms=turn.audio_ms)
+
+    def _finish_recognition(self, turn: Turn) -> None:
+        """All the turn's audio went to the recogniser: its transcript follows (empty without
+        transcription)."""
         if self.settings.transcription:
             self.recognizer.send("end", turn)
         else:

@@ -53,6 +53,42 @@ async def test_undecodable_converse_request_ends_the_stream_and_frees_the_sessio
     assert len(records) == 1 and records[0].exc_info is None
 
 
+async def test_a_session_ended_by_an_undecodable_request_is_logged_with_that_reason(channel):
+    """The session's end is logged with what ended it, the undecodable request, not as a
+    cancellation (the call's own cancellation is how the servicer learns of it)."""
+    opened: list[str] = []
+    closed: dict[str, str] = {}
+    logged = asyncio.Event()
+
+    class Sessions(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage() == "session opened":
+                opened.append(record.session_id)  # type: ignore[attr-defined]
+            elif record.getMessage() == "session closed":
+                closed[record.session_id] = record.reason  # type: ignore[attr-defined]
+            logged.set()
+
+    logger = logging.getLogger("rtmedia.server.realtime_service")
+    handler, level = Sessions(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        converse = channel.stream_stream("/rtmedia.v1.RealtimeService/Converse", request_serializer=None,
+                                         response_deserializer=None)
+        call = converse(iter([client_event("session.update", session={}).SerializeToString(), GARBAGE]))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        assert error_reason(info.value) == "UNDECODABLE_REQUEST"
+        while not (opened and opened[0] in closed):
+            logged.clear()
+            await asyncio.wait_for(logged.wait(), 10)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert len(opened) == 1 and closed[opened[0]] == "undecodable_request", (opened, closed)
+
+
 @pytest.mark.parametrize("method, kind", [
     ("/rtmedia.v1.SpeechService/Synthesize", "unary_stream"),
     ("/rtmedia.v1.SpeechService/ListVoices", "unary_unary"),

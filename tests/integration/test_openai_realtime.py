@@ -17,6 +17,7 @@ import numpy as np
 import openai
 import pytest
 import websockets
+from aiortc import RTCPeerConnection
 from rtmedia.web.audio_encode import G711Encoder
 from rtmedia.web.openai_api import OpenAIConfig
 from rtmedia.web.realtime_ws import RealtimeLimits
@@ -33,9 +34,10 @@ def says(text: str, words: tuple[str, ...] = KEY_WORDS) -> bool:
     found = set(normalise(text).split())
     return sum(w in found for w in words) >= len(words) - 1
 SERVER_OPTIONS = {"max_sessions": 6}  # the sockets count against it
-# Small frame limits, to test them.
+# Small frame limits, to test them; a short connect deadline, to wait it out.
 WEB_OPTIONS = {"openai": OpenAIConfig(realtime=RealtimeLimits(max_event_bytes=256 * 1024,
-                                                              max_frame_bytes=1024 * 1024))}
+                                                              max_frame_bytes=1024 * 1024)),
+               "connect_timeout_s": 1.0}
 
 
 def turn_audio(speaker, text: str = SENTENCE, rate: int = RATE, lead: float = 0.5, tail: float = 1.2) -> bytes:
@@ -166,6 +168,35 @@ async def test_manual_turn_commit_then_response_create(connect, speaker):
     await conn.conversation.item.retrieve(item_id=committed.item_id)
     item = (await until(conn, "conversation.item.retrieved")).item
     assert item.role == "user" and says(item.content[0].transcript)
+
+
+async def test_answers_follow_the_order_of_the_client_events(connect):
+    """Manual turns: a commit is answered before the commit after it, and the first of a burst
+    of response.create before the rest (each of which finds that response in progress)."""
+    conn = await connect()
+    await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+    await until(conn, "session.updated")
+    silence = base64.b64encode(bytes(2 * RATE // 5)).decode()
+    await conn.input_audio_buffer.append(audio=silence)
+    await conn.send({"type": "input_audio_buffer.commit", "event_id": "first"})
+    await conn.send({"type": "input_audio_buffer.commit", "event_id": "second"})
+    events: list = []
+    error = await until(conn, "error", events)
+    assert error.error.code == "input_audio_buffer_commit_empty" and error.error.event_id == "second"
+    assert "input_audio_buffer.committed" in types(events), types(events)
+    await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "a long reply " * 30}]})  # what the echo responder repeats: a while
+    await conn.input_audio_buffer.append(audio=silence)
+    for n in range(100):
+        await conn.send({"type": "response.create", "event_id": f"create{n}"})
+    events = []
+    while not any(e.type == "error" and e.error.event_id == "create99" for e in events):
+        await until(conn, "error", events)
+    kinds = types(events)
+    assert kinds.index("input_audio_buffer.committed") < kinds.index("response.created") < kinds.index("error"), kinds
+    errors = [e.error for e in events if e.type == "error"]
+    assert [e.event_id for e in errors] == [f"create{n}" for n in range(1, 100)]
+    assert {e.code for e in errors} == {"response_in_progress"}
 
 
 async def test_barge_in_and_truncate_keep_only_the_heard_part(connect, speaker):
@@ -435,3 +466,47 @@ async def test_sockets_count_against_max_sessions(web_front, server):
             for ws in held:
                 await ws.close()
     assert refused.value.status == 429 and len(held) == 6 - open_before
+
+
+async def unconnectable_offer() -> str:
+    """A valid offer (audio and the `oai-events` data channel) from a client that went away
+    without giving its candidates: whoever answers it waits for a connection that never comes."""
+    pc = RTCPeerConnection()
+    try:
+        pc.addTransceiver("audio")
+        pc.createDataChannel("oai-events")
+        await pc.setLocalDescription(await pc.createOffer())
+        sdp = pc.localDescription.sdp
+    finally:
+        await pc.close()
+    return "".join(line for line in sdp.splitlines(keepends=True)
+                   if not line.startswith(("a=candidate:", "a=end-of-candidates")))
+
+
+async def test_webrtc_peers_that_never_connect_give_back_their_slot_and_session(web_front, server):
+    """On both doors that take offers (the page's and OpenAI's Realtime calls), a valid offer whose
+    peer never completes ICE and DTLS holds its bridge slot and its session only until the
+    connect deadline (`connect_timeout_s`, short here)."""
+    await earlier_sessions_closed(server)
+    base = f"http://127.0.0.1:{web_front.port}"
+    sdp = await unconnectable_offer()
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{base}/offer", json={"sdp": sdp, "type": "offer"}) as res:
+            assert res.status == 200, await res.text()
+            ids = [(await res.json())["id"]]
+        async with http.post(f"{base}/v1/realtime/calls", data=sdp, headers={"Content-Type": "application/sdp"}) as res:
+            assert res.status == 201, await res.text()
+            ids.append(res.headers["Location"].rsplit("/", 1)[1].removeprefix("rtc_"))
+    peers = [web_front.peers[peer_id] for peer_id in ids]
+    sample = server.metrics.registry.get_sample_value
+
+    def sessions() -> list[float | None]:
+        return [sample("rtmedia_transport_sessions_active", {"transport": t}) for t in ("webrtc", "openai-webrtc")]
+
+    assert sessions() == [1, 1]
+    deadline = web_front.config.connect_timeout_s
+    await asyncio.wait_for(asyncio.gather(*(peer.closed.wait() for peer in peers)), deadline + 10)
+    assert [peer.close_reason for peer in peers] == [f"not connected within {deadline:g} s"] * 2
+    assert not web_front.peers
+    await earlier_sessions_closed(server)  # the server ends a session once its stream is cancelled
+    assert not server.realtime.sessions and sessions() == [0, 0]

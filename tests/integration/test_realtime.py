@@ -354,6 +354,66 @@ async def test_backpressure_says_what_was_discarded(channel):
         assert cleared["reason"] == "input_backpressure" and cleared["discarded_ms"] == 3000
 
 
+async def test_a_manual_append_over_the_inbox_is_taken_whole(channel, speaker):
+    """Without VAD nothing has to keep pace with the input: one append of 3 s (over the 2 s
+    inbox) is queued whole, committed as 3000 ms, transcribed and answered; a clear says what
+    it dropped, once."""
+    speech = speaker.say("Please remember to buy milk.", 16000)
+    pcm = np.concatenate([speaker.silence(0.3), speech, speaker.silence(3 - 0.3 - len(speech) / 16000)]).tobytes()
+    assert len(pcm) == 3 * 16000 * 2
+    async with Conversation(channel) as c:
+        c.send("session.update", session={"turn_detection": {"type": "manual"},
+                                          "input_audio_format": {"sample_rate": 16000}})
+        await c.wait_for("session.updated")
+        c.send("input_audio_buffer.append", event_id="long", audio=pcm)
+        c.send("input_audio_buffer.commit")
+        committed = await c.wait_for("input_audio_buffer.committed")
+        assert committed["audio_ms"] == 3000
+        completed = await c.wait_for("conversation.item.input_audio_transcription.completed")
+        assert completed["item_id"] == committed["item_id"] and wer("remember to buy milk", completed["transcript"]) < 0.5
+        c.send("response.create")
+        done = await c.wait_for("response.done", timeout=20)
+        assert done["status"] == "completed"
+        assert c.of_type("response.output_text.done")[0]["text"] == f"You said: {completed['transcript']}"
+        c.send("input_audio_buffer.append", audio=pcm[:16000 * 2])
+        c.send("input_audio_buffer.clear")
+        cleared = await c.wait_for("input_audio_buffer.cleared")
+        assert cleared["discarded_ms"] == 1000, cleared
+        assert not c.of_type("error"), c.of_type("error")
+
+
+async def test_answers_follow_the_order_of_the_client_events(channel):
+    """A commit is answered before the commit after it, and the first of a burst of
+    response.create before the rest (each of which finds that response in progress)."""
+    async with Conversation(channel) as c:
+        c.send("session.update", session={"turn_detection": {"type": "manual"}})
+        await c.wait_for("session.updated")
+        c.send("input_audio_buffer.append", audio=b"\0\0" * 4800)
+        c.send("input_audio_buffer.commit", event_id="first")
+        c.send("input_audio_buffer.commit", event_id="second")
+        error = await c.wait_for("error", event_id="second")
+        assert error["code"] == "input_audio_buffer_commit_empty"
+        order = c.types()
+        assert order.index("input_audio_buffer.committed") < c.events.index(error), order
+    async with Conversation(channel) as c:
+        c.send("session.update", session={"turn_detection": {"type": "none"}})
+        await c.wait_for("session.updated")
+        c.send("conversation.item.create", item={"text": "a long reply " * 30})  # what the echo repeats: a while
+        c.send("input_audio_buffer.append", audio=b"\0\0" * 4800)
+        for n in range(100):
+            c.send("response.create", event_id=f"create{n}")
+
+        def answers() -> list[str]:  # the create each answer is about, in the order they came
+            return [e.get("event_id") or e.get("request_event_id") for e in c.events
+                    if e["type"] in ("error", "response.created")]
+
+        async with c._arrived:
+            await asyncio.wait_for(c._arrived.wait_for(lambda: "create99" in answers()), 15)
+        assert answers() == [f"create{n}" for n in range(100)], answers()
+        assert {e["code"] for e in c.of_type("error")} == {"response_in_progress"}
+        assert c.types().index("input_audio_buffer.committed") < c.types().index("response.created")
+
+
 async def test_max_sessions(server, channel):
     for _ in range(100):  # sessions of earlier tests may still be closing
         if not server.realtime.sessions:

@@ -112,7 +112,26 @@ def test_audio_that_is_not_whole_samples_is_refused_at_the_inbox():
     with pytest.raises(ValueError, match="not whole samples"):
         audio.append(bytes(11025))
     assert not audio.inbox
-    assert audio.append(bytes(11026)) == 0 and len(audio.inbox) == 11026
+    assert audio.append(bytes(11026)) is None and len(audio.inbox) == 11026
+
+
+def test_the_inbox_bound_drops_old_audio_with_vad_and_refuses_new_audio_without():
+    """With VAD an overflow discards the queued audio (and a chunk over the bound by itself);
+    without VAD a chunk is taken whole while what is queued is within the bound, and refused
+    whole once it is not, discarding nothing."""
+    from rtmedia.server.audio_input import Overflow
+
+    second = 48  # bytes per ms at 24 kHz PCM16
+    vad = AudioInput(SessionSettings(), 2000, lambda actions: None, VadRow())
+    assert vad.append(bytes(1500 * second)) is None
+    assert vad.append(bytes(1000 * second)) == Overflow(1500, chunk_kept=True) and len(vad.inbox) == 1000 * second
+    assert vad.append(bytes(3000 * second)) == Overflow(4000, chunk_kept=False) and not vad.inbox
+    manual = AudioInput(dataclasses.replace(SessionSettings(), turn_type="manual"), 2000, lambda actions: None, None)
+    assert manual.append(bytes(3000 * second)) is None and len(manual.inbox) == 3000 * second
+    assert manual.append(bytes(20 * second)) == Overflow(0, chunk_kept=False) and len(manual.inbox) == 3000 * second
+    manual.take()
+    assert manual.append(bytes(1900 * second)) is None and manual.append(bytes(500 * second)) is None
+    assert len(manual.inbox) == 2400 * second
 
 
 def test_semantic_vad_candidates_and_the_sessions_end_of_a_turn(speaker):
