@@ -9,6 +9,9 @@ the history at what the user heard. PortAudio callbacks run on its own thread; b
 their shared state under one lock and do no more in a callback than copy samples.
 
 Every failure to find or open a device is a `DeviceError` with one line saying what and which.
+An audio system that cannot start is one too: PortAudio first starts in a short child process
+(`probe_audio_system`), because on a broken ALSA configuration it does not fail but aborts the
+whole process (an assert in its ALSA device listing) before Python can say anything.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import contextlib
 import ctypes
 import math
 import os
+import re
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -72,8 +78,113 @@ def _quiet_alsa() -> None:
     alsa.snd_lib_error_set_handler(_alsa_handler)
 
 
+PROBE_TIMEOUT_S = 20.0
+_PROBE_MARK = "-- rtmedia: PortAudio starts --"
+# The child: ALSA loads its configuration (and says on stderr what is wrong with it), then PortAudio
+# starts as `import sounddevice` starts it (Pa_Initialize, which lists every ALSA device), and the
+# last line of stdout says how that went; a crash is the child's exit status.
+_PROBE = f"""
+import ctypes, sys
+try:
+    ctypes.CDLL("libasound.so.2").snd_config_update()
+except (OSError, AttributeError):
+    pass
+print({_PROBE_MARK!r}, file=sys.stderr, flush=True)
+def load():
+    try:
+        return ctypes.CDLL("libportaudio.so.2")
+    except OSError:
+        from ctypes.util import find_library
+        name = find_library("portaudio")
+        try:
+            return ctypes.CDLL(name) if name else None
+        except OSError:
+            return None
+pa = load()
+if pa is None:
+    print("absent")
+    sys.exit()
+pa.Pa_GetErrorText.restype = ctypes.c_char_p
+class HostError(ctypes.Structure):
+    _fields_ = [("api", ctypes.c_int), ("code", ctypes.c_long), ("text", ctypes.c_char_p)]
+pa.Pa_GetLastHostErrorInfo.restype = ctypes.POINTER(HostError)
+code = pa.Pa_Initialize()
+if code == 0:
+    print("ok")
+    sys.exit()
+text = pa.Pa_GetErrorText(code).decode(errors="replace")
+host = pa.Pa_GetLastHostErrorInfo().contents.text if code == -9999 else None
+print("error", text + (": " + host.decode(errors="replace") if host else ""))
+"""
+_ALSA_LINE = re.compile(r"^ALSA lib \S+:\d+:\(\w+\) (.+)$")
+_probed: str | None = None  # the probe's finding ("" when PortAudio starts), once per process
+
+
+def _alsa_said(stderr: str) -> list[str]:
+    """ALSA's complaints about its configuration, without their source-file prefixes."""
+    said: list[str] = []
+    for line in stderr.split(_PROBE_MARK)[0].splitlines():
+        match = _ALSA_LINE.match(line.strip())
+        if match and " ".join(match[1].split()) not in said:
+            said.append(" ".join(match[1].split()))
+    return said[:3]
+
+
+def _config_hint(alsa_said: list[str]) -> str:
+    """Where to look: the files ALSA_CONFIG_PATH names, or ALSA's configuration when it complained."""
+    path = os.environ.get("ALSA_CONFIG_PATH")
+    if path is not None:
+        unreadable = [p for p in re.split("[: ]", path) if p and not (os.path.isfile(p) and os.access(p, os.R_OK))]
+        if unreadable == [path]:
+            return f"; ALSA_CONFIG_PATH={path} is not a readable file"
+        if unreadable:
+            return f"; ALSA_CONFIG_PATH={path} names files that cannot be read: {', '.join(unreadable)}"
+        return f"; check ALSA_CONFIG_PATH={path}"
+    return "; check the ALSA configuration (/etc/asound.conf, ~/.asoundrc)" if alsa_said else ""
+
+
+def probe_audio_system() -> str:
+    """Start PortAudio in a child process first: "" when it starts, else the one-line problem.
+    Once per process (the child costs about as much as PortAudio's own start, tens of ms); a probe
+    that cannot run at all says nothing, and PortAudio starts here as it would have."""
+    global _probed
+    if _probed is not None:
+        return _probed
+    _probed = ""
+    if not sys.executable:
+        return _probed
+    try:
+        child = subprocess.run([sys.executable, "-I", "-S", "-c", _PROBE], stdin=subprocess.DEVNULL,
+                               capture_output=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _probed = f"the audio system failed to start: PortAudio did not list the audio devices in {PROBE_TIMEOUT_S:g} s"
+        return _probed
+    except OSError:
+        return _probed
+    said = _alsa_said(child.stderr.decode(errors="replace"))
+    last = (child.stdout.decode(errors="replace").strip().splitlines() or [""])[-1]
+    if child.returncode < 0:
+        try:
+            name = signal.Signals(-child.returncode).name
+        except ValueError:
+            name = f"signal {-child.returncode}"
+        what = f"PortAudio crashed ({name}) while it listed the audio devices"
+    elif child.returncode == 0 and last.startswith("error "):
+        what = f"PortAudio: {last.removeprefix('error ')}"
+    else:  # it started ("ok"), there is no PortAudio ("absent": importing sounddevice says so), or the probe broke
+        return _probed
+    notes = f" (ALSA: {'; '.join(said)})" if said else ""
+    _probed = f"the audio system failed to start: {what}{notes}{_config_hint(said)}"
+    return _probed
+
+
 def portaudio() -> Any:
-    """The sounddevice module, or a DeviceError when the PortAudio library is missing."""
+    """The sounddevice module, or a DeviceError when the PortAudio library is missing or the audio
+    system fails to start."""
+    if "sounddevice" not in sys.modules:
+        problem = probe_audio_system()
+        if problem:
+            raise DeviceError(problem)
     _quiet_alsa()
     try:
         with native_quiet():  # importing it initialises PortAudio, which probes every ALSA device
@@ -81,6 +192,10 @@ def portaudio() -> Any:
     except OSError as exc:  # sounddevice raises OSError when libportaudio cannot be loaded
         raise DeviceError(f"audio devices need the PortAudio library ({exc}); on Debian: apt install libportaudio2") \
             from None
+    except Exception as exc:  # sounddevice.PortAudioError: Pa_Initialize failed (the module is not there to name it)
+        if type(exc).__name__ != "PortAudioError":
+            raise
+        raise DeviceError(f"the audio system failed to start: {_reason(exc)}") from None
     return sounddevice
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import pty
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -176,3 +177,56 @@ def test_talk_without_in_or_mic_and_mic_flags_on_a_file(tmp_path, speaker):
         result = subprocess.run([RTMEDIA, *args], capture_output=True, text=True, timeout=60)
         assert result.returncode != 0 and message in result.stderr and NO_TRACEBACK not in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+BROKEN_ALSA = {  # ALSA_CONFIG_PATH's file: content (None: no file), and what the one line says of it
+    "missing": (None, "PortAudio crashed (SIGABRT) while it listed the audio devices (ALSA: Cannot access file "
+                      "{path}); ALSA_CONFIG_PATH={path} is not a readable file"),
+    "empty": ("", "PortAudio crashed (SIGABRT) while it listed the audio devices; check ALSA_CONFIG_PATH={path}"),
+    "unparsable": ("pcm.default {\n type\n", "PortAudio: Unanticipated host error (ALSA: _toplevel_:3:0:Unexpected "
+                                             "char; {path} may be old or corrupted"),
+}
+
+
+def alsa_config(tmp_path, kind: str) -> str:
+    content, _ = BROKEN_ALSA[kind]
+    path = tmp_path / "nonexistent" / "asound.conf" if content is None else tmp_path / f"{kind}.conf"
+    if content is not None:
+        path.write_text(content)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", list(BROKEN_ALSA))
+@pytest.mark.parametrize("args", [["devices"], ["talk", "--mic", "--target", "127.0.0.1:1"]], ids=["devices", "talk"])
+def test_a_broken_audio_system_is_one_line_not_a_crash(tmp_path, kind, args):
+    """PortAudio aborts the process (an assert in its ALSA device listing) when ALSA has no usable
+    configuration: the command says so in one line and exits 1 like every client error."""
+    path = alsa_config(tmp_path, kind)
+    result = subprocess.run([RTMEDIA, *args], env={**os.environ, "ALSA_CONFIG_PATH": path}, stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and NO_TRACEBACK not in result.stderr, result.stderr
+    said = BROKEN_ALSA[kind][1].format(path=path)
+    assert lines[0].startswith(f"rtmedia {args[0]}: the audio system failed to start: {said}"), lines[0]
+
+
+def test_the_probe_starts_portaudio_where_the_audio_system_works():
+    """The child that starts PortAudio first says "ok" on a working system (no devices needed): a
+    probe that broke would let every crash through unseen."""
+    from rtmedia.clients import audio_devices
+
+    probe = subprocess.run([sys.executable, "-I", "-S", "-c", audio_devices._PROBE], stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0 and probe.stdout.splitlines()[-1] == "ok", (probe.stdout, probe.stderr[-2000:])
+
+
+def test_portaudio_failing_past_the_probe_is_a_device_error(tmp_path):
+    """Should PortAudio start in the probe and then fail here, the error is still one DeviceError line."""
+    code = ("from rtmedia.clients import audio_devices as ad\nad._probed = ''\n"
+            "try:\n    ad.portaudio()\nexcept ad.DeviceError as exc:\n    print(exc)\n")
+    path = alsa_config(tmp_path, "unparsable")
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ALSA_CONFIG_PATH": path},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("the audio system failed to start: Error initializing PortAudio"), result.stdout
