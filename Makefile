@@ -45,9 +45,21 @@ lint: setup
 	tests/check_buf_breaking.sh
 	$(BIN)/ruff check .
 
+# The whole suite. Most tests wait on real-time audio with the CPU idle, so they run in
+# $(WORKERS) processes at once, a test module to a process (its server shared by its tests); the
+# tests marked `serial` bound a latency or a real-time margin and run alone afterwards.
+# pytest's exit 5 (nothing selected, e.g. PYTEST_ARGS naming one file) is not a failure.
+WORKERS ?= 4
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) || [ $$? = 5 ]
+	$(BIN)/pytest -p no:xdist -m serial $(PYTEST_ARGS) || [ $$? = 5 ]
 	$(BIN)/python tests/perf/loadtest_smoke.py
+
+# The inner loop (under 3 minutes): lint, the unit tests but those marked `slow`, and the
+# integration modules that check bad input and the speech RPCs on an in-process server.
+CHECK_TESTS := tests/unit tests/integration/test_hostile.py tests/integration/test_speech_service.py
+check: lint
+	$(BIN)/pytest -n $(WORKERS) --dist loadfile -m "not serial and not slow" $(CHECK_TESTS) $(PYTEST_ARGS)
 
 # A short `rtmedia loadtest` against a real server (under 60 s); part of `make test`.
 loadtest-smoke: setup

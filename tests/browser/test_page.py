@@ -70,6 +70,7 @@ async def inbound_audio(page, wait_s: float = 5.0) -> dict:
     return stats or {"bytesReceived": 0, "packetsReceived": 0, "audioLevel": 0, "totalAudioEnergy": 0}
 
 
+@pytest.mark.serial
 async def test_page_talks_and_barges_in(served, chromium, microphone_wav):
     from playwright.async_api import async_playwright
 

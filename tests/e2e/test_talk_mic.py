@@ -61,6 +61,7 @@ def played_samples(recording: np.ndarray, sent: np.ndarray) -> int:
     return n
 
 
+@pytest.mark.serial
 def test_mic_turn_reply_barge_in_and_ctrl_c(served, pulse, speech, tmp_path):
     out = tmp_path / "reply.wav"
     live = LiveTalk(served, pulse, "-o", str(out))

@@ -485,6 +485,7 @@ async def test_abrupt_disconnects_leave_nothing_behind(server, channel, speaker)
     assert len(multiprocessing.active_children()) == children_before
 
 
+@pytest.mark.serial
 async def test_32_concurrent_sessions(channel, speaker):
     """32 sessions open at once, each speaking one turn. Speech starts 0.6 s apart, so about
     six people speak at any moment: PocketSphinx needs ~0.1 core per speaker and this box has

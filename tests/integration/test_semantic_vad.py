@@ -12,6 +12,7 @@ import asyncio
 import base64
 
 import numpy as np
+import pytest
 from rtmedia.v1 import realtime_pb2
 
 from tests.support.converse import Conversation
@@ -44,6 +45,7 @@ def turn_ends(server, reason: str) -> float:
     return server.metrics.turn_ends.labels(reason)._value.get()
 
 
+@pytest.mark.serial
 async def test_a_finished_sentence_ends_its_turn_before_500_ms_of_silence(server, channel, speaker):
     before = turn_ends(server, "semantic")
     async with Conversation(channel) as c:

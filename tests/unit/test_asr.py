@@ -525,6 +525,7 @@ def test_decoder_pool_shrinks_back_when_streams_close(speech: dict[str, np.ndarr
     assert worker.decoders(fast=True) == 2 and not worker._streams
 
 
+@pytest.mark.serial
 def test_a_close_does_not_wait_for_a_running_step(speech: dict[str, np.ndarray]) -> None:
     """While a worker decodes a long step, closing another stream returns at once; closing the
     stream being decoded ends that step's work on it too (the rest of its audio is skipped)."""

@@ -28,6 +28,8 @@ from rtmedia.engines.lm_models import (
 )
 from rtmedia.engines.responder import Message, ResponderError
 
+pytestmark = pytest.mark.slow  # the GGUF conversion it tests takes most of a minute
+
 
 @pytest.fixture(autouse=True)
 def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
