@@ -84,6 +84,7 @@ async def wait_event(page, kind: str, timeout: float) -> dict:
                          f"{await page.evaluate('() => window.events.map(e => e.type)')}")
 
 
+@pytest.mark.serial  # what the recogniser hears rides on Chromium's real-time audio
 async def test_a_browser_call_is_answered_and_heard(served, chromium, microphone_wav):
     from playwright.async_api import async_playwright
 
