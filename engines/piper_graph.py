@@ -25,9 +25,11 @@ outputs, non-scalar constants) is not split: `split` returns None.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rtmedia.engines.disk_cache import cached_folder, content_key
 
 DECODER = "/dec/"
 _CONVS = ("Conv", "ConvTranspose")
@@ -36,6 +38,8 @@ _RANK_FREE = ("LeakyRelu", "Add", "Div", "Tanh")
 # (with 9 a window differed visibly from the whole decode, with 10 only by float rounding;
 # tests/unit/test_piper_graph.py checks windows against whole decodes).
 CONTEXT_FRAMES = 10
+# The format of a split kept on disk (split_cached): raised whenever `split` changes its output.
+SPLIT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -132,3 +136,33 @@ def split(path: str) -> PiperParts | None:
         onnx.checker.check_model(part)
         parts.append(part.SerializeToString())
     return PiperParts(parts[0], parts[1], hop)
+
+
+def split_cached(path: str, cache_dir: Path | None = None) -> PiperParts | None:
+    """`split(path)`, kept on disk (engines/disk_cache.py) under a hash of the voice file, so a
+    server start after the first reads the two graphs instead of loading and rewriting the
+    voice's ONNX graph again."""
+    made: list[PiperParts | None] = []
+
+    def build(folder: Path) -> None:
+        made.append(split(path))
+        parts = made[0]
+        if parts is None:
+            (folder / "whole").write_text("this voice's decoder is not split\n")
+            return
+        (folder / "latent.onnx").write_bytes(parts.latent)
+        (folder / "decoder.onnx").write_bytes(parts.decoder)
+        (folder / "hop").write_text(f"{parts.hop}\n")
+
+    try:
+        folder = cached_folder(f"piper-split-{content_key(Path(path), SPLIT_VERSION)}", build, cache_dir)
+    except OSError:
+        folder = None
+    if made:
+        return made[0]
+    if folder is None:
+        return split(path)
+    if (folder / "whole").exists():
+        return None
+    return PiperParts((folder / "latent.onnx").read_bytes(), (folder / "decoder.onnx").read_bytes(),
+                      int((folder / "hop").read_text()))

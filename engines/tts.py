@@ -52,7 +52,7 @@ from piper.config import PiperConfig
 from piper.voice import PiperVoice
 from rtmedia.engines.base import EngineError
 from rtmedia.engines.piper_bf16 import PRECISIONS, Bf16Decoder, bf16_unavailable
-from rtmedia.engines.piper_graph import CONTEXT_FRAMES, PiperParts, split
+from rtmedia.engines.piper_graph import CONTEXT_FRAMES, PiperParts, split_cached
 from rtmedia.engines.resample import float_to_pcm16, make_resampler
 from rtmedia.engines.text_chunks import split_text  # noqa: F401  (tests/perf/bench_speech.py imports it from here)
 
@@ -195,7 +195,7 @@ class TtsEngine:
         with self._load_lock:
             for spec in self.voices.values():
                 if spec.name not in self._models:
-                    parts = split(str(spec.model_path))
+                    parts = split_cached(str(spec.model_path))
                     # one bfloat16 decoder per voice: it runs on the calling thread either way
                     bf16 = Bf16Decoder(parts) if parts is not None and self.precision == "bf16" else None
                     self._models[spec.name] = [self._load_voice(spec, parts, threads, bf16)

@@ -13,7 +13,10 @@ from rtmedia.server.config import ServerConfig
 
 @pytest.fixture(scope="module")
 async def server(request):
-    options = {"max_sessions": 64, "llm": False, "default_responder": "echo", "grace_s": 1,
+    # Two fast-final decoders per ASR worker (the default, 10, is sized for a server's many
+    # concurrent turns; a module here ends a few at once, and one past the pool is built on
+    # demand): each is a quarter second of a start's CPU.
+    options = {"max_sessions": 64, "llm": False, "default_responder": "echo", "grace_s": 1, "asr_decoders": 2,
                **getattr(request.module, "SERVER_OPTIONS", {})}
     srv = RtmediaServer(ServerConfig(port=0, metrics_port=0, **options))
     await srv.start()

@@ -16,6 +16,8 @@ from rtmedia.v1 import realtime_pb2
 from tests.support.converse import Conversation
 from tests.support.speech import normalise, transcribe, wer
 
+# the server's own pool of fast-final decoders: test_32_concurrent_sessions ends many turns at once
+SERVER_OPTIONS = {"asr_decoders": 10}
 RATE = 24000
 SENTENCE = "Please remember to buy milk and bread on your way home."
 LONG = ("The weather today is sunny with a light breeze from the west, and tomorrow it will rain "

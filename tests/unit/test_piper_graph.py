@@ -18,7 +18,7 @@ from piper.config import PiperConfig, SynthesisConfig
 from piper.voice import PiperVoice
 from rtmedia.engines import tts as tts_module
 from rtmedia.engines.piper_bf16 import SIZES, Bf16Decoder, bf16_unavailable
-from rtmedia.engines.piper_graph import PiperParts, split
+from rtmedia.engines.piper_graph import PiperParts, split, split_cached
 from rtmedia.engines.tts import TtsEngine, TtsItem, default_voices, voice_from_path
 
 SENTENCES = "Please call me back tomorrow afternoon at the office, and bring the report. Hi."
@@ -242,3 +242,22 @@ def test_a_voice_that_cannot_be_split_runs_whole(tmp_path) -> None:
     want = _speak(_engine("fp32"), 0, spec.native_rate)[0]
     assert np.abs(np.frombuffer(b"".join(got), np.int16).astype(int)
                   - np.frombuffer(b"".join(want), np.int16)).max() <= 1
+
+
+def test_a_split_is_kept_on_disk_under_its_voice_file_hash(tmp_path, monkeypatch) -> None:
+    """The first load splits and writes the halves; the next reads them without splitting; a
+    changed voice file is split again; a voice that is not split is remembered as such; a cache
+    that cannot be written only costs the split."""
+    small = _graph(["Conv", "LeakyRelu", "Conv", "Tanh"], tmp_path, "ok")
+    cache = tmp_path / "cache"
+    made = split_cached(small, cache)
+    assert made == split(small) and len(list(cache.iterdir())) == 1
+    monkeypatch.setattr("rtmedia.engines.piper_graph.split", lambda path: pytest.fail("split again"))
+    assert split_cached(small, cache) == made
+    monkeypatch.undo()
+    _graph(["Conv", "LeakyRelu", "Tanh"], tmp_path, "ok")  # the same path, other content
+    assert split_cached(small, cache) == split(small) != made and len(list(cache.iterdir())) == 2
+    whole = _graph(["Conv", "Softmax"], tmp_path, "other_op")
+    assert split_cached(whole, cache) is None and split_cached(whole, cache) is None
+    (tmp_path / "locked").write_text("a file where the cache folder would be")
+    assert split_cached(small, tmp_path / "locked" / "cache") == split(small)
