@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML deploy file (its `server:` keys; flags override it)")
     p.add_argument("--grace", dest="grace_s", type=float, default=None, help="drain grace period in seconds (30)")
     p.add_argument("--asr-workers", type=int, default=None, help="PocketSphinx worker processes (2)")
+    p.add_argument("--asr-decoders", type=int, default=None,
+                   help="fast PocketSphinx decoders each ASR worker builds at start (10)")
     p.add_argument("--max-sessions", type=int, default=None, help="concurrent Converse sessions (256)")
     p.add_argument("--capacity-sessions", type=int, default=None, metavar="N",
                    help="the sessions this replica is sized for (default: --max-sessions), exported as "

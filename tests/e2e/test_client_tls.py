@@ -18,7 +18,7 @@ from rtmedia.clients.audio_file import write_audio
 from rtmedia.clients.credentials import TOKEN_ENV
 
 from tests.support.certs import Certs, make_certs
-from tests.support.serve import RTMEDIA, running_server
+from tests.support.serve import FEW_SPEAKERS, RTMEDIA, running_server
 
 pytestmark = pytest.mark.e2e
 TOKEN = "alice-token-0123456789"
@@ -31,7 +31,8 @@ def tls_server(certs: Certs, *args: str, log: Path) -> Iterator[str]:
     credentials = grpc.ssl_channel_credentials(certs.ca.read_bytes(), certs.client_key.read_bytes(),
                                                certs.client_cert.read_bytes())
     with running_server("--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-                        "--tls-client-ca", str(certs.ca), *args, log=log, credentials=credentials) as (target, _):
+                        "--tls-client-ca", str(certs.ca), *args, log=log, credentials=credentials,
+                        asr_decoders=FEW_SPEAKERS) as (target, _):
         yield target
 
 

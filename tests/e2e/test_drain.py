@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rtmedia.protocol.errors import error_reason
 
 from tests.support.converse import Conversation
-from tests.support.serve import running_server
+from tests.support.serve import FEW_SPEAKERS, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture
 def server(tmp_path):
     with running_server("--metrics-port", "0", "--grace", "20", "--no-llm", "--responder", "echo",
-                        log=tmp_path / "serve.log") as (target, process):
+                        log=tmp_path / "serve.log", asr_decoders=FEW_SPEAKERS) as (target, process):
         yield process, target
 
 

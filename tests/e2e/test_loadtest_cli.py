@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from rtmedia.clients.audio_file import write_audio
 
-from tests.support.serve import RTMEDIA, free_port, running_server
+from tests.support.serve import FEW_SPEAKERS, RTMEDIA, free_port, running_server
 
 pytestmark = pytest.mark.e2e
 MAX_SESSIONS = 4
@@ -24,7 +24,7 @@ LATENCIES = ("response_latency_ms", "voice_to_voice_ms", "barge_in_ms", "vad_sta
 def target(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with running_server("--metrics-port", "0", "--no-llm", "--responder", "echo", "--max-sessions",
-                        str(MAX_SESSIONS), "--grace", "2", log=log) as (target, _):
+                        str(MAX_SESSIONS), "--grace", "2", log=log, asr_decoders=FEW_SPEAKERS) as (target, _):
         yield target
 
 

@@ -27,8 +27,8 @@ from tests.support.speech import Speaker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not HAPROXY, reason="needs haproxy")]
 
-REPLICA_ARGS = ("--no-llm", "--responder", "echo", "--no-riva", "--asr-workers", "1", "--vad-threads", "1",
-                "--grace", "30", "--drain-delay", "1")
+REPLICA_ARGS = ("--no-llm", "--responder", "echo", "--no-riva", "--asr-workers", "1", "--asr-decoders", "2",
+                "--vad-threads", "1", "--grace", "30", "--drain-delay", "1")
 RATE = 16000
 CALLERS = 4
 SENTENCE = "Could you tell me when the next train to the city leaves?"

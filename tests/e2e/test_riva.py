@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from riva.client.proto import riva_asr_pb2, riva_tts_pb2
 from rtmedia.engines.resample import float_to_ulaw
 
-from tests.support.serve import free_port, running_server
+from tests.support.serve import FEW_SPEAKERS, free_port, running_server
 from tests.support.speech import Speaker, wer
 
 pytestmark = pytest.mark.e2e
@@ -31,7 +31,8 @@ TTS = "nvidia.riva.tts.RivaSpeechSynthesis"
 def served(tmp_path_factory):
     metrics_port = free_port()
     log = tmp_path_factory.mktemp("riva") / "serve.log"
-    with running_server("--no-llm", "--responder", "echo", "--metrics-port", str(metrics_port), log=log) as (
+    with running_server("--no-llm", "--responder", "echo", "--metrics-port", str(metrics_port), log=log,
+                        asr_decoders=FEW_SPEAKERS) as (
             target, _):
         auth = riva.client.Auth(uri=target)
         yield {"target": target, "metrics_port": metrics_port, "asr": riva.client.ASRService(auth),

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from tests.support.serve import RTMEDIA, free_port, running_server
+from tests.support.serve import FEW_SPEAKERS, RTMEDIA, free_port, running_server
 from tests.support.speech import wer
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +27,7 @@ def served(tmp_path_factory):
     metrics_port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with running_server("--metrics-port", str(metrics_port), "--grace", "5", "--no-llm", "--responder", "echo",
-                        log=log) as (target, process):
+                        log=log, asr_decoders=FEW_SPEAKERS) as (target, process):
         yield {"target": target, "metrics_port": metrics_port, "process": process, "log": log}
 
 

@@ -19,7 +19,7 @@ from rtmedia.v1 import speech_pb2, speech_pb2_grpc
 
 from tests.support.certs import make_certs
 from tests.support.converse import Conversation
-from tests.support.serve import running_server
+from tests.support.serve import FEW_SPEAKERS, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -57,7 +57,8 @@ def tls_server(tmp_path_factory):
     tokens = tmp_path_factory.mktemp("tokens") / "tokens"
     tokens.write_text(f"# name, then limits\n{ALICE} alice max_sessions=1\n{BOB} bob sessions_per_minute=2\n")
     with running_server(*SERVE, "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-                        "--auth-tokens", str(tokens), credentials=credentials(certs)) as (target, process):
+                        "--auth-tokens", str(tokens), credentials=credentials(certs),
+                        asr_decoders=FEW_SPEAKERS) as (target, process):
         yield target, process, certs, tokens
 
 
@@ -153,7 +154,8 @@ async def test_sighup_swaps_certificate_and_tokens_under_a_live_session(tls_serv
 def test_mutual_tls_needs_a_client_certificate(tmp_path):
     certs = make_certs(tmp_path / "certs")
     with running_server(*SERVE, "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-                        "--tls-client-ca", str(certs.ca), credentials=credentials(certs, client=True)) as (target, _):
+                        "--tls-client-ca", str(certs.ca), credentials=credentials(certs, client=True),
+                        asr_decoders=FEW_SPEAKERS) as (target, _):
         assert asyncio.run(health(target, credentials(certs, client=True))) == health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             asyncio.run(health(target, credentials(certs)))

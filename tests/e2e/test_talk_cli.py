@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.serve import RTMEDIA, free_port, running_server
+from tests.support.serve import FEW_SPEAKERS, RTMEDIA, free_port, running_server
 from tests.support.speech import wer, write_wav
 
 pytestmark = pytest.mark.e2e
@@ -23,7 +23,8 @@ INTERRUPTION = "Stop, that is enough."
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with running_server("--metrics-port", str(free_port()), "--grace", "5", log=log) as (target, process):
+    with running_server("--metrics-port", str(free_port()), "--grace", "5", log=log,
+                        asr_decoders=FEW_SPEAKERS) as (target, process):
         yield {"target": target, "process": process, "log": log}
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.support.pulse import MIC_RATE, LiveTalk, available, running_pulse, voiced_spans
-from tests.support.serve import RTMEDIA, free_port, running_server
+from tests.support.serve import FEW_SPEAKERS, RTMEDIA, free_port, running_server
 from tests.support.speech import write_wav
 
 pytestmark = pytest.mark.e2e
@@ -36,7 +36,8 @@ def pulse(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with running_server("--metrics-port", str(free_port()), "--no-llm", "--responder", "echo", log=log) as (target, _):
+    with running_server("--metrics-port", str(free_port()), "--no-llm", "--responder", "echo", log=log,
+                        asr_decoders=FEW_SPEAKERS) as (target, _):
         yield {"target": target, "log": log}
 
 

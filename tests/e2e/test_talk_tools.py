@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from tests.support.chat_upstream import Calls, ChatUpstream, tool_results
-from tests.support.serve import RTMEDIA, free_port, running_server
+from tests.support.serve import FEW_SPEAKERS, RTMEDIA, free_port, running_server
 from tests.support.speech import write_wav
 
 pytestmark = pytest.mark.e2e
@@ -36,7 +36,8 @@ def script(body: dict) -> list:
 def served(tmp_path_factory):
     upstream = ChatUpstream(script)
     with upstream.in_thread(), running_server("--metrics-port", str(free_port()), "--no-llm", "--responder", "echo",
-                                              "--openai-url", upstream.url, "--grace", "5") as (target, _):
+                                              "--openai-url", upstream.url, "--grace", "5",
+                                              asr_decoders=FEW_SPEAKERS) as (target, _):
         yield target, upstream
 
 

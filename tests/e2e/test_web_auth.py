@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from aiortc import RTCSessionDescription
 
-from tests.support.serve import RTMEDIA, free_port, running_server
+from tests.support.serve import FEW_SPEAKERS, RTMEDIA, free_port, running_server
 from tests.support.webrtc import BridgePeer, wait_http
 
 pytestmark = pytest.mark.e2e
@@ -42,7 +42,8 @@ def server(tmp_path_factory):
     web_port = free_port()
     log = directory / "serve.log"
     with running_server("--no-llm", "--responder", "echo", "--metrics-port", "0", "--grace", "2", "--auth-tokens",
-                        str(tokens), "--web", "--web-port", str(web_port), log=log) as (target, process):
+                        str(tokens), "--web", "--web-port", str(web_port), log=log,
+                        asr_decoders=FEW_SPEAKERS) as (target, process):
         wait_http(f"http://127.0.0.1:{web_port}/healthz", process)
         yield {"target": target, "tokens": tokens, "log": log, "dir": directory, "web": f"http://127.0.0.1:{web_port}"}
     assert_no_secret(log.read_text(errors="replace"))

@@ -15,6 +15,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 RTMEDIA = str(Path(sys.executable).with_name("rtmedia"))
+# The fast ASR decoders a test's server warms per worker: its tests speak a few sessions at once.
+FEW_SPEAKERS = 2
 
 
 def free_port() -> int:
@@ -49,11 +51,16 @@ def wait_serving(target: str, process: subprocess.Popen, timeout: float = 120,
 
 @contextmanager
 def running_server(*args: str, log: Path | None = None, credentials: grpc.ChannelCredentials | None = None,
-                   env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+                   env: dict[str, str] | None = None,
+                   asr_decoders: int | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """`rtmedia serve ARGS` on a free port, once SERVING: (target, process); terminated at exit.
     Its output goes to `log` (default: discarded); `credentials`: how to reach a TLS port;
-    `env`: variables added to this process's environment."""
+    `env`: variables added to this process's environment; `asr_decoders`: the fast decoders each
+    ASR worker warms (default: the server's own, sized for many speakers; a test with a few
+    speakers passes `FEW_SPEAKERS` and starts in a third of the time)."""
     port = free_port()
+    if asr_decoders is not None:
+        args = ("--asr-decoders", str(asr_decoders), *args)
     with open(log, "wb") if log else open(os.devnull, "wb") as out:
         process = subprocess.Popen([RTMEDIA, "serve", "--port", str(port), *args], stdout=out,
                                    stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

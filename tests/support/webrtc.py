@@ -22,7 +22,7 @@ from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from rtmedia.web.tracks import FRAME_SAMPLES, PLAYOUT_RATE, PlayoutBuffer, ReplyAudioTrack, set_audio_prefetch
 
-from tests.support.serve import RTMEDIA, free_port, running_server
+from tests.support.serve import FEW_SPEAKERS, RTMEDIA, free_port, running_server
 
 RATE = PLAYOUT_RATE  # 48 kHz
 FRAME = FRAME_SAMPLES  # 20 ms
@@ -243,7 +243,8 @@ def serve_with_web(log_dir: Path, *extra: str) -> Iterator[dict[str, Any]]:
     web_port = free_port()
     log = log_dir / "serve.log"
     with running_server("--metrics-port", "0", "--grace", "2", "--no-llm", "--responder", "echo", "--web",
-                        "--web-port", str(web_port), *extra, log=log) as (target, process):
+                        "--web-port", str(web_port), *extra, log=log,
+                        asr_decoders=FEW_SPEAKERS) as (target, process):
         wait_http(f"http://127.0.0.1:{web_port}/healthz", process)
         yield {"target": target, "url": f"http://127.0.0.1:{web_port}", "process": process, "log": log}
 
