@@ -505,6 +505,8 @@ class AsrEngine:
     tried again each `restart_backoff_s`. `on_restart(worker)` is called after each restart."""
 
     name = "asr"
+    model = "pocketsphinx"
+    finds_utterances = True  # segment=True streams: PocketSphinx's endpointer cuts the utterances
 
     def __init__(self, workers: int = 2, decoders: int = 10, reply_timeout_s: float = _REPLY_TIMEOUT_S,
                  on_restart: Callable[[int], None] | None = None) -> None:

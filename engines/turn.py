@@ -8,7 +8,7 @@ sentence-final token (`<|im_end|>` or the template's end token, `.`, `?`,
 tell me how long the") very unlikely. The prompt is short and the same for
 every session, so the scores mean the same whatever a session's instructions:
 a fixed system message, the conversation's last assistant message (if any), then
-the user's words unpunctuated, as the recogniser gives them. `TurnPrompt` builds
+the user's words lowercased and unpunctuated (`ids`). `TurnPrompt` builds
 its token ids; the LM lane runs it (server/lm_lane.py `score`).
 
 The acoustic scorer is Smart Turn (pipecat-ai's BSD-2 ONNX model, v3.2 CPU build),
@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from .base import EngineError, package_file
+from .whisper import normal_words
 
 # The system message of every scoring prompt (the thresholds were measured with it).
 SCORING_SYSTEM = "You are a helpful voice assistant. Answer in one or two short spoken sentences."
@@ -75,7 +76,10 @@ class TurnPrompt:
         return list(self.tokenizer.encode(text[:text.index(_MARK)], add_special_tokens=False))
 
     def ids(self, assistant: str, words: str) -> list[int]:
-        return self.prefix(assistant) + list(self.tokenizer.encode(words.strip(), add_special_tokens=False))
+        """The prompt of `words` lowercased without punctuation, whatever the recogniser wrote
+        (a transcript's "?" would say the turn is finished; the thresholds were measured so)."""
+        plain = " ".join(normal_words(words))
+        return self.prefix(assistant) + list(self.tokenizer.encode(plain, add_special_tokens=False))
 
     def score(self, logits: Any) -> float:
         """log10 of the probability of an end token after the prompt, from its last logits."""

@@ -29,6 +29,7 @@ from rtmedia.engines.openai_chat import OpenAIResponder
 from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
 from rtmedia.engines.turn import AcousticTurnModel
 from rtmedia.engines.vad import VadEngine
+from rtmedia.engines.whisper import WhisperEngine
 from rtmedia.protocol.tokens import TokenTable
 from rtmedia.server.audio_input import WINDOW_MS, VadTick
 from rtmedia.server.auth import AuthInterceptor
@@ -102,21 +103,7 @@ class RtmediaServer:
         # result until its last one is done), two steps at once on the two cores.
         scheduler.add(TTS, TtsEngine(voices, intra_op_threads=config.tts_threads, precision=config.tts_precision),
                       LanePolicy(max_batch=1, concurrency=config.tts_concurrency, step_deadline_s=deadline(TTS)))
-        # One runner per PocketSphinx worker, each stepping only its own streams' items; an item
-        # that only ends an utterance goes through the `asr_final` lane, which each worker
-        # answers mid-step (its urgent pipe). A worker silent past the lanes' step deadline is
-        # killed and restarted, so a hung worker's lane recovers at its deadline.
-        silent = max(deadline(ASR) or 0, deadline(ASR_FINAL) or 0) or None
-        asr = AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders,
-                        on_restart=lambda worker: self.metrics.asr_worker_restarts.labels(str(worker)).inc(),
-                        **({"reply_timeout_s": silent} if silent else {}))
-        for worker in range(config.asr_workers):  # read when scraped
-            self.metrics.asr_streams.labels(str(worker)).set_function(functools.partial(asr.streams_on, worker))
-            self.metrics.asr_decoders.labels(str(worker)).set_function(functools.partial(asr.decoders_on, worker))
-        for name, step in ((ASR, None), (ASR_FINAL, lambda items: asr.step(items, urgent=True))):
-            scheduler.add(name, asr, LanePolicy(Priority.REALTIME, max_batch=64, concurrency=config.asr_workers,
-                                                shard=lambda item: item.stream.worker,
-                                                step_deadline_s=deadline(name)), step)
+        self._add_asr(config, scheduler, deadline)
         # Video decode: one latent step per work item, BULK, so speech runs between any two steps.
         scheduler.add(VIDEO, build_video_engine(config, self.placement, self.metrics),
                       LanePolicy(Priority.BULK, max_batch=1, concurrency=1, step_deadline_s=deadline(VIDEO)))
@@ -189,6 +176,34 @@ class RtmediaServer:
         self._heart: asyncio.Task[None] | None = None
         self.port = 0
         self._server: grpc.aio.Server | None = None
+
+    def _add_asr(self, config: ServerConfig, scheduler: Scheduler, deadline: Callable[[str], float | None]) -> None:
+        """The recogniser's two lanes: `asr` for audio, `asr_final` for the items that only end
+        an utterance, so a turn's final never queues behind other streams' audio."""
+        if config.asr == "whisper":
+            # One model in this process; each lane steps every stream's items as one batch, and
+            # the model runs `asr_parallel` batches at once (a final beside a batch of partials).
+            whisper = WhisperEngine(intra_threads=config.asr_threads, inter_threads=config.asr_parallel)
+            self.metrics.asr_streams.labels("0").set_function(functools.partial(whisper.streams_on, 0))
+            for name, step in ((ASR, None), (ASR_FINAL, lambda items: whisper.step(items, urgent=True))):
+                scheduler.add(name, whisper, LanePolicy(Priority.REALTIME, max_batch=256,
+                                                        step_deadline_s=deadline(name)), step)
+            return
+        # One runner per PocketSphinx worker, each stepping only its own streams' items; the
+        # `asr_final` lane's items each worker answers mid-step (its urgent pipe). A worker silent
+        # past the lanes' step deadline is killed and restarted, so a hung worker's lane recovers
+        # at its deadline.
+        silent = max(deadline(ASR) or 0, deadline(ASR_FINAL) or 0) or None
+        asr = AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders,
+                        on_restart=lambda worker: self.metrics.asr_worker_restarts.labels(str(worker)).inc(),
+                        **({"reply_timeout_s": silent} if silent else {}))
+        for worker in range(config.asr_workers):  # read when scraped
+            self.metrics.asr_streams.labels(str(worker)).set_function(functools.partial(asr.streams_on, worker))
+            self.metrics.asr_decoders.labels(str(worker)).set_function(functools.partial(asr.decoders_on, worker))
+        for name, step in ((ASR, None), (ASR_FINAL, lambda items: asr.step(items, urgent=True))):
+            scheduler.add(name, asr, LanePolicy(Priority.REALTIME, max_batch=64, concurrency=config.asr_workers,
+                                                shard=lambda item: item.stream.worker,
+                                                step_deadline_s=deadline(name)), step)
 
     def refusal(self) -> tuple[str, str] | None:
         if self.state in ("serving", "leaving"):

@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: RTMEDIA_AUTH_TOKENS, else no authentication; reloaded on SIGHUP")
     p.add_argument("--config", default=None, help="YAML deploy file (its `server:` keys; flags override it)")
     p.add_argument("--grace", dest="grace_s", type=float, default=None, help="drain grace period in seconds (30)")
+    p.add_argument("--asr", default=None, choices=("whisper", "pocketsphinx"),
+                   help="the recogniser: Whisper tiny.en on CTranslate2 (whisper, the default) or pocketsphinx")
+    p.add_argument("--asr-threads", type=int, default=None, help="Whisper: cores one decode batch uses (1)")
+    p.add_argument("--asr-parallel", type=int, default=None,
+                   help="Whisper: decode batches that run at once, a final beside partials (2)")
     p.add_argument("--asr-workers", type=int, default=None, help="PocketSphinx worker processes (2)")
     p.add_argument("--asr-decoders", type=int, default=None,
                    help="fast PocketSphinx decoders each ASR worker builds at start (10)")

@@ -17,6 +17,7 @@ MiB = 1024 * 1024
 # overrides them per lane (0: no deadline). An LM lane's step is a prefill (of up to lm_context tokens: a
 # local `transformers` model may be large for a CPU) or one decode step; a video step decodes one latent
 # frame, which at the largest frame the limits admit takes long on a CPU.
+ASR_ENGINES = ("whisper", "pocketsphinx")
 STEP_DEADLINES_S: dict[str, float] = {
     "vad": 5.0, "turn_audio": 10.0, "asr": 30.0, "asr_final": 30.0, "tts": 30.0, "video": 300.0, "llm": 60.0,
     "transformers": 120.0,
@@ -48,6 +49,12 @@ class ServerConfig:
     # 0: grpc's adaptive window, which grows to tens of MiB per stream.
     stream_window_bytes: int = 1 * MiB
     max_text_chars: int = 5000
+    # The recogniser: "whisper" (Whisper tiny.en on CTranslate2, engines/whisper.py) or
+    # "pocketsphinx" (engines/asr.py; the asr_workers and asr_decoders settings are its).
+    asr: str = "whisper"
+    # Whisper: cores one decode batch uses, and batches that run at once (a final beside partials).
+    asr_threads: int = 1
+    asr_parallel: int = 2
     asr_workers: int = 2
     # Fast-final PocketSphinx decoders built per worker at start: the user turns a worker
     # decodes at once before building more on demand (building one stalls the worker, and
@@ -192,6 +199,11 @@ class ServerConfig:
         return float(seconds) if seconds else None
 
     def __post_init__(self) -> None:
+        if self.asr not in ASR_ENGINES:
+            raise ValueError(f"asr must be one of {', '.join(ASR_ENGINES)}, got {self.asr!r}")
+        if self.asr_threads < 1 or self.asr_parallel < 1:
+            raise ValueError(f"asr_threads and asr_parallel must be at least 1, got {self.asr_threads} and "
+                             f"{self.asr_parallel}")
         if self.vad_threads < 1:
             raise ValueError(f"vad_threads must be at least 1, got {self.vad_threads}")
         if (self.tls_cert is None) != (self.tls_key is None):

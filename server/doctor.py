@@ -1,7 +1,8 @@
 """`rtmedia doctor`: an operator's self-check of this machine, one line per check.
 
 - which device torch sees (CUDA or CPU) and the torch/Triton versions;
-- each engine loads and runs one step, with the device and precision it uses;
+- each engine loads and runs one step, with the device and precision it uses (the recogniser:
+  one decode);
 - CUDA graphs: the graph runner captures and replays a small step and the
   replay follows new inputs (on a machine without CUDA this line says so and
   is skipped, never faked);
@@ -127,6 +128,16 @@ def check_speech() -> tuple[str, str, float | None]:
     return "pass", f"Silero VAD (onnxruntime, CPU, float32) loads; Piper's decoder by default: {tts}", None
 
 
+def check_asr() -> tuple[str, str, float | None]:
+    from rtmedia.engines.whisper import WhisperEngine, embedded_model_dir
+
+    engine = WhisperEngine()
+    engine.load()
+    engine.warmup()  # one decode
+    engine.close()
+    return "pass", f"Whisper tiny.en (CTranslate2, CPU, int8) loads and decodes, from {embedded_model_dir()}", None
+
+
 def check_graphs() -> tuple[str, str, float | None]:
     import torch
     from rtmedia.engines.graphs import GraphConfig, GraphRunner
@@ -199,7 +210,8 @@ def run_checks(engines: bool = True, synthetic_lm: str | None = None, video_vae:
     if engines:
         checks += [_timed("engine lm", lambda: check_lm(synthetic_lm)),
                    _timed("engine video", lambda: check_video(video_vae)),
-                   _timed("engine vad", check_speech)]
+                   _timed("engine vad", check_speech),
+                   _timed("engine asr", check_asr)]
     checks += [_timed("cuda graphs", check_graphs),
                _timed("kernel rms_norm_silu", check_rms_norm),
                _timed("kernel causal_conv_assemble", check_assemble)]

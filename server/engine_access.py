@@ -23,6 +23,7 @@ from rtmedia.engines.turn import TurnPrompt
 from rtmedia.engines.vad import VadEngine, VadStream
 from rtmedia.engines.video import VaeInfo, VideoEngine, VideoOneShot, VideoStep, VideoStream
 from rtmedia.engines.video_plan import FramePlan
+from rtmedia.engines.whisper import WhisperEngine
 from rtmedia.server.audio_input import AudioInput, VadTick
 from rtmedia.server.lm_lane import LmLane
 from rtmedia.server.metrics import Metrics
@@ -76,7 +77,7 @@ class Asr:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
-        self._engine: AsrEngine = scheduler.lane(ASR).engine  # type: ignore[assignment]
+        self._engine: AsrEngine | WhisperEngine = scheduler.lane(ASR).engine  # type: ignore[assignment]
 
     @property
     def open_streams(self) -> int:
@@ -85,6 +86,17 @@ class Asr:
     @property
     def workers(self) -> int:
         return self._engine.workers
+
+    @property
+    def model(self) -> str:
+        """The recogniser's name: whisper-tiny or pocketsphinx."""
+        return self._engine.model
+
+    @property
+    def finds_utterances(self) -> bool:
+        """Whether the recogniser cuts a `segment=True` stream into utterances itself; else
+        the VAD must find them (server/vad_recognition.py)."""
+        return self._engine.finds_utterances
 
     def open(self, segment: bool = True, fast_final: bool = False) -> AsrStream:
         return self._engine.open_stream(segment, fast_final)

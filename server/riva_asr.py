@@ -8,9 +8,11 @@ interim results, its finals final results with word offsets in the stream's time
 Options rtmedia does not serve are rejected with a status naming them
 (`RecognitionOptions.from_config`); one alternative is returned whatever
 `max_alternatives` allows; transcripts are always in spoken form
-(`verbatim_transcripts` false is accepted, as it is the proto default:
-PocketSphinx has no inverse text normalisation); `enable_automatic_punctuation`
-gives each final transcript sentence case and a closing period.
+(`verbatim_transcripts` false is accepted, as it is the proto default); with
+`enable_automatic_punctuation` a final transcript has the recogniser's casing and punctuation
+(Whisper's own; sentence case and a closing period where the recogniser gives none), without
+it lowercase words without punctuation, as Riva gives them. The one model is named after
+the server's recogniser (`riva_model`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import grpc
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_audio_pb2
 from rtmedia.engines.asr import AsrEvent
+from rtmedia.engines.whisper import normal_words
 from rtmedia.protocol.errors import shown
 from rtmedia.server.endpointing import DEFAULTS, check_endpointing
 from rtmedia.server.engine_access import EngineAccess
@@ -46,7 +49,6 @@ from rtmedia.server.session_config import ALAW, PCM16, ULAW
 from rtmedia.server.vad_recognition import VadRecognition
 
 log = logging.getLogger(__name__)
-MODEL = "pocketsphinx-en-US-asr-streaming"
 RATES = (8000, 11025, 16000, 22050, 24000, 32000, 44100, 48000)
 ENCODINGS = {  # Riva encoding -> (rtmedia encoding, sample rates it may have)
     riva_audio_pb2.ENCODING_UNSPECIFIED: (PCM16, RATES),
@@ -66,7 +68,8 @@ class RecognitionOptions:
     endpointing: dict[str, float]
 
     @classmethod
-    def from_config(cls, config: riva_asr_pb2.RecognitionConfig, wav_rate: int = 0) -> RecognitionOptions:
+    def from_config(cls, config: riva_asr_pb2.RecognitionConfig, model: str, wav_rate: int = 0
+                    ) -> RecognitionOptions:
         """The options of `config`, or Rejected naming the first one not served. `wav_rate`: the
         rate of a WAV header in the audio (Recognize), which stands in for `sample_rate_hertz`."""
         name = riva_audio_pb2.AudioEncoding.Name(config.encoding) \
@@ -84,8 +87,8 @@ class RecognitionOptions:
             raise Rejected(INVALID, "BAD_SAMPLE_RATE", f"sample_rate_hertz={config.sample_rate_hertz} is not "
                            f"supported for {name}; supported: {', '.join(map(str, rates))}")
         check_language(config.language_code)
-        if config.model not in ("", MODEL):
-            raise Rejected(INVALID, "UNKNOWN_MODEL", f"model={shown(config.model)} is not served; models: {MODEL}")
+        if config.model not in ("", model):
+            raise Rejected(INVALID, "UNKNOWN_MODEL", f"model={shown(config.model)} is not served; models: {model}")
         if config.max_alternatives < 0:
             raise Rejected(INVALID, "BAD_OPTION", f"max_alternatives={config.max_alternatives} is negative")
         if config.audio_channel_count not in (0, 1):
@@ -138,9 +141,21 @@ def parse_wav(audio: bytes) -> tuple[bytes, int]:
     return samples, rate
 
 
+def riva_model(recogniser: str) -> str:
+    """The Riva model name of the server's recogniser, e.g. whisper-tiny-en-US-asr-streaming."""
+    return f"{recogniser}-en-US-asr-streaming"
+
+
 def punctuate(text: str) -> str:
-    """Sentence case and a closing period: the utterance-level punctuation rtmedia offers."""
-    return f"{text[0].upper()}{text[1:]}." if text else text
+    """The text as punctuated as the recogniser made it, else sentence case and a closing period."""
+    if not text or text.rstrip("\"')").endswith((".", "?", "!")):
+        return text
+    return f"{text[0].upper()}{text[1:]}."
+
+
+def plain(text: str) -> str:
+    """Lowercase words without punctuation: a transcript without automatic punctuation."""
+    return " ".join(normal_words(text))
 
 
 def riva_result(options: RecognitionOptions, interim: bool, event: AsrEvent, turn: Turn
@@ -149,7 +164,8 @@ def riva_result(options: RecognitionOptions, interim: bool, event: AsrEvent, tur
     if not event.text or not (event.is_final or interim):
         return None
     shift = turn.shift_ms
-    alternative = riva_asr_pb2.SpeechRecognitionAlternative(transcript=event.text)
+    alternative = riva_asr_pb2.SpeechRecognitionAlternative(
+        transcript=event.text if options.punctuation else plain(event.text))
     if event.is_final:
         if options.punctuation:
             alternative.transcript = punctuate(event.text)
@@ -157,7 +173,8 @@ def riva_result(options: RecognitionOptions, interim: bool, event: AsrEvent, tur
             alternative.confidence = sum(w[3] for w in event.words) / len(event.words)
         if options.word_offsets:
             alternative.words.extend(
-                riva_asr_pb2.WordInfo(word=w, start_time=s + shift, end_time=e + shift, confidence=c)
+                riva_asr_pb2.WordInfo(word=w if options.punctuation else plain(w), start_time=s + shift,
+                                      end_time=e + shift, confidence=c)
                 for w, s, e, c in event.words
             )
     return riva_asr_pb2.StreamingRecognitionResult(
@@ -171,6 +188,7 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
     def __init__(self, access: EngineAccess) -> None:
         self.access = access
         self.bytes_in = access.metrics.bytes_total.labels("in")
+        self.model = riva_model(access.asr.model)
 
     def _recognition(self, options: RecognitionOptions, interim: bool, priority: Priority) -> VadRecognition:
         return VadRecognition(self.access, options.encoding, options.sample_rate,
@@ -179,12 +197,12 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
 
     async def GetRivaSpeechRecognitionConfig(self, request, context):
         configs = []
-        if request.model_name in ("", MODEL):
-            configs.append(riva_asr_pb2.RivaSpeechRecognitionConfigResponse.Config(model_name=MODEL, parameters={
+        if request.model_name in ("", self.model):
+            configs.append(riva_asr_pb2.RivaSpeechRecognitionConfigResponse.Config(model_name=self.model, parameters={
                 "type": "online", "streaming": "true", "offline": "true", "language_code": "en-US",
-                "engine": "pocketsphinx", "endpointing": "silero-vad",
+                "engine": self.access.asr.model, "endpointing": "silero-vad",
                 "sample_rates": ",".join(map(str, RATES)), "encodings": "LINEAR_PCM,MULAW,ALAW",
-                "verbatim_transcripts": "always", "automatic_punctuation": "sentence case and final period",
+                "verbatim_transcripts": "always", "automatic_punctuation": "the recogniser's, else sentence case and a final period",
                 "max_alternatives": "1", "word_time_offsets": "true",
                 **{f"endpointing.{k}": f"{v:g}" for k, v in DEFAULTS.items()},
             }))
@@ -195,7 +213,7 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
         try:
             if audio[:4] == b"RIFF" and audio[8:12] == b"WAVE":
                 audio, wav_rate = parse_wav(audio)
-            options = RecognitionOptions.from_config(request.config, wav_rate)
+            options = RecognitionOptions.from_config(request.config, self.model, wav_rate)
         except Rejected as exc:
             await abort_rejected(context, exc)
         self.bytes_in.inc(len(request.audio))
@@ -222,7 +240,7 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
                 raise Rejected(INVALID, "CONFIG_FIRST", "the first StreamingRecognizeRequest must carry "
                                "streaming_config")
             _check_runtime_config(first, 0)
-            options = RecognitionOptions.from_config(first.streaming_config.config)
+            options = RecognitionOptions.from_config(first.streaming_config.config, self.model)
         except Rejected as exc:
             await abort_rejected(context, exc)
         recognition = self._recognition(options, first.streaming_config.interim_results, Priority.REALTIME)

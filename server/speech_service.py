@@ -140,7 +140,7 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         if first.WhichOneof("request") != "config":
             await abort(context, INVALID, "CONFIG_FIRST", "the first TranscribeRequest must carry config")
         decode, resampler, partials = await self._transcribe_setup(first.config, context)
-        if first.config.vad_segmentation:
+        if first.config.vad_segmentation or not self.asr.finds_utterances:
             async for response in self._transcribe_by_vad(first.config, partials, request_iterator, context):
                 yield response
             return

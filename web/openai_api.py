@@ -29,14 +29,14 @@ import grpc
 from aiohttp import web
 from rtmedia.web.openai_errors import RETRY_AFTER_S, SERVER_ERROR, OpenAIError
 from rtmedia.web.realtime_calls import ClientSecrets
-from rtmedia.web.realtime_config import REALTIME_MODELS
+from rtmedia.web.realtime_config import REALTIME_MODELS, unknown_model
 from rtmedia.web.realtime_ws import RealtimeLimits
 
 PREFIX = "/v1/"
 OWNER = "rtmedia"
 # Model names each endpoint accepts: rtmedia's own, and OpenAI's, which map onto the same engines.
 SPEECH_MODELS = ("rtmedia-piper", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
-TRANSCRIPTION_MODELS = ("rtmedia-pocketsphinx", "whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
+TRANSCRIPTION_MODELS = ("rtmedia-asr", "whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
 MODELS = (*SPEECH_MODELS, *TRANSCRIPTION_MODELS, *REALTIME_MODELS)
 MAX_UPLOAD_BYTES = 25 * 1024 * 1024  # OpenAI's own limit on a transcription upload
 MAX_REQUESTS = 16  # concurrent requests on the front; one more is a 429
@@ -92,8 +92,7 @@ def check_model(model: Any, known: tuple[str, ...]) -> str:
         raise OpenAIError(400, "model is required: a string, one of " + ", ".join(known), param="model",
                           code="missing_model" if model in (None, "") else "invalid_type")
     if model not in known:
-        raise OpenAIError(404, f"the model {model[:100]!r} does not exist here; models: {', '.join(known)}",
-                          param="model", code="model_not_found")
+        raise OpenAIError(404, unknown_model(model, known), param="model", code="model_not_found")
     return model
 
 

@@ -26,8 +26,20 @@ DEFAULT_MODEL = "rtmedia-realtime"
 REALTIME_MODELS = (DEFAULT_MODEL, "gpt-realtime", "gpt-realtime-mini", "gpt-realtime-2025-08-28",
                    "gpt-4o-realtime-preview", "gpt-4o-mini-realtime-preview", "gpt-realtime-1.5",
                    "gpt-realtime-2", "gpt-realtime-2.1", "gpt-realtime-2.1-mini")
-TRANSCRIPTION_MODELS = ("rtmedia-pocketsphinx", "whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe",
+# "rtmedia-asr" and OpenAI's transcription models all name the server's recogniser (Whisper
+# tiny.en unless it runs `--asr pocketsphinx`).
+TRANSCRIPTION_MODELS = ("rtmedia-asr", "whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe",
                         "gpt-transcribe", "gpt-live-transcribe", "gpt-realtime-whisper")
+RETIRED_MODELS = {"rtmedia-pocketsphinx": "rtmedia-asr"}  # old ids -> what replaced them
+
+
+def unknown_model(model: Any, known: tuple[str, ...]) -> str:
+    """Why `model` is refused: what replaced it, or the models there are."""
+    if model in RETIRED_MODELS:
+        return f"the model {model!r} was replaced by {RETIRED_MODELS[model]!r}, the server's recogniser"
+    return f"the model {str(model)[:100]!r} does not exist here; models: {', '.join(known)}"
+
+
 # OpenAI's built-in voices speak with the server's default voice; any other name is an rtmedia voice.
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
 # audio/pcm is 24 kHz PCM16; G.711 runs at 8 kHz.
@@ -283,8 +295,8 @@ class RealtimeConfig:
         _unknown(spec, {"model", "language", "prompt", "delay", "keywords", "languages"}, param + ".")
         model = spec.get("model", "whisper-1")
         if model not in TRANSCRIPTION_MODELS:
-            raise RealtimeError("model_not_found", f"{param}.model: {str(model)[:64]!r} is not a model here; "
-                                f"models: {', '.join(TRANSCRIPTION_MODELS)}", param + ".model")
+            raise RealtimeError("model_not_found", f"{param}.model: {unknown_model(model, TRANSCRIPTION_MODELS)}",
+                                param + ".model")
         if spec.get("language") not in (None, "en"):
             raise refuse(param + ".language", f"the language {str(spec['language'])[:16]!r} (served: en)")
         for name in ("prompt", "delay", "keywords", "languages"):

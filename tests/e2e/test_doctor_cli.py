@@ -23,8 +23,9 @@ def test_doctor_json() -> None:
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     checks = {c["name"]: c for c in report["checks"]}
-    assert report["ok"] and list(checks) == ["device", "engine lm", "engine video", "engine vad", "cuda graphs",
-                                             "kernel rms_norm_silu", "kernel causal_conv_assemble"]
+    assert report["ok"] and list(checks) == ["device", "engine lm", "engine video", "engine vad", "engine asr",
+                                             "cuda graphs", "kernel rms_norm_silu", "kernel causal_conv_assemble"]
+    assert "Whisper tiny.en" in checks["engine asr"]["detail"]
     assert "synthetic tiny (random weights)" in checks["engine lm"]["detail"]
     if torch.cuda.is_available():
         assert checks["cuda graphs"]["status"] == "pass" and checks["cuda graphs"]["max_error"] == 0.0

@@ -73,7 +73,9 @@ def test_streaming_recognition_interim_and_final_results(served, two_sentences) 
     assert wer(f"{FIRST} {SECOND}", " ".join(texts)) < 0.4, texts
     assert all(t[0].isupper() and t.endswith(".") for t in texts)  # automatic punctuation
     interim = [r for r in results if not r.is_final]
-    assert len(interim) >= 4 and all(r.alternatives[0].transcript for r in interim)
+    # interim results come before the first final (a partial decode per 500 ms of new speech,
+    # stretched under load; a partial commits the words two decodes agree on), only with words
+    assert len(interim) >= 2 and not results[0].is_final and all(r.alternatives[0].transcript for r in interim)
     # interim text of an utterance only grows until its final
     first_final = next(i for i, r in enumerate(results) if r.is_final)
     texts_before = [r.alternatives[0].transcript for r in results[:first_final]]
@@ -97,14 +99,14 @@ def test_endpointing_config_decides_utterances(served, two_sentences) -> None:
 
 
 def test_streaming_mulaw_8k_without_interim_results(served, speaker: Speaker) -> None:
-    """G.711 bytes reach the recogniser as speech where it was put. 8 kHz speech on the wideband
-    en-us model is recognised poorly, so the words are not scored (as in the SpeechService tests)."""
+    """G.711 bytes reach the recogniser as speech where it was put, and are heard."""
     speech = speaker.say(SECOND, 8000)
     audio = np.concatenate([speaker.silence(1.0, 8000), speech, speaker.silence(1.2, 8000)])
     cfg = config(encoding=riva.client.AudioEncoding.MULAW, sample_rate_hertz=8000, enable_word_time_offsets=True)
     results = stream(served["asr"], float_to_ulaw(audio.astype(np.float32) / 32768), cfg, interim=False,
                      chunk=800)
     assert len(results) == 1 and results[0].is_final, results
+    assert wer(SECOND, results[0].alternatives[0].transcript) < 0.1, results
     words = results[0].alternatives[0].words
     speech_end_ms = 1000 + len(speech) * 1000 // 8000
     assert abs(words[0].start_time - 1000) < 400 and abs(words[-1].end_time - speech_end_ms) < 600, words
@@ -165,6 +167,7 @@ def test_online_synthesis_streams_clauses(served) -> None:
 def test_config_queries_health_reflection_and_metrics(served) -> None:
     asr_config = served["asr"].stub.GetRivaSpeechRecognitionConfig(riva_asr_pb2.RivaSpeechRecognitionConfigRequest())
     (model,) = asr_config.model_config
+    assert model.model_name == "whisper-tiny-en-US-asr-streaming" and model.parameters["engine"] == "whisper-tiny"
     assert model.parameters["type"] == "online" and model.parameters["language_code"] == "en-US"
     tts_config = served["tts"].stub.GetRivaSynthesisConfig(riva_tts_pb2.RivaSynthesisConfigRequest())
     voices = {c.model_name: c.parameters for c in tts_config.model_config}

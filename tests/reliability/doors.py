@@ -660,7 +660,8 @@ RIVA_CONFIG_HINTS = {
                                     st.integers(-1, 40)), 1, 2),
     "sample_rate_hertz": sometimes(st.sampled_from(RATES), 6, 1),
     "language_code": sometimes(st.sampled_from(["", "en-US", "en-us", "de-DE", "x" * 300]), 1, 2),
-    "model": sometimes(st.sampled_from(["", "pocketsphinx-en-US-asr-streaming", "nope"]), 1, 3),
+    "model": sometimes(st.sampled_from(["", "whisper-tiny-en-US-asr-streaming", "pocketsphinx-en-US-asr-streaming",
+                                         "nope"]), 1, 3),
     "max_alternatives": sometimes(integers(-(2**31), 2**31 - 1), 1, 3),
     "audio_channel_count": sometimes(st.sampled_from([0, 1, 2, -1]), 1, 3),
     "profanity_filter": sometimes(st.booleans(), 1, 6),
@@ -1263,7 +1264,7 @@ RT_CREDENTIALS = ("bearer",) * 10 + ("protocol",) * 3 + ("rtmedia_protocol", "wr
                                                          "empty_protocol", "none", "malformed")
 RT_MODELS = ("gpt-realtime", "gpt-realtime-mini", "rtmedia-realtime", "gpt-4o-realtime-preview", "gpt-realtime-2.1")
 RT_BAD_MODELS = ("", "no-such-model", "tts-1", "whisper-1", "GPT-REALTIME", "gpt-realtime ", "é" * 40, "x" * 300)
-RT_TRANSCRIBERS = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe", "rtmedia-pocketsphinx")
+RT_TRANSCRIBERS = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe", "rtmedia-asr")
 OWN_IDS = ("rtmedia.front.initial", "rtmedia.front.update.1", "rtmedia.front.response.2")  # the front's own ids
 RT_SILENCE_S = 1.0  # after a spoken turn, so that server VAD ends it
 RT_LOG_GRACE_S = 0.15  # after a socket's session has ended, for the front's log of it

@@ -9,7 +9,7 @@ from rtmedia.server.app import RtmediaServer
 from rtmedia.server.cli import build_parser
 from rtmedia.server.config import ServerConfig
 from rtmedia.server.endpointing import START_MARGIN_MS, HistoryEndpointer
-from rtmedia.server.riva_asr import RecognitionOptions, Rejected, punctuate
+from rtmedia.server.riva_asr import RecognitionOptions, Rejected, plain, punctuate, riva_model
 from rtmedia.server.turns import WINDOW_MS, TurnEvent
 
 
@@ -58,29 +58,34 @@ def test_out_of_bounds_settings_are_named(field: str, value: float) -> None:
         HistoryEndpointer(**{field: value})
 
 
+MODEL = riva_model("whisper-tiny")
+
+
 def test_recognition_options_defaults_and_endpointing() -> None:
     config = riva_asr_pb2.RecognitionConfig(sample_rate_hertz=44100, language_code="en-US")
     config.endpointing_config.stop_history = 1200
-    options = RecognitionOptions.from_config(config)
+    options = RecognitionOptions.from_config(config, MODEL)
     assert options.sample_rate == 44100 and options.endpointing["stop_history"] == 1200
     assert options.endpointing["start_history"] == 300  # unset fields keep Riva's defaults
     config.endpointing_config.stop_threshold = 0
     with pytest.raises(Rejected) as rejected:
-        RecognitionOptions.from_config(config)
+        RecognitionOptions.from_config(config, MODEL)
     assert rejected.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "endpointing_config.stop_threshold=0" in rejected.value.message
 
 
 def test_wav_rate_must_agree_with_the_config() -> None:
     config = riva_asr_pb2.RecognitionConfig(encoding=riva_audio_pb2.LINEAR_PCM, sample_rate_hertz=16000)
-    assert RecognitionOptions.from_config(config, wav_rate=16000).sample_rate == 16000
+    assert RecognitionOptions.from_config(config, MODEL, wav_rate=16000).sample_rate == 16000
     with pytest.raises(Rejected, match="differs from the WAV header's 24000 Hz"):
-        RecognitionOptions.from_config(config, wav_rate=24000)
+        RecognitionOptions.from_config(config, MODEL, wav_rate=24000)
 
 
-def test_punctuation_is_sentence_case_and_a_period() -> None:
+def test_punctuation_is_the_recognisers_else_sentence_case_and_a_period() -> None:
     assert punctuate("hello world") == "Hello world."
+    assert punctuate("How many legs does a spider have?") == "How many legs does a spider have?"
     assert punctuate("") == ""
+    assert plain("How many legs, does it have?") == "how many legs does it have"
 
 
 def test_no_riva_flag_maps_onto_the_config() -> None:

