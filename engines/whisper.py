@@ -19,10 +19,10 @@ rounded up to `_BUCKET_FRAMES`), finals first; each bucket is one encoder batch 
 decode batch. Whisper was trained on 30 s windows; CTranslate2 takes shorter ones at a
 fraction of the cost, but on them Whisper takes the window's end for more speech to come and,
 once the utterance is said, often starts it over ("What is the capital of France? What is
-the"). A decode is therefore cut where it loops (`without_restart`), capped at `_TOKENS_PER_S` tokens
-per second of audio, and a final's window is at least 8 s (`_FINAL_FRAMES`; partials, which
-only commit what two decodes agree on, keep the short windows): with these the word error rate
-matches the full windows' on the measured set at a fraction of the cost (BENCHMARKS.md).
+the"). A decode is therefore cut where it loops (`without_restart`) and capped at `_TOKENS_PER_S`
+tokens per second of audio. Measured on the project's set, these trimmed windows cost a seventh
+of the full ones per final, with the same word error rate on clean speech and a little more on
+low-bitrate mp3 (BENCHMARKS.md, also for 8 s windows, a middle way that did not pay).
 
 Partials re-decode the utterance so far and commit the words two consecutive hypotheses
 agree on (LocalAgreement-2, `LocalAgreement`): the partial text is append-only, never
@@ -68,7 +68,6 @@ _FRAMES_PER_TOKEN_TIME = 2  # the encoder halves the frame rate: one position pe
 _TAIL_FRAMES = 64  # silence after the audio in each window: context for the last word
 _BUCKET_FRAMES = 100  # windows are rounded up to whole seconds, so streams share buckets
 _WINDOW_FRAMES = 3000  # Whisper's 30 s
-_FINAL_FRAMES = 800  # a final's shortest window: on shorter ones Whisper loops far more often
 _WINDOW_S = 28.0  # an utterance longer than this is decoded window by window
 _MAX_BATCH = 16
 _TOKENS_PER_S = 6  # a decode of s seconds stops after 8 + 6 s tokens (fast speech: ~4.5/s)
@@ -189,12 +188,10 @@ def log_mel(audio: np.ndarray, frames: int, extractor: Any) -> np.ndarray:
     return features[0, :, :frames]
 
 
-def window_frames(samples: int, final: bool = False) -> int:
-    """The bucket of an utterance of `samples`: its frames plus the tail, in whole seconds; a
-    final's window at least `_FINAL_FRAMES` (the module docstring)."""
+def window_frames(samples: int) -> int:
+    """The bucket of an utterance of `samples`: its frames plus the tail, in whole seconds."""
     frames = samples // _HOP + _TAIL_FRAMES
-    least = _FINAL_FRAMES if final else 0
-    return min(_WINDOW_FRAMES, max(least, -(-frames // _BUCKET_FRAMES) * _BUCKET_FRAMES))
+    return min(_WINDOW_FRAMES, -(-frames // _BUCKET_FRAMES) * _BUCKET_FRAMES)
 
 
 def without_restart(words: list[str]) -> int:
@@ -498,7 +495,7 @@ class WhisperEngine:
             d.utt.decoded_samples = d.utt.samples
             if gate and (not d.audio.size or _dbfs(d.audio) < _SILENT_DBFS):
                 continue
-            d.frames = window_frames(d.audio.size, d.final)
+            d.frames = window_frames(d.audio.size)
             todo.append(d)
         todo.sort(key=lambda d: (not d.final, d.frames))
         for _, bucket in itertools.groupby(todo, key=lambda d: (not d.final, d.frames)):

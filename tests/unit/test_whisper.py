@@ -117,8 +117,6 @@ def test_windows_are_whole_seconds_with_a_tail_and_at_most_thirty():
     assert window_frames(RATE * 3) == 400
     assert window_frames(RATE * 29) == 3000
     assert window_frames(RATE * 40) == 3000
-    assert window_frames(RATE * 2, final=True) == 800  # a final's shortest window
-    assert window_frames(RATE * 9, final=True) == 1000
 
 
 def test_normal_words():
@@ -178,7 +176,7 @@ def test_streams_in_one_step_share_encoder_batches_by_window_length(engine, spee
             engine.close_stream(s)
     assert [wer(t, r[0].text) for t, r in zip(texts, results, strict=True)] == [0] * 5
     # One encoder batch per window length, every stream of that length in it.
-    lengths = {window_frames(len(speech[t]) // 2, final=True) for t in texts}
+    lengths = {window_frames(len(speech[t]) // 2) for t in texts}
     assert sorted(shape[2] for shape in recording.shapes) == sorted(lengths)
     assert sum(shape[0] for shape in recording.shapes) == 5
 
