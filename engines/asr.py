@@ -132,12 +132,15 @@ class AsrStream:
 
     `segment`: the engine finds utterances itself (endpointer); else each `end=True` ends one.
     `fast_final`: a faster final for a little accuracy (decoders without the fwdflat pass).
+    `partials`: whether its caller uses partial results (a recogniser that decodes them apart
+    from its finals, Whisper, skips them when not).
     """
 
     id: int
     worker: int
     segment: bool = True
     fast_final: bool = False
+    partials: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -567,7 +570,7 @@ class AsrEngine:
         self.load()
         self._call(dict.fromkeys(range(self._n), ("warmup", (1, self._decoders))), timeout=_WARMUP_TIMEOUT_S)
 
-    def open_stream(self, segment: bool = True, fast_final: bool = False) -> AsrStream:
+    def open_stream(self, segment: bool = True, fast_final: bool = False, partials: bool = True) -> AsrStream:
         """A new stream. `segment=False`: no endpointer, each `end=True` ends one utterance (a turn)
         and yields its final; `fast_final=True`: the final comes faster for slightly lower accuracy.
         It goes to the least-loaded worker that is up (EngineUnavailable when none is)."""
@@ -579,7 +582,7 @@ class AsrEngine:
                 raise EngineUnavailable(f"no ASR worker is up ({', '.join(self._state)}); retry shortly")
             worker = min(up, key=self._load.__getitem__)
             self._load[worker] += 1
-            stream = AsrStream(next(self._ids), worker, bool(segment), bool(fast_final))
+            stream = AsrStream(next(self._ids), worker, bool(segment), bool(fast_final), bool(partials))
             self._open[stream.id] = stream
             return stream
 

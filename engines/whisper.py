@@ -12,8 +12,10 @@ always yields exactly one final (empty text when the utterance held no words or 
 
 One step takes the items of every stream queued on the lane: their audio is appended to each
 stream's utterance, then the decodes it makes due run together. A final is due on `end=True`;
-a partial when `partial_ms` of new audio has come since the utterance's last decode (under load
-steps come less often and carry more audio each, so the cadence stretches by itself). Due
+a partial when `partial_ms` of new audio has come since the utterance's last decode. Under load
+the cadence stretches: while steps keep the engine busy (`_account`) it doubles, up to 4 times
+`partial_ms`, and a step decodes at most `_PARTIALS_PER_STEP` partials, those with the most new
+audio (the others wait for a later step); finals are never held back. Due
 decodes are bucketed by window length (the audio plus `_TAIL_FRAMES` of log-mel context,
 rounded up to `_BUCKET_FRAMES`), finals first; each bucket is one encoder batch and one greedy
 decode batch. Whisper was trained on 30 s windows; CTranslate2 takes shorter ones at a
@@ -50,7 +52,9 @@ import itertools
 import math
 import re
 import threading
+import time
 import zlib
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +74,10 @@ _BUCKET_FRAMES = 100  # windows are rounded up to whole seconds, so streams shar
 _WINDOW_FRAMES = 3000  # Whisper's 30 s
 _WINDOW_S = 28.0  # an utterance longer than this is decoded window by window
 _MAX_BATCH = 16
+_PARTIALS_PER_STEP = 8  # under load, the partials with the most new audio; the rest wait
+_LOAD_WINDOW_S = 2.0  # the partial cadence stretches when the last 2 s of steps ...
+_BUSY = 0.6  # ... kept the engine's parallel computations busier than this
+_MAX_STRETCH = 4
 _TOKENS_PER_S = 6  # a decode of s seconds stops after 8 + 6 s tokens (fast speech: ~4.5/s)
 _PROMPT_TOKENS = 120  # the previous utterance's last tokens, as context
 _SILENT_DBFS = -55.0
@@ -348,6 +356,10 @@ class WhisperEngine:
         self._open: dict[int, AsrStream] = {}
         self._ids = itertools.count(1)
         self._mu = threading.Lock()
+        self._parallel = inter_threads
+        self._steps: deque[tuple[float, float]] = deque()  # (when it ended, seconds) of recent steps
+        self._judged = time.monotonic()  # when the cadence last changed
+        self.stretch = 1  # the partial cadence's multiple of partial_ms, raised under load
 
     # -- the engine protocol ---------------------------------------------------------------
 
@@ -381,16 +393,17 @@ class WhisperEngine:
 
     # -- streams ---------------------------------------------------------------------------
 
-    def open_stream(self, segment: bool = False, fast_final: bool = False) -> AsrStream:
-        """A new stream; each `end=True` ends one utterance. `segment=True` (the recogniser
-        finding utterances itself) is not offered: the VAD finds them (module docstring)."""
+    def open_stream(self, segment: bool = False, fast_final: bool = False, partials: bool = True) -> AsrStream:
+        """A new stream; each `end=True` ends one utterance; `partials=False`: no partial
+        decodes (its caller sends none). `segment=True` (the recogniser finding utterances
+        itself) is not offered: the VAD finds them (module docstring)."""
         if segment:
             raise EngineError("the Whisper recogniser takes utterances found by the VAD: open a stream "
                               "with segment=False")
         with self._mu:
             if self._vocab is None:
                 raise EngineError("ASR engine is not loaded")
-            stream = AsrStream(next(self._ids), 0, False, bool(fast_final))
+            stream = AsrStream(next(self._ids), 0, False, bool(fast_final), bool(partials))
             self._open[stream.id] = stream
             self._streams[stream.id] = _Stream()
             return stream
@@ -428,12 +441,34 @@ class WhisperEngine:
                 continue
             with st.lock:
                 self._take(i, item, st, due, results)
-        decodes = list(due.values())
+        started = time.monotonic()
+        decodes = [d for d in due.values() if d.final]
+        partials = sorted((d for d in due.values() if not d.final),
+                          key=lambda d: d.utt.samples - d.utt.decoded_samples, reverse=True)
+        decodes += partials[:_PARTIALS_PER_STEP]  # the others stay due for a later step
         self._run(decodes)
         for d in decodes:
             with d.stream.lock:
                 results[d.item].append(self._event(d))
+        self._account(started)
         return results
+
+    def _account(self, started: float) -> None:
+        """Stretch the partial cadence while the engine is busy: over the last `_LOAD_WINDOW_S`,
+        steps that kept it busy more than `_BUSY` of the time double it (up to `_MAX_STRETCH`
+        times `partial_ms`); less than half that halves it again."""
+        now = time.monotonic()
+        with self._mu:
+            self._steps.append((now, now - started))
+            while self._steps and self._steps[0][0] < now - _LOAD_WINDOW_S:
+                self._steps.popleft()
+            if now - self._judged < _LOAD_WINDOW_S:
+                return  # judge a cadence on a whole window of its own steps
+            busy = sum(seconds for _, seconds in self._steps) / (_LOAD_WINDOW_S * self._parallel)
+            if busy > _BUSY and self.stretch < _MAX_STRETCH:
+                self.stretch, self._judged = self.stretch * 2, now
+            elif busy < _BUSY / 2 and self.stretch > 1:
+                self.stretch, self._judged = self.stretch // 2, now
 
     def _take(self, i: int, item: AsrItem, st: _Stream, due: dict[int, _Decode], results: list[Any]) -> None:
         """Append an item's audio to its stream's utterance; mark what it makes due."""
@@ -457,7 +492,8 @@ class WhisperEngine:
                 return
             utt, st.utt = st.utt, None
             due[sid] = _Decode(i, st, utt, True, utt.pcm())
-        elif st.utt is not None and st.utt.samples - st.utt.decoded_samples >= self.partial_samples:
+        elif item.stream.partials and st.utt is not None and \
+                st.utt.samples - st.utt.decoded_samples >= self.partial_samples * self.stretch:
             due[sid] = _Decode(i, st, st.utt, False, st.utt.pcm())
 
     def _close_window(self, st: _Stream) -> None:

@@ -181,13 +181,16 @@ class RtmediaServer:
         """The recogniser's two lanes: `asr` for audio, `asr_final` for the items that only end
         an utterance, so a turn's final never queues behind other streams' audio."""
         if config.asr == "whisper":
-            # One model in this process; each lane steps every stream's items as one batch, and
-            # the model runs `asr_parallel` batches at once (a final beside a batch of partials).
+            # One model in this process, running `asr_parallel` batches at once. The `asr` lane has
+            # as many runners, each stepping the items of its share of the streams as one batch
+            # (sharded by stream, so a stream's items stay in order); `asr_final` has one.
             whisper = WhisperEngine(intra_threads=config.asr_threads, inter_threads=config.asr_parallel)
             self.metrics.asr_streams.labels("0").set_function(functools.partial(whisper.streams_on, 0))
-            for name, step in ((ASR, None), (ASR_FINAL, lambda items: whisper.step(items, urgent=True))):
-                scheduler.add(name, whisper, LanePolicy(Priority.REALTIME, max_batch=256,
-                                                        step_deadline_s=deadline(name)), step)
+            scheduler.add(ASR, whisper, LanePolicy(Priority.REALTIME, max_batch=256, concurrency=config.asr_parallel,
+                                                   shard=lambda item: item.stream.id, step_deadline_s=deadline(ASR)))
+            scheduler.add(ASR_FINAL, whisper, LanePolicy(Priority.REALTIME, max_batch=256,
+                                                         step_deadline_s=deadline(ASR_FINAL)),
+                          lambda items: whisper.step(items, urgent=True))
             return
         # One runner per PocketSphinx worker, each stepping only its own streams' items; the
         # `asr_final` lane's items each worker answers mid-step (its urgent pipe). A worker silent

@@ -89,9 +89,10 @@ class Recognizer:
     `turn.said`). `stop()` ends the task after what is queued.
 
     `fast_final`: the stream's finals come faster for a little accuracy (the sessions);
+    `partials`: whether partial results are wanted (else the recogniser may skip them);
     `priority`: of the submissions on the ASR lanes."""
 
-    def __init__(self, asr: Asr, *, fast_final: bool = False,
+    def __init__(self, asr: Asr, *, fast_final: bool = False, partials: bool = True,
                  priority: Priority = Priority.REALTIME,
                  on_event: Callable[[Turn, AsrEvent], None] | None = None,
                  on_delta: Callable[[Turn, str], None] | None = None,
@@ -99,6 +100,7 @@ class Recognizer:
                  on_error: Callable[[Turn, EngineError], None] | None = None) -> None:
         self._asr = asr
         self.fast_final = fast_final
+        self.partials = partials
         self.priority = priority
         self._on_event = on_event
         self._on_delta = on_delta
@@ -151,7 +153,8 @@ class Recognizer:
             if pcm or turn.segment_open:  # else nothing to send: a pause cut the segment already
                 try:
                     if self._stream is None:
-                        self._stream = self._asr.open(segment=False, fast_final=self.fast_final)
+                        self._stream = self._asr.open(segment=False, fast_final=self.fast_final,
+                                                      partials=self.partials)
                     item = AsrItem(self._stream, pcm, end=kind != "audio")
                     turn.segment_open = kind == "audio"
                     events = await self._asr.recognize(item, self.priority)

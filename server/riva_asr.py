@@ -193,7 +193,7 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
     def _recognition(self, options: RecognitionOptions, interim: bool, priority: Priority) -> VadRecognition:
         return VadRecognition(self.access, options.encoding, options.sample_rate,
                               functools.partial(riva_result, options, interim), options.endpointing, priority,
-                              "riva-recognition")
+                              "riva-recognition", partials=interim)
 
     async def GetRivaSpeechRecognitionConfig(self, request, context):
         configs = []

@@ -199,7 +199,7 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         # A recording comes faster than real time: its utterances are decoded side by side.
         recognition = VadRecognition(self.access, fmt.encoding or common_pb2.AUDIO_ENCODING_PCM16,
                                      fmt.sample_rate or 24000, convert, priority=Priority.INTERACTIVE,
-                                     name="transcribe-vad", parallel=self.access.asr.workers)
+                                     name="transcribe-vad", parallel=self.access.asr.workers, partials=partials)
         reader = asyncio.create_task(self._feed(recognition, requests), name="transcribe-vad-reader")
         try:
             while (result := await recognition.results.get()) is not None:

@@ -217,3 +217,28 @@ def test_the_contract_of_a_stream(engine, speech):
     assert wer(FOX, results[1][-1].text) == 0 and results[1][-1].start_ms == final.end_ms
     engine.close_stream(stream)
     assert engine.open_streams == 0
+
+
+def test_the_partial_cadence_stretches_while_the_engine_is_busy_and_comes_back(engine, speech):
+    import time
+
+    assert engine.stretch == 1
+    try:
+        engine._judged -= 3  # a whole window has passed
+        engine._account(time.monotonic() - 3.5)  # a step that kept the engine busy 3.5 s of 2 s × 2
+        assert engine.stretch == 2
+        engine._account(time.monotonic() - 3.5)  # judged again only after a window of its own
+        assert engine.stretch == 2
+        engine._judged -= 3
+        engine._account(time.monotonic() - 3.5)
+        assert engine.stretch == 4
+        stream = engine.open_stream()
+        [events] = engine.step([AsrItem(stream, speech[FOX][: RATE * 2 * 3 // 2])])  # 1.5 s < 4 × 500 ms
+        assert events == []
+        engine._steps.clear()  # an idle window: back by half
+        engine._judged -= 3
+        engine._account(time.monotonic())
+        assert engine.stretch == 2
+        engine.close_stream(stream)
+    finally:
+        engine.stretch, engine._steps = 1, type(engine._steps)()
