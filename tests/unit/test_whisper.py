@@ -225,7 +225,7 @@ def test_the_partial_cadence_stretches_while_the_engine_is_busy_and_comes_back(e
     assert engine.stretch == 1
     try:
         engine._judged -= 3  # a whole window has passed
-        engine._account(time.monotonic() - 3.5)  # a step that kept the engine busy 3.5 s of 2 s × 2
+        engine._account(time.monotonic() - 3.5)  # a step that kept the engine busy 3.5 s of 2 s of 2 runs
         assert engine.stretch == 2
         engine._account(time.monotonic() - 3.5)  # judged again only after a window of its own
         assert engine.stretch == 2
@@ -233,7 +233,7 @@ def test_the_partial_cadence_stretches_while_the_engine_is_busy_and_comes_back(e
         engine._account(time.monotonic() - 3.5)
         assert engine.stretch == 4
         stream = engine.open_stream()
-        [events] = engine.step([AsrItem(stream, speech[FOX][: RATE * 2 * 3 // 2])])  # 1.5 s < 4 × 500 ms
+        [events] = engine.step([AsrItem(stream, speech[FOX][: RATE * 2 * 3 // 2])])  # 1.5 s < 4 times 500 ms
         assert events == []
         engine._steps.clear()  # an idle window: back by half
         engine._judged -= 3
