@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the recogniser: Whisper tiny.en on CTranslate2 (whisper, the default) or pocketsphinx")
     p.add_argument("--asr-threads", type=int, default=None, help="Whisper: cores one decode batch uses (1)")
     p.add_argument("--asr-parallel", type=int, default=None,
-                   help="Whisper: decode batches that run at once, a final beside partials (2)")
+                   help="Whisper: decode batches that run at once, each on its share of the streams (2)")
     p.add_argument("--asr-workers", type=int, default=None, help="PocketSphinx worker processes (2)")
     p.add_argument("--asr-decoders", type=int, default=None,
                    help="fast PocketSphinx decoders each ASR worker builds at start (10)")

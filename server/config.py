@@ -52,7 +52,7 @@ class ServerConfig:
     # The recogniser: "whisper" (Whisper tiny.en on CTranslate2, engines/whisper.py) or
     # "pocketsphinx" (engines/asr.py; the asr_workers and asr_decoders settings are its).
     asr: str = "whisper"
-    # Whisper: cores one decode batch uses, and batches that run at once (a final beside partials).
+    # Whisper: cores one decode batch uses, and batches that run at once (the asr lane's runners).
     asr_threads: int = 1
     asr_parallel: int = 2
     asr_workers: int = 2

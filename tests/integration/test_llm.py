@@ -50,7 +50,9 @@ async def test_spoken_question_gets_an_answer_with_paris(channel, speaker):
         assert "Paris" in text, text
         audio = b"".join(base64.b64decode(e["audio"]) for e in c.of_type("response.output_audio.delta"))
     heard = await transcribe(channel, audio, 24000)
-    assert "paris" in normalise(heard).split() and wer(text, heard) < 0.4, (text, heard)
+    # (tiny.en hears Piper's sampled "Paris" at the very start of a reply as "Carishes" now and
+    # then: the reply's words are checked together)
+    assert {"capital", "france"} <= set(normalise(heard).split()) and wer(text, heard) < 0.4, (text, heard)
 
 
 async def test_second_turn_prompt_holds_the_first_exchange(server, channel):

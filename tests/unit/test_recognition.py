@@ -28,7 +28,7 @@ class FakeAsr:
         self.closed: list[object] = []
         self.reply = reply
 
-    def open(self, segment: bool = True, fast_final: bool = False) -> object:
+    def open(self, segment: bool = True, fast_final: bool = False, partials: bool = True) -> object:
         self.opened.append({"segment": segment, "fast_final": fast_final})
         return f"stream{len(self.opened)}"
 
