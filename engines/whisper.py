@@ -340,7 +340,7 @@ class WhisperEngine:
     """Streaming Whisper behind the recogniser contract of `engines/asr.py` (module docstring)."""
 
     name = "asr"
-    workers = 1  # one model in this process: every stream's items go to one runner
+    workers = 1  # one model, in this process (its lane shards the streams over its runners)
     model = "whisper-tiny"
     finds_utterances = False  # only segment=False streams: the VAD finds the utterances
 
