@@ -570,10 +570,12 @@ class AsrEngine:
         self.load()
         self._call(dict.fromkeys(range(self._n), ("warmup", (1, self._decoders))), timeout=_WARMUP_TIMEOUT_S)
 
-    def open_stream(self, segment: bool = True, fast_final: bool = False, partials: bool = True) -> AsrStream:
+    def open_stream(self, segment: bool = True, fast_final: bool = False, partials: bool = True,
+                    prompt: str = "") -> AsrStream:
         """A new stream. `segment=False`: no endpointer, each `end=True` ends one utterance (a turn)
-        and yields its final; `fast_final=True`: the final comes faster for slightly lower accuracy.
-        It goes to the least-loaded worker that is up (EngineUnavailable when none is)."""
+        and yields its final; `fast_final=True`: the final comes faster for slightly lower accuracy;
+        `partials` and `prompt` (Whisper's) change nothing here. It goes to the least-loaded worker
+        that is up (EngineUnavailable when none is)."""
         with self._mu:
             if not self._procs:
                 raise EngineError("ASR engine is not loaded")

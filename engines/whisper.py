@@ -393,10 +393,12 @@ class WhisperEngine:
 
     # -- streams ---------------------------------------------------------------------------
 
-    def open_stream(self, segment: bool = False, fast_final: bool = False, partials: bool = True) -> AsrStream:
+    def open_stream(self, segment: bool = False, fast_final: bool = False, partials: bool = True,
+                    prompt: str = "") -> AsrStream:
         """A new stream; each `end=True` ends one utterance; `partials=False`: no partial
-        decodes (its caller sends none). `segment=True` (the recogniser finding utterances
-        itself) is not offered: the VAD finds them (module docstring)."""
+        decodes (its caller sends none); `prompt`: text said before, the first utterance's
+        context (its last `_PROMPT_TOKENS` tokens). `segment=True` (the recogniser finding
+        utterances itself) is not offered: the VAD finds them (module docstring)."""
         if segment:
             raise EngineError("the Whisper recogniser takes utterances found by the VAD: open a stream "
                               "with segment=False")
@@ -405,7 +407,8 @@ class WhisperEngine:
                 raise EngineError("ASR engine is not loaded")
             stream = AsrStream(next(self._ids), 0, False, bool(fast_final), bool(partials))
             self._open[stream.id] = stream
-            self._streams[stream.id] = _Stream()
+            previous = self._vocab.encode(prompt)[-_PROMPT_TOKENS:] if prompt.strip() else []
+            self._streams[stream.id] = _Stream(previous=previous)
             return stream
 
     def close_stream(self, stream: AsrStream) -> None:

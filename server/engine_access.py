@@ -98,8 +98,9 @@ class Asr:
         the VAD must find them (server/vad_recognition.py)."""
         return self._engine.finds_utterances
 
-    def open(self, segment: bool = True, fast_final: bool = False, partials: bool = True) -> AsrStream:
-        return self._engine.open_stream(segment, fast_final, partials)
+    def open(self, segment: bool = True, fast_final: bool = False, partials: bool = True,
+             prompt: str = "") -> AsrStream:
+        return self._engine.open_stream(segment, fast_final, partials, prompt)
 
     async def close(self, stream: AsrStream) -> None:
         await asyncio.to_thread(self._engine.close_stream, stream)

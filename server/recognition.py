@@ -90,9 +90,10 @@ class Recognizer:
 
     `fast_final`: the stream's finals come faster for a little accuracy (the sessions);
     `partials`: whether partial results are wanted (else the recogniser may skip them);
+    `prompt`: text said before the stream's audio, the recogniser's context;
     `priority`: of the submissions on the ASR lanes."""
 
-    def __init__(self, asr: Asr, *, fast_final: bool = False, partials: bool = True,
+    def __init__(self, asr: Asr, *, fast_final: bool = False, partials: bool = True, prompt: str = "",
                  priority: Priority = Priority.REALTIME,
                  on_event: Callable[[Turn, AsrEvent], None] | None = None,
                  on_delta: Callable[[Turn, str], None] | None = None,
@@ -101,6 +102,7 @@ class Recognizer:
         self._asr = asr
         self.fast_final = fast_final
         self.partials = partials
+        self.prompt = prompt
         self.priority = priority
         self._on_event = on_event
         self._on_delta = on_delta
@@ -154,7 +156,7 @@ class Recognizer:
                 try:
                     if self._stream is None:
                         self._stream = self._asr.open(segment=False, fast_final=self.fast_final,
-                                                      partials=self.partials)
+                                                      partials=self.partials, prompt=self.prompt)
                     item = AsrItem(self._stream, pcm, end=kind != "audio")
                     turn.segment_open = kind == "audio"
                     events = await self._asr.recognize(item, self.priority)

@@ -31,6 +31,7 @@ from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 READ_AHEAD_REQUESTS = 256  # Transcribe requests read ahead of the recogniser (then grpc's flow control holds the client)
 ASR_RATE = 16000
+MAX_PROMPT_CHARS = 1000  # TranscribeConfig.prompt
 TRANSCRIBE_RATES = {
     common_pb2.AUDIO_ENCODING_PCM16: (8000, 16000, 24000, 48000),
     common_pb2.AUDIO_ENCODING_G711_ULAW: (8000,),
@@ -199,7 +200,8 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         # A recording comes faster than real time: its utterances are decoded side by side.
         recognition = VadRecognition(self.access, fmt.encoding or common_pb2.AUDIO_ENCODING_PCM16,
                                      fmt.sample_rate or 24000, convert, priority=Priority.INTERACTIVE,
-                                     name="transcribe-vad", parallel=self.access.asr.workers, partials=partials)
+                                     name="transcribe-vad", parallel=self.access.asr.workers, partials=partials,
+                                     prompt=config.prompt)
         reader = asyncio.create_task(self._feed(recognition, requests), name="transcribe-vad-reader")
         try:
             while (result := await recognition.results.get()) is not None:
@@ -248,6 +250,9 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
                         f"{common_pb2.AudioEncoding.Name(encoding)}; supported: {allowed}")
         if fmt.channels not in (0, 1):
             await abort(context, INVALID, "BAD_CHANNELS", f"audio_format.channels={fmt.channels}: only mono is accepted")
+        if len(config.prompt) > MAX_PROMPT_CHARS:
+            await abort(context, INVALID, "PROMPT_TOO_LONG",
+                        f"prompt has {len(config.prompt)} characters; at most {MAX_PROMPT_CHARS}")
         if config.language not in ("", "en-US", "en-us", "en"):
             await abort(context, INVALID, "BAD_LANGUAGE", f"language={shown(config.language)} is not served; only en-US")
         return DECODERS[encoding], make_resampler(rate, ASR_RATE), not config.disable_partial_results

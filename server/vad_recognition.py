@@ -48,7 +48,7 @@ class VadRecognition:
     def __init__(self, access: EngineAccess, encoding: int, sample_rate: int,
                  convert: Callable[[AsrEvent, Turn], Any], endpointing: dict[str, float] | None = None,
                  priority: Priority = Priority.REALTIME, name: str = "vad-recognition", parallel: int = 1,
-                 partials: bool = True) -> None:
+                 partials: bool = True, prompt: str = "") -> None:
         self.access = access
         self.convert = convert
         self.width = BYTES_PER_SAMPLE[encoding]
@@ -67,7 +67,8 @@ class VadRecognition:
         self._turn: Turn | None = None  # the utterance being spoken
         self._turns = 0  # utterances begun
         self._on = 0  # the recogniser of the utterance being spoken
-        self.recognizers = [Recognizer(access.asr, priority=priority, partials=partials, on_event=self._on_event)
+        self.recognizers = [Recognizer(access.asr, priority=priority, partials=partials, prompt=prompt,
+                                       on_event=self._on_event)
                             for _ in range(max(1, parallel))]
         self._asr_ms = [0] * len(self.recognizers)  # audio sent to each recogniser
         # Utterances in order, each with its results not yet put out and whether its final came.

@@ -4,9 +4,10 @@ The request is multipart/form-data, read with aiohttp's streaming multipart read
 part is spooled (in memory, then a temporary file) and the whole body is bounded by the front's
 `max_upload_bytes` (over it: 413 at once, the rest unread). The other fields: `model`
 (required), `language` (en, en-US or empty), `response_format` (json, text, verbose_json, srt,
-vtt), `timestamp_granularities[]` (segment, word), `stream`, and `prompt`, `temperature` (it
-must be a number) and `include[]`, which are otherwise ignored (PocketSphinx takes no prompt and
-has no sampling; token logprobs are not served). Other fields are ignored.
+vtt), `timestamp_granularities[]` (segment, word), `stream`, `prompt` (its last 1000
+characters go to the recogniser as the text said before), and `temperature` (it must be a
+number) and `include[]`, which are otherwise ignored (decoding is greedy; token logprobs are not
+served). Other fields are ignored.
 
 The file is decoded by PyAV (rtmedia.web.audio_decode) off the event loop, piece by piece, into
 PCM16 mono at 16 kHz, which goes to the server's `SpeechService.Transcribe` as fast as the call
@@ -68,6 +69,7 @@ T = TypeVar("T")
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 LANGUAGES = ("", "en", "en-us")  # compared in lower case
 GRANULARITIES = ("segment", "word")
+PROMPT_CHARS = 1000  # the server's limit on TranscribeConfig.prompt
 PIECE_BYTES = RATE * SAMPLE_BYTES  # PCM16 per Transcribe request: one second
 LEAD_IN_MS = 500  # silence sent before the file's audio (see the module docstring)
 MAX_FIELD_BYTES = 64 * 1024  # one form field other than the file
@@ -105,6 +107,7 @@ class Options:
     stream: bool
     words: bool  # word timestamps asked
     segments: bool  # segment timestamps asked (or no granularity named)
+    prompt: str = ""  # its last PROMPT_CHARS characters, the recogniser's context
 
 
 async def read_upload(request: web.Request, limit: int) -> Upload:
@@ -202,7 +205,7 @@ def check_options(upload: Upload) -> Options:
         raise OpenAIError(400, f"stream {stream[:50]!r} is not a boolean (true or false)", param="stream",
                           code="invalid_type")
     return Options(model, response_format, stream in ("true", "1"), "word" in granularities,
-                   not granularities or "segment" in granularities)
+                   not granularities or "segment" in granularities, fields.get("prompt", "")[-PROMPT_CHARS:])
 
 
 def _is_number(text: str) -> bool:
@@ -218,8 +221,10 @@ class Recognition:
     task writes the audio and another watches the client's connection (a client that left ends
     the call). The decoder's first piece was read already (the file is checked before the call)."""
 
-    def __init__(self, front: OpenAIFront, request: web.Request, decoder: PcmDecoder, first: bytes) -> None:
+    def __init__(self, front: OpenAIFront, request: web.Request, decoder: PcmDecoder, first: bytes,
+                 prompt: str = "") -> None:
         self.front, self.request, self.decoder, self.first = front, request, decoder, first
+        self.prompt = prompt
         self._failure: BaseException | None = None  # why a helper task cancelled the call
 
     async def results(self) -> AsyncIterator[speech_pb2.TranscribeResponse]:
@@ -266,7 +271,7 @@ class Recognition:
         config = speech_pb2.TranscribeConfig(
             audio_format=common_pb2.AudioFormat(encoding=common_pb2.AUDIO_ENCODING_PCM16, sample_rate=RATE,
                                                 channels=1),
-            language="en-US", disable_partial_results=True, vad_segmentation=True)
+            language="en-US", disable_partial_results=True, vad_segmentation=True, prompt=self.prompt)
         limit = self.front.config.max_audio_seconds
         try:
             await call.write(speech_pb2.TranscribeRequest(config=config))
@@ -401,7 +406,7 @@ async def create_transcription(request: web.Request, front: OpenAIFront) -> web.
         facts.update(model=options.model, response_format=options.response_format, stream=options.stream)
         decoder, first = await open_audio(upload)
         facts["codec"] = decoder.codec
-        recognition = Recognition(front, request, decoder, first)
+        recognition = Recognition(front, request, decoder, first, options.prompt)
         if options.stream:
             response = await stream_events(request, recognition, facts)
         else:

@@ -75,7 +75,7 @@ def test_streaming_recognition_interim_and_final_results(served, two_sentences) 
     interim = [r for r in results if not r.is_final]
     # interim results come before the first final (a partial decode per 500 ms of new speech,
     # stretched under load; a partial commits the words two decodes agree on), only with words
-    assert len(interim) >= 2 and not results[0].is_final and all(r.alternatives[0].transcript for r in interim)
+    assert interim and not results[0].is_final and all(r.alternatives[0].transcript for r in interim)
     # interim text of an utterance only grows until its final
     first_final = next(i for i, r in enumerate(results) if r.is_final)
     texts_before = [r.alternatives[0].transcript for r in results[:first_final]]

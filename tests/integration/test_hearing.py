@@ -149,9 +149,10 @@ async def test_openai_transcriptions(openai_client, speaker, condition, response
             for packet in [*stream.encode(frame), *stream.encode(None)]:
                 container.mux(packet)
         upload = ("questions.wav", out.getvalue())
+    extra = {"timestamp_granularities": ["word", "segment"]} if response_format == "verbose_json" else {
+        "prompt": "Questions about cooking, spiders and France. " * 40}  # more than the 1000 characters kept
     answer = await openai_client.audio.transcriptions.create(
-        model="whisper-1", file=upload, response_format=response_format,
-        **({"timestamp_granularities": ["word", "segment"]} if response_format == "verbose_json" else {}))
+        model="whisper-1", file=upload, response_format=response_format, **extra)
     if response_format == "json":
         assert wer(" ".join(QUESTIONS), answer.text) <= BOUND[condition], answer.text
     elif response_format == "verbose_json":

@@ -259,6 +259,18 @@ async def test_transcribe_rejects_other_languages(stub):
     await expect_invalid(raw_transcribe(stub, [request]), "BAD_LANGUAGE", "language='fr-FR' is not served")
 
 
+async def test_a_prompt_over_its_limit_is_refused_and_one_within_it_is_the_context(stub, speaker):
+    config = speech_pb2.TranscribeConfig(audio_format=common_pb2.AudioFormat(sample_rate=16000), prompt="a" * 1001)
+    await expect_invalid(raw_transcribe(stub, [speech_pb2.TranscribeRequest(config=config)]), "PROMPT_TOO_LONG",
+                         "prompt has 1001 characters; at most 1000")
+    pcm = np.concatenate([speaker.silence(0.5, 16000), speaker.say(SENTENCES[0], 16000),
+                          speaker.silence(1.0, 16000)]).tobytes()
+    config.prompt = "The forecast, as we spoke about it this morning."
+    finals = [r for r in await raw_transcribe(stub, [speech_pb2.TranscribeRequest(config=config),
+                                                     speech_pb2.TranscribeRequest(audio=pcm)]) if r.is_final]
+    assert len(finals) == 1 and wer(SENTENCES[0], finals[0].text) < 0.1, finals
+
+
 async def test_odd_byte_count_names_the_count(stub):
     error = await expect_invalid(
         raw_transcribe(stub, [cfg(sample_rate=16000), speech_pb2.TranscribeRequest(audio=b"\x00" * 1001)]),

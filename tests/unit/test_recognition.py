@@ -28,7 +28,8 @@ class FakeAsr:
         self.closed: list[object] = []
         self.reply = reply
 
-    def open(self, segment: bool = True, fast_final: bool = False, partials: bool = True) -> object:
+    def open(self, segment: bool = True, fast_final: bool = False, partials: bool = True,
+             prompt: str = "") -> object:
         self.opened.append({"segment": segment, "fast_final": fast_final})
         return f"stream{len(self.opened)}"
 

@@ -248,3 +248,19 @@ def test_the_partial_cadence_stretches_while_the_engine_is_busy_and_comes_back(e
         engine.close_stream(stream)
     finally:
         engine.stretch = 1
+
+
+def test_a_prompt_is_the_first_utterances_context_and_the_next_follows_the_one_before(engine, speech):
+    stream = engine.open_stream(prompt="We talked about cooking. " * 100)
+    try:
+        st = engine._streams[stream.id]
+        assert 0 < len(st.previous) <= 120 and engine._vocab.decode(st.previous).endswith("cooking.")
+        [[final]] = engine.step([AsrItem(stream, speech[EGG], end=True)])
+        assert wer(EGG, final.text) == 0, final.text
+        assert engine._vocab.decode(st.previous) == final.text  # the next utterance's context
+    finally:
+        engine.close_stream(stream)
+    assert engine._streams.get(stream.id) is None
+    blank = engine.open_stream(prompt="   ")
+    assert engine._streams[blank.id].previous == []
+    engine.close_stream(blank)

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from rtmedia.v1 import common_pb2 as rtmedia_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rtmedia/v1/speech.proto\x12\nrtmedia.v1\x1a\x17rtmedia/v1/common.proto\"\x13\n\x11ListVoicesRequest\"s\n\x05Voice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\x1a\n\x12native_sample_rate\x18\x03 \x01(\x05\x12\x1e\n\x16supported_sample_rates\x18\x04 \x03(\x05\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\"O\n\x12ListVoicesResponse\x12!\n\x06voices\x18\x01 \x03(\x0b\x32\x11.rtmedia.v1.Voice\x12\x16\n\x0emax_text_chars\x18\x02 \x01(\x05\"\x7f\n\x11SynthesizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05voice\x18\x02 \x01(\t\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\x12)\n\x07\x66raming\x18\x04 \x01(\x0e\x32\x18.rtmedia.v1.AudioFraming\x12\r\n\x05speed\x18\x05 \x01(\x02\"\x98\x01\n\x12SynthesizeResponse\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x03 \x01(\x05\x12\x13\n\x0b\x63hunk_index\x18\x04 \x01(\x05\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x17\n\x0f\x61udio_offset_ms\x18\x06 \x01(\x03\x12\x10\n\x08is_final\x18\x07 \x01(\x08\"\x8e\x01\n\x10TranscribeConfig\x12-\n\x0c\x61udio_format\x18\x01 \x01(\x0b\x32\x17.rtmedia.v1.AudioFormat\x12\x10\n\x08language\x18\x02 \x01(\t\x12\x1f\n\x17\x64isable_partial_results\x18\x03 \x01(\x08\x12\x18\n\x10vad_segmentation\x18\x04 \x01(\x08\"_\n\x11TranscribeRequest\x12.\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1c.rtmedia.v1.TranscribeConfigH\x00\x12\x0f\n\x05\x61udio\x18\x02 \x01(\x0cH\x00\x42\t\n\x07request\"\xa3\x01\n\x12TranscribeResponse\x12\x17\n\x0futterance_index\x18\x01 \x01(\x05\x12\x10\n\x08is_final\x18\x02 \x01(\x08\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\t\x12\x10\n\x08start_ms\x18\x05 \x01(\x03\x12\x0e\n\x06\x65nd_ms\x18\x06 \x01(\x03\x12#\n\x05words\x18\x07 \x03(\x0b\x32\x14.rtmedia.v1.WordInfo*]\n\x0c\x41udioFraming\x12\x1d\n\x19\x41UDIO_FRAMING_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41UDIO_FRAMING_PCM16\x10\x01\x12\x15\n\x11\x41UDIO_FRAMING_WAV\x10\x02\x32\xfc\x01\n\rSpeechService\x12K\n\nListVoices\x12\x1d.rtmedia.v1.ListVoicesRequest\x1a\x1e.rtmedia.v1.ListVoicesResponse\x12M\n\nSynthesize\x12\x1d.rtmedia.v1.SynthesizeRequest\x1a\x1e.rtmedia.v1.SynthesizeResponse0\x01\x12O\n\nTranscribe\x12\x1d.rtmedia.v1.TranscribeRequest\x1a\x1e.rtmedia.v1.TranscribeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rtmedia/v1/speech.proto\x12\nrtmedia.v1\x1a\x17rtmedia/v1/common.proto\"\x13\n\x11ListVoicesRequest\"s\n\x05Voice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\x1a\n\x12native_sample_rate\x18\x03 \x01(\x05\x12\x1e\n\x16supported_sample_rates\x18\x04 \x03(\x05\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\"O\n\x12ListVoicesResponse\x12!\n\x06voices\x18\x01 \x03(\x0b\x32\x11.rtmedia.v1.Voice\x12\x16\n\x0emax_text_chars\x18\x02 \x01(\x05\"\x7f\n\x11SynthesizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05voice\x18\x02 \x01(\t\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\x12)\n\x07\x66raming\x18\x04 \x01(\x0e\x32\x18.rtmedia.v1.AudioFraming\x12\r\n\x05speed\x18\x05 \x01(\x02\"\x98\x01\n\x12SynthesizeResponse\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x03 \x01(\x05\x12\x13\n\x0b\x63hunk_index\x18\x04 \x01(\x05\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x17\n\x0f\x61udio_offset_ms\x18\x06 \x01(\x03\x12\x10\n\x08is_final\x18\x07 \x01(\x08\"\x9e\x01\n\x10TranscribeConfig\x12-\n\x0c\x61udio_format\x18\x01 \x01(\x0b\x32\x17.rtmedia.v1.AudioFormat\x12\x10\n\x08language\x18\x02 \x01(\t\x12\x1f\n\x17\x64isable_partial_results\x18\x03 \x01(\x08\x12\x18\n\x10vad_segmentation\x18\x04 \x01(\x08\x12\x0e\n\x06prompt\x18\x05 \x01(\t\"_\n\x11TranscribeRequest\x12.\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1c.rtmedia.v1.TranscribeConfigH\x00\x12\x0f\n\x05\x61udio\x18\x02 \x01(\x0cH\x00\x42\t\n\x07request\"\xa3\x01\n\x12TranscribeResponse\x12\x17\n\x0futterance_index\x18\x01 \x01(\x05\x12\x10\n\x08is_final\x18\x02 \x01(\x08\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\t\x12\x10\n\x08start_ms\x18\x05 \x01(\x03\x12\x0e\n\x06\x65nd_ms\x18\x06 \x01(\x03\x12#\n\x05words\x18\x07 \x03(\x0b\x32\x14.rtmedia.v1.WordInfo*]\n\x0c\x41udioFraming\x12\x1d\n\x19\x41UDIO_FRAMING_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41UDIO_FRAMING_PCM16\x10\x01\x12\x15\n\x11\x41UDIO_FRAMING_WAV\x10\x02\x32\xfc\x01\n\rSpeechService\x12K\n\nListVoices\x12\x1d.rtmedia.v1.ListVoicesRequest\x1a\x1e.rtmedia.v1.ListVoicesResponse\x12M\n\nSynthesize\x12\x1d.rtmedia.v1.SynthesizeRequest\x1a\x1e.rtmedia.v1.SynthesizeResponse0\x01\x12O\n\nTranscribe\x12\x1d.rtmedia.v1.TranscribeRequest\x1a\x1e.rtmedia.v1.TranscribeResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rtmedia.v1.speech_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_AUDIOFRAMING']._serialized_start=975
-  _globals['_AUDIOFRAMING']._serialized_end=1068
+  _globals['_AUDIOFRAMING']._serialized_start=991
+  _globals['_AUDIOFRAMING']._serialized_end=1084
   _globals['_LISTVOICESREQUEST']._serialized_start=64
   _globals['_LISTVOICESREQUEST']._serialized_end=83
   _globals['_VOICE']._serialized_start=85
@@ -45,11 +45,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SYNTHESIZERESPONSE']._serialized_start=413
   _globals['_SYNTHESIZERESPONSE']._serialized_end=565
   _globals['_TRANSCRIBECONFIG']._serialized_start=568
-  _globals['_TRANSCRIBECONFIG']._serialized_end=710
-  _globals['_TRANSCRIBEREQUEST']._serialized_start=712
-  _globals['_TRANSCRIBEREQUEST']._serialized_end=807
-  _globals['_TRANSCRIBERESPONSE']._serialized_start=810
-  _globals['_TRANSCRIBERESPONSE']._serialized_end=973
-  _globals['_SPEECHSERVICE']._serialized_start=1071
-  _globals['_SPEECHSERVICE']._serialized_end=1323
+  _globals['_TRANSCRIBECONFIG']._serialized_end=726
+  _globals['_TRANSCRIBEREQUEST']._serialized_start=728
+  _globals['_TRANSCRIBEREQUEST']._serialized_end=823
+  _globals['_TRANSCRIBERESPONSE']._serialized_start=826
+  _globals['_TRANSCRIBERESPONSE']._serialized_end=989
+  _globals['_SPEECHSERVICE']._serialized_start=1087
+  _globals['_SPEECHSERVICE']._serialized_end=1339
 # @@protoc_insertion_point(module_scope)

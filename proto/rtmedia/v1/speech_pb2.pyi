@@ -209,6 +209,7 @@ class TranscribeConfig(_message.Message):
     LANGUAGE_FIELD_NUMBER: _builtins.int
     DISABLE_PARTIAL_RESULTS_FIELD_NUMBER: _builtins.int
     VAD_SEGMENTATION_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
     language: _builtins.str
     """BCP-47 language; empty means "en-US", the only language served now."""
     disable_partial_results: _builtins.bool
@@ -217,8 +218,14 @@ class TranscribeConfig(_message.Message):
     """
     vad_segmentation: _builtins.bool
     """Cut utterances where the voice activity detector (Silero) finds speech
-    end, instead of the recogniser's own endpointer: for long recordings
-    (files), whose utterances are then decoded in parallel. Off by default.
+    end, instead of the recogniser's own endpointer (PocketSphinx only: with
+    Whisper, the default recogniser, the VAD always cuts them). Off by default.
+    """
+    prompt: _builtins.str
+    """Text said before the audio (names, terms, the conversation so far): the
+    recogniser's context for the stream's first utterance, as Whisper's
+    previous-text prompt; later utterances follow the one before. At most
+    1000 characters (PROMPT_TOO_LONG); PocketSphinx ignores it.
     """
     @_builtins.property
     def audio_format(self) -> _common_pb2.AudioFormat:
@@ -231,10 +238,11 @@ class TranscribeConfig(_message.Message):
         language: _builtins.str = ...,
         disable_partial_results: _builtins.bool = ...,
         vad_segmentation: _builtins.bool = ...,
+        prompt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["audio_format", b"audio_format"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_format", b"audio_format", "disable_partial_results", b"disable_partial_results", "language", b"language", "vad_segmentation", b"vad_segmentation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_format", b"audio_format", "disable_partial_results", b"disable_partial_results", "language", b"language", "prompt", b"prompt", "vad_segmentation", b"vad_segmentation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
