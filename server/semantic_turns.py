@@ -10,6 +10,12 @@ grows, so a doubtful ending is accepted after a longer pause; at the eagerness's
 longest wait (8 / 4 / 2 s for low / medium / high) the turn ends whatever the score
 (server/audio_input.py). Speech that resumes continues the same turn.
 
+- A last word the recogniser doubts (confidence under DOUBTFUL): on a sentence cut short
+  Whisper often ends it with a word of its own ("how tall is the" heard as "How tall is
+  that?"), which would make it look finished. Until DOUBT_MS of silence such a pause ends
+  the turn only when the words look finished both with and without that word (the lower
+  of the two scores); from then on the words as heard decide, so a finished sentence whose
+  last word the recogniser doubted ends then rather than at the longest wait.
 - Words are scored once per text (a rescore of the same words compares the same score
   with a lower threshold).
 - A pause with no words (noise) never ends a turn early.
@@ -46,6 +52,8 @@ log = logging.getLogger(__name__)
 # from 1.5 s.
 THRESHOLDS = {"high": (-2.6, -3.2, -4.0), "medium": (-2.2, -2.6, -3.2), "low": (-1.5, -2.0, -2.6)}
 AUDIO_THRESHOLD = 0.5
+DOUBTFUL = 0.8  # a last word below this confidence is doubted (the module docstring) ...
+DOUBT_MS = 1500  # ... until this much silence
 TURN_AUDIO_SAMPLES = 8 * 16000  # the acoustic scorer hears the turn's last 8 s
 
 
@@ -75,6 +83,7 @@ class SemanticTurns:
         self._assistant = ""
         self._scores: dict[str, Any] = {}  # words -> the task scoring them (this turn's)
         self._holds_slot = False  # a score was asked for since the scorer's slot was given back
+        self._one_at_a_time = asyncio.Lock()  # the session's scores share its one kept slot
         self._audio: list[bytes] = []  # the turn's 16 kHz PCM16, for the acoustic scorer
         self._audio_bytes = 0
 
@@ -102,7 +111,7 @@ class SemanticTurns:
 
     def paused(self, turn: Turn) -> None:
         if self._turns.available and self._settings().transcription:
-            self._spawn(self._scored(turn), "turn-score")
+            self._spawn(self._scored(turn, doubting=True), "turn-score")
 
     def candidate(self, turn: Turn, silence_ms: int, end_ms: int) -> None:
         """The pause that began at `end_ms` has lasted `silence_ms`: decide (in a task)."""
@@ -111,7 +120,7 @@ class SemanticTurns:
     async def _decide(self, turn: Turn, silence_ms: int, end_ms: int) -> None:
         settings = self._settings()
         if settings.transcription and self._turns.available:
-            words, score = await self._scored(turn)
+            words, score = await self._scored(turn, doubting=silence_ms < DOUBT_MS)
             if not words:
                 return  # noise: never an early end
             if score is not None:
@@ -121,21 +130,32 @@ class SemanticTurns:
         if silence_ms >= settings.silence_duration_ms:  # nothing to score: server_vad's rule
             self._end_turn(Stop(end_ms, "silence"))
 
-    async def _scored(self, turn: Turn) -> tuple[str, float | None]:
-        """The words of the turn up to its latest pause, and their score (each text scored once)."""
+    async def _scored(self, turn: Turn, doubting: bool) -> tuple[str, float | None]:
+        """The words of the turn up to its latest pause, and their score (each text scored once;
+        `doubting`: the lower score of the words with and without a doubtful last word)."""
         if turn.cut_done is not None:
             await turn.cut_done  # the early final of this pause
         words = turn.said
         if not words:
             return words, None
-        task = self._scores.get(words)
-        if task is None:
-            task = self._scores[words] = self._spawn(self._score(self._settings().responder, words), "turn-score")
-        return words, await asyncio.shield(task)
+        texts = [words]
+        heard = turn.words
+        if doubting and len(heard) > 1 and heard[-1][3] < DOUBTFUL:
+            texts.append(" ".join(w for w, *_ in heard[:-1]))
+        for text in texts:
+            if text not in self._scores:
+                self._scores[text] = self._spawn(self._score(self._settings().responder, text), "turn-score")
+        scores = [await asyncio.shield(self._scores[text]) for text in texts]
+        known = [score for score in scores if score is not None]
+        return words, min(known) if len(known) == len(scores) else None
 
     async def _score(self, responder: str, words: str) -> float | None:
         """The words' score; None when there is none to be had (no slot, or the LM lane's step
         failed: the pause then ends as server_vad's would)."""
+        async with self._one_at_a_time:
+            return await self._score_alone(responder, words)
+
+    async def _score_alone(self, responder: str, words: str) -> float | None:
         started = time.perf_counter()
         self._holds_slot = True
         try:

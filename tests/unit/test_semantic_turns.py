@@ -1,6 +1,6 @@
 """semantic_vad's decisions (server/semantic_turns.py), with the scorers stood in for: a pause ends
 its turn at a candidate point whose threshold its words' score reaches, and only there; words are
-scored once; a pause with no words never ends early; without a score the pause ends at
+scored once; a doubtful last word holds a pause open until 1.5 s; a pause with no words never ends early; without a score the pause ends at
 silence_duration_ms (reason silence); the acoustic scorer, when loaded, can hold a turn back; the
 server's own thresholds replace the defaults."""
 
@@ -37,8 +37,10 @@ class StandInTurns:
         return self.heard
 
 
-async def decide(turns: StandInTurns, words: str, silences: list[int], thresholds=None, **settings) -> list[Stop]:
-    """The stops asked for at each candidate point of one pause whose words are `words`."""
+async def decide(turns: StandInTurns, words: str, silences: list[int], thresholds=None, confidence: float = 1.0,
+                 **settings) -> list[Stop]:
+    """The stops asked for at each candidate point of one pause whose words are `words` (the
+    last one heard with `confidence`)."""
     stops: list[Stop] = []
     tasks: set[asyncio.Task] = set()
     current = dataclasses.replace(SessionSettings(), turn_type="semantic_vad", **settings)
@@ -54,7 +56,10 @@ async def decide(turns: StandInTurns, words: str, silences: list[int], threshold
     turn = Turn("item_1")
     turn.cut_done = asyncio.get_running_loop().create_future()
     semantic.paused(turn)
-    turn.segments.append(type("Final", (), {"text": words, "words": []})())
+    heard = [(w, 0, 0, 1.0) for w in words.split()]
+    if heard:
+        heard[-1] = (heard[-1][0], 0, 0, confidence)
+    turn.segments.append(type("Final", (), {"text": words, "words": heard})())
     turn.cut_done.set_result(None)
     for silence in silences:
         semantic.candidate(turn, silence, 1000)
@@ -81,6 +86,19 @@ async def test_an_unfinished_pause_waits_until_the_threshold_falls_far_enough():
     assert high == [Stop(1000, "semantic", -3.0)]
     own = await decide(StandInTurns({"a table for": -3.0}), "a table for", [224], thresholds={"medium": (-3.5, -4, -5)})
     assert own == [Stop(1000, "semantic", -3.0)]
+
+
+async def test_a_doubtful_last_word_holds_the_pause_open_until_the_words_as_heard_decide():
+    # "how tall is the", heard as "how tall is that": finished only with the word the recogniser doubts
+    scores = {"how tall is that": -0.3, "how tall is": -4.0}
+    turns = StandInTurns(scores)
+    assert await decide(turns, "how tall is that", [224, 608], confidence=0.5) == []
+    assert {c for c in turns.calls if c[0] == "score"} == {("score", "how tall is that"), ("score", "how tall is")}
+    stops = await decide(StandInTurns(scores), "how tall is that", [224, 608, 1504], confidence=0.5)
+    assert stops == [Stop(1000, "semantic", -0.3)]  # at 1.5 s
+    sure = StandInTurns(scores)
+    assert await decide(sure, "how tall is that", [224], confidence=0.9) == [Stop(1000, "semantic", -0.3)]
+    assert ("score", "how tall is") not in sure.calls
 
 
 async def test_noise_never_ends_a_turn_early_and_no_score_falls_back_to_the_silence_rule():
