@@ -168,6 +168,10 @@ class AsrEvent:
     start_ms: int
     end_ms: int
     words: list[tuple[str, int, int, float]] = field(default_factory=list)  # finals only
+    # Finals of a recogniser that has them (Whisper): the text tokens as (id, UTF-8 bytes,
+    # natural log-probability), and the model's probability that the audio held no speech.
+    tokens: list[tuple[int, bytes, float]] = field(default_factory=list)
+    no_speech_prob: float = 0.0
 
 
 def _words(hyp: Any) -> list[str]:
@@ -510,6 +514,7 @@ class AsrEngine:
     name = "asr"
     model = "pocketsphinx"
     finds_utterances = True  # segment=True streams: PocketSphinx's endpointer cuts the utterances
+    takes_prompt = False  # open_stream's prompt is ignored
 
     def __init__(self, workers: int = 2, decoders: int = 10, reply_timeout_s: float = _REPLY_TIMEOUT_S,
                  on_restart: Callable[[int], None] | None = None) -> None:

@@ -98,6 +98,11 @@ class Asr:
         the VAD must find them (server/vad_recognition.py)."""
         return self._engine.finds_utterances
 
+    @property
+    def takes_prompt(self) -> bool:
+        """Whether the recogniser uses a stream's prompt (the text said before its audio)."""
+        return self._engine.takes_prompt
+
     def open(self, segment: bool = True, fast_final: bool = False, partials: bool = True,
              prompt: str = "") -> AsrStream:
         return self._engine.open_stream(segment, fast_final, partials, prompt)

@@ -25,6 +25,7 @@ import logging
 import wave
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_audio_pb2
@@ -34,7 +35,7 @@ from rtmedia.protocol.errors import shown
 from rtmedia.server.endpointing import DEFAULTS, check_endpointing
 from rtmedia.server.engine_access import EngineAccess
 from rtmedia.server.interceptors import UndecodableRequest
-from rtmedia.server.recognition import Turn
+from rtmedia.server.recognition import MAX_PROMPT_CHARS, Turn
 from rtmedia.server.riva_common import (
     INVALID,
     UNIMPLEMENTED,
@@ -66,12 +67,14 @@ class RecognitionOptions:
     word_offsets: bool
     punctuation: bool
     endpointing: dict[str, float]
+    prompt: str = ""  # the speech contexts' phrases, as the recogniser's previous-text prompt
 
     @classmethod
-    def from_config(cls, config: riva_asr_pb2.RecognitionConfig, model: str, wav_rate: int = 0
-                    ) -> RecognitionOptions:
+    def from_config(cls, config: riva_asr_pb2.RecognitionConfig, model: str, wav_rate: int = 0,
+                    prompted: bool = True) -> RecognitionOptions:
         """The options of `config`, or Rejected naming the first one not served. `wav_rate`: the
-        rate of a WAV header in the audio (Recognize), which stands in for `sample_rate_hertz`."""
+        rate of a WAV header in the audio (Recognize), which stands in for `sample_rate_hertz`;
+        `prompted`: whether the recogniser takes a prompt (speech contexts are refused if not)."""
         name = riva_audio_pb2.AudioEncoding.Name(config.encoding) \
             if config.encoding in riva_audio_pb2.AudioEncoding.values() else str(config.encoding)
         if config.encoding not in ENCODINGS:
@@ -96,7 +99,7 @@ class RecognitionOptions:
                            f"audio_channel_count={config.audio_channel_count}: only mono audio is recognised")
         unimplemented = {
             "profanity_filter": config.profanity_filter,
-            "speech_contexts (word boosting)": len(config.speech_contexts),
+            "speech_contexts (word boosting) with this recogniser": not prompted and len(config.speech_contexts),
             "enable_separate_recognition_per_channel": config.enable_separate_recognition_per_channel,
             "diarization_config.enable_speaker_diarization": config.diarization_config.enable_speaker_diarization,
         }
@@ -105,7 +108,24 @@ class RecognitionOptions:
                 raise Rejected(UNIMPLEMENTED, "UNSUPPORTED_OPTION", f"{option} is not supported by rtmedia")
         check_custom_configuration(config.custom_configuration)
         return cls(encoding, rate, config.enable_word_time_offsets, config.enable_automatic_punctuation,
-                   _endpointing(config))
+                   _endpointing(config), _context_prompt(config.speech_contexts))
+
+
+def _context_prompt(contexts: Any) -> str:
+    """Speech contexts as Whisper's previous-text prompt: their phrases, comma-separated. Whisper
+    has no per-word weights: any positive boost puts a phrase in the prompt; a negative one
+    (keeping a word out) cannot be served."""
+    phrases = []
+    for n, context in enumerate(contexts):
+        if context.boost < 0:
+            raise Rejected(UNIMPLEMENTED, "UNSUPPORTED_OPTION", f"speech_contexts[{n}].boost={context.boost:g}: "
+                           "negative boosting (keeping words out) is not supported by rtmedia")
+        phrases += [p.strip() for p in context.phrases if p.strip()]
+    prompt = ", ".join(phrases)
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise Rejected(INVALID, "PROMPT_TOO_LONG", f"speech_contexts hold {len(prompt)} characters of phrases; "
+                       f"at most {MAX_PROMPT_CHARS}")
+    return prompt
 
 
 def _endpointing(config: riva_asr_pb2.RecognitionConfig) -> dict[str, float]:
@@ -193,7 +213,7 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
     def _recognition(self, options: RecognitionOptions, interim: bool, priority: Priority) -> VadRecognition:
         return VadRecognition(self.access, options.encoding, options.sample_rate,
                               functools.partial(riva_result, options, interim), options.endpointing, priority,
-                              "riva-recognition", partials=interim)
+                              "riva-recognition", partials=interim, prompt=options.prompt)
 
     async def GetRivaSpeechRecognitionConfig(self, request, context):
         configs = []
@@ -213,7 +233,8 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
         try:
             if audio[:4] == b"RIFF" and audio[8:12] == b"WAVE":
                 audio, wav_rate = parse_wav(audio)
-            options = RecognitionOptions.from_config(request.config, self.model, wav_rate)
+            options = RecognitionOptions.from_config(request.config, self.model, wav_rate,
+                                                     self.access.asr.takes_prompt)
         except Rejected as exc:
             await abort_rejected(context, exc)
         self.bytes_in.inc(len(request.audio))
@@ -240,7 +261,8 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
                 raise Rejected(INVALID, "CONFIG_FIRST", "the first StreamingRecognizeRequest must carry "
                                "streaming_config")
             _check_runtime_config(first, 0)
-            options = RecognitionOptions.from_config(first.streaming_config.config, self.model)
+            options = RecognitionOptions.from_config(first.streaming_config.config, self.model,
+                                                     prompted=self.access.asr.takes_prompt)
         except Rejected as exc:
             await abort_rejected(context, exc)
         recognition = self._recognition(options, first.streaming_config.interim_results, Priority.REALTIME)

@@ -143,6 +143,16 @@ def transcribe(asr, pcm: bytes, rate: int) -> str:
     return " ".join(r.alternatives[0].transcript for r in response.results)
 
 
+def test_speech_contexts_are_the_recognisers_context(served, speaker: Speaker) -> None:
+    audio = np.concatenate([speaker.silence(0.3), speaker.say("send the report to Siobhan Nakamura"),
+                            speaker.silence(0.5)]).tobytes()
+    plain = finals(stream(served["asr"], audio, config(), interim=False))
+    boosted = config()
+    riva.client.add_word_boosting_to_config(boosted, ["Siobhan Nakamura", "quarterly report"], 10.0)
+    heard = finals(stream(served["asr"], audio, boosted, interim=False))
+    assert "siobhan nakamura" not in " ".join(plain) and "siobhan nakamura" in " ".join(heard), (plain, heard)
+
+
 def test_batch_synthesis_transcribes_back(served) -> None:
     text = "Hello there, this is a test of speech synthesis on the server."
     response = served["tts"].synthesize(text, sample_rate_hz=16000)
@@ -204,7 +214,9 @@ def metric(text: str, name: str, **labels: str) -> float:
 def _asr_rejections():
     cfg = config
     boosted = config()
-    riva.client.add_word_boosting_to_config(boosted, ["fox"], 4.0)
+    riva.client.add_word_boosting_to_config(boosted, ["fox"], -4.0)
+    wordy = config()
+    riva.client.add_word_boosting_to_config(wordy, ["a long phrase of names"] * 50, 2.0)
     diarized = config()
     riva.client.add_speaker_diarization_to_config(diarized, True, 2)
     eou = config()
@@ -223,7 +235,8 @@ def _asr_rejections():
         ("language", cfg(language_code="de-DE"), bad, "language_code='de-DE'"),
         ("model", cfg(model="conformer-en-US-asr-streaming"), bad, "model="),
         ("profanity", cfg(profanity_filter=True), unimplemented, "profanity_filter"),
-        ("boosting", boosted, unimplemented, "speech_contexts"),
+        ("negative boosting", boosted, unimplemented, "speech_contexts[0].boost=-4"),
+        ("long contexts", wordy, bad, "speech_contexts hold 1198 characters of phrases; at most 1000"),
         ("channels", cfg(audio_channel_count=2), unimplemented, "audio_channel_count=2"),
         ("per channel", cfg(enable_separate_recognition_per_channel=True), unimplemented,
          "enable_separate_recognition_per_channel"),
