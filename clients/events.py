@@ -317,6 +317,10 @@ class ConversationItemInputAudioTranscriptionCompletedEvent(ServerEvent):
     def words(self) -> Sequence[common_pb2.WordInfo]:
         return self.proto.conversation_item_input_audio_transcription_completed.words
 
+    @property
+    def tokens(self) -> Sequence[common_pb2.TokenInfo]:
+        return self.proto.conversation_item_input_audio_transcription_completed.tokens
+
 
 class ConversationItemInputAudioTranscriptionFailedEvent(ServerEvent):
     """`conversation.item.input_audio_transcription.failed`."""

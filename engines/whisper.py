@@ -30,7 +30,9 @@ Partials re-decode the utterance so far and commit the words two consecutive hyp
 agree on (LocalAgreement-2, `LocalAgreement`): the partial text is append-only, never
 retracted. The final has the authoritative text (Whisper's casing and punctuation), the words
 with their times (cross-attention alignment, `align`) and confidences (the tokens' mean
-probability). Each utterance is prompted with the text of the stream's previous one.
+probability), its text tokens with their log-probabilities (from the same alignment pass: the
+model's probability of each token given the audio and the tokens before it) and the decode's
+no-speech probability. Each utterance is prompted with the text of the stream's previous one.
 
 An utterance longer than `_WINDOW_S` is decoded window by window: a window's words are kept up
 to the last one ending a second before its end, and the audio after that word starts the next.
@@ -55,7 +57,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -162,6 +164,11 @@ class Vocabulary:
         self.start = [ids("<|startoftranscript|>"), ids("<|notimestamps|>")]
         self.previous = ids("<|startofprev|>")
         self.text_tokens = self.eot  # ids below this are text
+        self._bytes = _byte_values()
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's UTF-8 bytes (a token may hold part of a character)."""
+        return bytes(self._bytes[c] for c in self._tokenizer.id_to_token(token) or "")
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(" " + text.strip(), add_special_tokens=False).ids
@@ -186,6 +193,14 @@ class Vocabulary:
         return [(text.strip(), members) for text, members in words if text.strip()]
 
 
+def _byte_values() -> dict[str, int]:
+    """The byte each character of the byte-level BPE alphabet stands for (GPT-2's table:
+    printable bytes stand for themselves, the others for the characters from U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
 def log_mel(audio: np.ndarray, frames: int, extractor: Any) -> np.ndarray:
     """The 80-bin log-mel window of `audio` (float32 at 16 kHz), padded with silence or cut to
     `frames` frames, normalised as Whisper's training windows were (transformers' extractor)."""
@@ -205,15 +220,18 @@ def window_frames(samples: int) -> int:
 def without_restart(words: list[str]) -> int:
     """How many of a hypothesis's words to keep: all, unless it loops. Whisper does that on
     windows shorter than its 30 s, where it takes the end of the window for more speech to come:
-    after a sentence's end it starts over (the rest is the hypothesis's own beginning again,
-    once or more, the last time cut short by the token cap), or it ends repeating a few words
-    (one word four times or more, two to eight words three times or more), kept once."""
+    it starts over (the rest is the hypothesis's own beginning again, once or more, the last
+    time cut short by the token cap: after a sentence's end, or without one when at least three
+    words come again), or it ends repeating a few words (one word four times or more, two to
+    eight words three times or more), kept once. A speaker's own restart goes on past the
+    words it repeats ("I want to, I want to go home"), so it is kept."""
     plain = [normal_words(w) for w in words]
     for end in range(len(words) - 1):
-        if not words[end].rstrip("\"')").endswith((".", "?", "!")):
-            continue
         rest = plain[end + 1 :]
-        if rest and all(word == plain[i % (end + 1)] for i, word in enumerate(rest)):
+        if not words[end].rstrip("\"')").endswith((".", "?", "!")) and len(rest) < 3:
+            continue
+        again = [plain[i % (end + 1)] for i in range(len(rest))]  # the beginning, once or more
+        if rest and rest[:-1] == again[:-1] and _starts(again[-1], rest[-1]):  # (the cap may cut a word)
             return end + 1
     for unit in range(1, 9):
         times = 1
@@ -223,6 +241,12 @@ def without_restart(words: list[str]) -> int:
         if times >= (4 if unit == 1 else 3):
             return len(plain) - (times - 1) * unit
     return len(words)
+
+
+def _starts(words: list[str], cut: list[str]) -> bool:
+    """Whether `cut` (a word's normal words) is `words` or the beginning of them."""
+    return len(cut) <= len(words) and cut[:-1] == words[: len(cut) - 1] and \
+        (not cut or words[len(cut) - 1].startswith(cut[-1]))
 
 
 def no_words(text: str, decoded: Decoded) -> bool:
@@ -300,6 +324,7 @@ class _Utterance:
     # windows already decoded (an utterance longer than _WINDOW_S): their words and tokens
     done_words: list[tuple[str, int, int, float]] = field(default_factory=list)
     done_tokens: list[int] = field(default_factory=list)
+    done_logprobs: list[tuple[int, float]] = field(default_factory=list)  # their decoded tokens
     done_samples: int = 0  # audio before the current window
 
     @property
@@ -333,7 +358,9 @@ class _Decode:
     frames: int = 0
     text: str = ""
     tokens: list[int] = field(default_factory=list)
+    no_speech_prob: float = 0.0
     words: list[tuple[str, int, int, float]] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of `tokens` (finals)
 
 
 class WhisperEngine:
@@ -343,10 +370,14 @@ class WhisperEngine:
     workers = 1  # one model, in this process (its lane shards the streams over its runners)
     model = "whisper-tiny"
     finds_utterances = False  # only segment=False streams: the VAD finds the utterances
+    takes_prompt = True  # open_stream's prompt is the first utterance's previous text
 
     def __init__(self, model_dir: Path | None = None, intra_threads: int = 1, inter_threads: int = 2,
-                 partial_ms: int = PARTIAL_MS, backend: WhisperBackend | None = None) -> None:
+                 partial_ms: int = PARTIAL_MS, backend: WhisperBackend | None = None,
+                 on_batch: Callable[[str, int], None] | None = None) -> None:
+        """`on_batch(kind, decodes)`: told of each decode batch ("partial" or "final"), for metrics."""
         self._dir = model_dir
+        self._on_batch = on_batch
         self._threads = (intra_threads, inter_threads)
         self.partial_samples = partial_ms * SAMPLE_RATE // 1000
         self._backend = backend
@@ -420,6 +451,11 @@ class WhisperEngine:
     def open_streams(self) -> int:
         with self._mu:
             return len(self._open)
+
+    @property
+    def partial_cadence_ms(self) -> int:
+        """New speech between two partial decodes of a stream, as stretched now."""
+        return self.partial_samples * self.stretch * 1000 // SAMPLE_RATE
 
     def streams_on(self, worker: int) -> int:
         return self.open_streams
@@ -510,6 +546,8 @@ class WhisperEngine:
         self._run([d])
         limit = utt.start_ms + (utt.done_samples + window - SAMPLE_RATE) * 1000 // SAMPLE_RATE
         kept = [w for w in d.words if w[2] <= limit] or d.words
+        kept_tokens = sum(len(m) for _, m in self._vocab_().words(d.tokens)[: len(kept)])
+        utt.done_logprobs.extend(zip(d.tokens[:kept_tokens], d.logprobs[:kept_tokens], strict=True))
         cut_ms = kept[-1][2] if kept and kept is not d.words else utt.start_ms + (utt.done_samples + window) * 1000 // SAMPLE_RATE
         cut = min(window, max(0, (cut_ms - utt.start_ms) * SAMPLE_RATE // 1000 - utt.done_samples))
         utt.done_words.extend(kept)
@@ -540,7 +578,10 @@ class WhisperEngine:
         for _, bucket in itertools.groupby(todo, key=lambda d: (not d.final, d.frames)):
             group = list(bucket)
             for start in range(0, len(group), _MAX_BATCH):
-                self._batch(group[start : start + _MAX_BATCH], vocab, backend)
+                batch = group[start : start + _MAX_BATCH]
+                self._batch(batch, vocab, backend)
+                if self._on_batch is not None:
+                    self._on_batch("final" if batch[0].final else "partial", len(batch))
 
     def _batch(self, batch: list[_Decode], vocab: Vocabulary, backend: WhisperBackend) -> None:
         frames = batch[0].frames
@@ -571,6 +612,7 @@ class WhisperEngine:
             words = vocab.words(text)
             d.tokens = [text[i] for _, members in words[: without_restart([w for w, _ in words])] for i in members]
             d.text = vocab.decode(d.tokens)
+            d.no_speech_prob = out.no_speech_prob
             if no_words(d.text, out):
                 d.text, d.tokens = "", []
         return decoded
@@ -584,6 +626,7 @@ class WhisperEngine:
             text_index = np.array([p[0] for p in result.alignments])
             time_index = np.array([p[1] for p in result.alignments])
             probs = np.array(result.text_token_probs) if result.text_token_probs else np.ones(len(d.tokens))
+            d.logprobs = np.log(np.clip(probs[: len(d.tokens)], 1e-10, 1.0)).tolist()
             if not text_index.size:
                 continue
             jumps = np.concatenate([[True], np.diff(text_index) > 0])
@@ -603,7 +646,9 @@ class WhisperEngine:
             done = " ".join(w[0] for w in utt.done_words)
             text = f"{done} {d.text}".strip()
             st.previous = utt.done_tokens + d.tokens if text else st.previous
-            return AsrEvent(utt.index, True, text, "", utt.start_ms, utt.end_ms, words)
+            vocab = self._vocab_()
+            tokens = [(t, vocab.token_bytes(t), p) for t, p in [*utt.done_logprobs, *zip(d.tokens, d.logprobs, strict=True)]]
+            return AsrEvent(utt.index, True, text, "", utt.start_ms, utt.end_ms, words, tokens, d.no_speech_prob)
         hypothesis = [w for w, _ in self._vocab_().words(d.tokens)] if d.tokens else []
         done = [w[0] for w in utt.done_words]
         committed, settled = utt.agreement.committed, []

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from rtmedia.engines.asr import AsrEvent, AsrItem
 from rtmedia.engines.base import EngineError
 from rtmedia.server.scheduler import Priority
+from rtmedia.v1 import common_pb2
 
 if TYPE_CHECKING:
     from rtmedia.server.engine_access import Asr
@@ -79,6 +80,19 @@ class Turn:
         """The segments' words as (word, start_ms, end_ms, confidence), in input time."""
         shift = self.shift_ms
         return [(w, s + shift, e + shift, c) for event in self.segments for w, s, e, c in event.words]
+
+    @property
+    def tokens(self) -> list[tuple[int, bytes, float]]:
+        """The segments' text tokens with their log-probabilities (engines/asr.py's AsrEvent)."""
+        return [token for event in self.segments for token in event.tokens]
+
+
+MAX_PROMPT_CHARS = 1000  # a recognition's prompt: TranscribeConfig.prompt, Riva's speech contexts
+
+
+def token_infos(tokens: list[tuple[int, bytes, float]]) -> list[common_pb2.TokenInfo]:
+    """A recogniser's (id, bytes, log-probability) tokens as the protocol's TokenInfo."""
+    return [common_pb2.TokenInfo(id=t, token=b.decode("utf-8", "replace"), logprob=p, bytes=b) for t, b, p in tokens]
 
 
 class Recognizer:

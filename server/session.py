@@ -41,7 +41,7 @@ from rtmedia.server.faults import fault_status
 from rtmedia.server.idle_turns import IdleTimer
 from rtmedia.server.items import ConversationItems
 from rtmedia.server.outbox import Outbox
-from rtmedia.server.recognition import Recognizer, Turn
+from rtmedia.server.recognition import Recognizer, Turn, token_infos
 from rtmedia.server.reply import TTS_WINDOW_FRAMES, ReplyPipeline, Response
 from rtmedia.server.scheduler import Priority
 from rtmedia.server.semantic_turns import SemanticTurns
@@ -592,7 +592,7 @@ class Session:
         segments' finals joined, with word timings in the input; the turn is no longer pending."""
         words = [{"word": w, "start_ms": s, "end_ms": e, "confidence": c} for w, s, e, c in turn.words]
         self.send("conversation.item.input_audio_transcription.completed", item_id=turn.item_id,
-                  transcript=turn.said, words=words)
+                  transcript=turn.said, words=words, tokens=token_infos(turn.tokens))
         self.forget_turn(turn)
 
     def forget_turn(self, turn: Turn) -> None:

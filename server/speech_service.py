@@ -22,7 +22,7 @@ from rtmedia.protocol.wav import wav_stream_header
 from rtmedia.server.audio_input import DECODERS
 from rtmedia.server.engine_access import EngineAccess
 from rtmedia.server.faults import abort_fault
-from rtmedia.server.recognition import Turn
+from rtmedia.server.recognition import MAX_PROMPT_CHARS, Turn, token_infos
 from rtmedia.server.riva_common import Rejected
 from rtmedia.server.scheduler import Priority
 from rtmedia.server.vad_recognition import VadRecognition
@@ -31,7 +31,6 @@ from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 READ_AHEAD_REQUESTS = 256  # Transcribe requests read ahead of the recogniser (then grpc's flow control holds the client)
 ASR_RATE = 16000
-MAX_PROMPT_CHARS = 1000  # TranscribeConfig.prompt
 TRANSCRIBE_RATES = {
     common_pb2.AUDIO_ENCODING_PCM16: (8000, 16000, 24000, 48000),
     common_pb2.AUDIO_ENCODING_G711_ULAW: (8000,),
@@ -265,6 +264,7 @@ def _transcript(event: AsrEvent, shift_ms: int = 0) -> speech_pb2.TranscribeResp
         start_ms=event.start_ms + shift_ms, end_ms=event.end_ms + shift_ms,
         words=[common_pb2.WordInfo(word=w, start_ms=s + shift_ms, end_ms=e + shift_ms, confidence=c)
                for w, s, e, c in event.words],
+        tokens=token_infos(event.tokens), no_speech_prob=event.no_speech_prob,
     )
 
 

@@ -5,9 +5,9 @@ part is spooled (in memory, then a temporary file) and the whole body is bounded
 `max_upload_bytes` (over it: 413 at once, the rest unread). The other fields: `model`
 (required), `language` (en, en-US or empty), `response_format` (json, text, verbose_json, srt,
 vtt), `timestamp_granularities[]` (segment, word), `stream`, `prompt` (its last 1000
-characters go to the recogniser as the text said before), and `temperature` (it must be a
-number) and `include[]`, which are otherwise ignored (decoding is greedy; token logprobs are not
-served). Other fields are ignored.
+characters go to the recogniser as the text said before), `include[]` (`logprobs`: the
+recogniser's tokens with their log-probabilities; any other value is a 400), and `temperature`
+(it must be a number; decoding is greedy). Other fields are ignored.
 
 The file is decoded by PyAV (rtmedia.web.audio_decode) off the event loop, piece by piece, into
 PCM16 mono at 16 kHz, which goes to the server's `SpeechService.Transcribe` as fast as the call
@@ -24,10 +24,13 @@ language "english", duration, text, usage, and `segments` unless only word times
 asked, `words` when they were); srt and vtt, one cue per utterance. The text is the utterances'
 final texts joined by spaces. A verbose segment is an utterance: its start and end are its
 first and last words' (the utterance's own bounds when it has no word timings), `seek` is where
-its decoding began in hundredths of a second (Whisper's frames), `avg_logprob` the mean natural log of its words'
-posterior probabilities (PocketSphinx's lattice confidences), `compression_ratio` Whisper's
-(text bytes over their zlib size); `tokens` is empty, `temperature` 0 and `no_speech_prob` 0:
-this recogniser has neither tokens nor sampling nor a no-speech estimate.
+its decoding began in hundredths of a second (Whisper's frames), `tokens` its text tokens' ids,
+`avg_logprob` their mean natural log-probability, `no_speech_prob` the model's probability that
+it held no speech, `compression_ratio` Whisper's (text bytes over their zlib size), and
+`temperature` 0 (decoding is greedy). With `include[]=logprobs`, the json answer has `logprobs`:
+every token of the text as OpenAI gives them (`token`, `logprob`, `bytes`); another
+response_format with it is a 400, as at OpenAI. (With `--asr pocketsphinx` there are no tokens:
+`logprobs` is empty, `avg_logprob` the mean log of the words' confidences.)
 
 `stream=true` (for every model, whatever the response_format; OpenAI ignores it for whisper-1)
 answers text/event-stream: `transcript.text.delta` events, then `transcript.text.done`. The
@@ -35,8 +38,9 @@ response starts with the first event, so a failure before it (the server refusin
 after it ends the stream with an `error` event carrying OpenAI's error object, which the SDK
 raises as APIError. A delta is one utterance's final text (after a space, but the first), sent as
 soon as the recogniser has finished that utterance, so the deltas concatenate exactly to the done
-text, which is the json answer's text. Partial results are not streamed: PocketSphinx's last pass
-often revises words its partials had, and a delta cannot be taken back.
+text, which is the json answer's text; with `include[]=logprobs`, each delta has its
+utterance's `logprobs`, and the done event all of them. Partial results are not streamed: the
+final decode may still revise words a partial had, and a delta cannot be taken back.
 
 A client that goes away while its file is being transcribed ends the server's call.
 """
@@ -69,6 +73,7 @@ T = TypeVar("T")
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 LANGUAGES = ("", "en", "en-us")  # compared in lower case
 GRANULARITIES = ("segment", "word")
+INCLUDES = ("logprobs",)
 PROMPT_CHARS = 1000  # the server's limit on TranscribeConfig.prompt
 PIECE_BYTES = RATE * SAMPLE_BYTES  # PCM16 per Transcribe request: one second
 LEAD_IN_MS = 500  # silence sent before the file's audio (see the module docstring)
@@ -108,6 +113,7 @@ class Options:
     words: bool  # word timestamps asked
     segments: bool  # segment timestamps asked (or no granularity named)
     prompt: str = ""  # its last PROMPT_CHARS characters, the recogniser's context
+    logprobs: bool = False  # include[]=logprobs
 
 
 async def read_upload(request: web.Request, limit: int) -> Upload:
@@ -204,8 +210,17 @@ def check_options(upload: Upload) -> Options:
     if stream not in ("true", "false", "1", "0", ""):
         raise OpenAIError(400, f"stream {stream[:50]!r} is not a boolean (true or false)", param="stream",
                           code="invalid_type")
-    return Options(model, response_format, stream in ("true", "1"), "word" in granularities,
-                   not granularities or "segment" in granularities, fields.get("prompt", "")[-PROMPT_CHARS:])
+    include = set(fields.get("include", []))
+    if unknown := include - set(INCLUDES):
+        raise OpenAIError(400, f"include {sorted(unknown)[0][:50]!r} is not one of " + ", ".join(INCLUDES),
+                          param="include", code="invalid_value")
+    streamed = stream in ("true", "1")
+    if include and response_format != "json" and not streamed:
+        raise OpenAIError(400, f"include logprobs needs response_format json (or stream true), not "
+                               f"{response_format}", param="include", code="invalid_value")
+    return Options(model, response_format, streamed, "word" in granularities,
+                   not granularities or "segment" in granularities, fields.get("prompt", "")[-PROMPT_CHARS:],
+                   "logprobs" in include)
 
 
 def _is_number(text: str) -> bool:
@@ -317,6 +332,8 @@ class Utterance:
     end: float
     seek_s: float
     words: list[tuple[str, float, float, float]]  # word, start, end, confidence
+    tokens: list[common_pb2.TokenInfo] = field(default_factory=list)
+    no_speech_prob: float = 0.0
 
 
 def utterance(result: speech_pb2.TranscribeResponse, duration: float) -> Utterance:
@@ -325,7 +342,13 @@ def utterance(result: speech_pb2.TranscribeResponse, duration: float) -> Utteran
 
     words = [(w.word, at(w.start_ms), at(w.end_ms), w.confidence) for w in result.words]
     start, end = (words[0][1], words[-1][2]) if words else (at(result.start_ms), at(result.end_ms))
-    return Utterance(result.text.strip(), start, max(start, end), at(result.start_ms), words)
+    return Utterance(result.text.strip(), start, max(start, end), at(result.start_ms), words, list(result.tokens),
+                     result.no_speech_prob)
+
+
+def logprobs(tokens: list[common_pb2.TokenInfo]) -> list[dict[str, Any]]:
+    """Tokens as OpenAI's `logprobs` entries."""
+    return [{"token": t.token, "logprob": round(t.logprob, 6), "bytes": list(t.bytes)} for t in tokens]
 
 
 # ---- the answers ------------------------------------------------------------------------------------
@@ -335,7 +358,10 @@ def render(options: Options, utterances: list[Utterance], duration: float) -> we
     usage = {"type": "duration", "seconds": math.ceil(duration)}
     fmt = options.response_format
     if fmt == "json":
-        return web.json_response({"text": text, "usage": usage})
+        body = {"text": text, "usage": usage}
+        if options.logprobs:
+            body["logprobs"] = logprobs([t for u in spoken for t in u.tokens])
+        return web.json_response(body)
     if fmt == "text":
         return web.Response(text=text + "\n", content_type="text/plain")
     if fmt in ("srt", "vtt"):
@@ -354,19 +380,21 @@ def render(options: Options, utterances: list[Utterance], duration: float) -> we
 
 def _segment(n: int, u: Utterance) -> dict[str, Any]:
     encoded = u.text.encode()
-    logprobs = [math.log(max(c, 1e-4)) for *_, c in u.words]
+    scores = [t.logprob for t in u.tokens] or [math.log(max(c, 1e-4)) for *_, c in u.words]
     return {"id": n, "seek": round(u.seek_s * 100), "start": round(u.start, 3), "end": round(u.end, 3),
-            "text": u.text, "tokens": [], "temperature": 0.0,
-            "avg_logprob": round(sum(logprobs) / len(logprobs), 4) if logprobs else 0.0,
+            "text": u.text, "tokens": [t.id for t in u.tokens], "temperature": 0.0,
+            "avg_logprob": round(sum(scores) / len(scores), 4) if scores else 0.0,
             "compression_ratio": round(len(encoded) / len(zlib.compress(encoded)), 4),
-            "no_speech_prob": 0.0}
+            "no_speech_prob": round(u.no_speech_prob, 4)}
 
 
-async def stream_events(request: web.Request, recognition: Recognition, facts: dict[str, Any]) -> web.StreamResponse:
+async def stream_events(request: web.Request, recognition: Recognition, facts: dict[str, Any],
+                        with_logprobs: bool = False) -> web.StreamResponse:
     """The SSE answer; it starts with its first event (see the module docstring). How it ended
     goes into `facts` (the request's log line)."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     text = ""
+    tokens: list[common_pb2.TokenInfo] = []
 
     async def send(event: dict[str, Any]) -> None:
         if not response.prepared:
@@ -379,8 +407,15 @@ async def stream_events(request: web.Request, recognition: Recognition, facts: d
                 if result.is_final and (said := result.text.strip()):
                     delta = f" {said}" if text else said
                     text += delta
-                    await send({"type": "transcript.text.delta", "delta": delta})
-            await send({"type": "transcript.text.done", "text": text})
+                    event: dict[str, Any] = {"type": "transcript.text.delta", "delta": delta}
+                    if with_logprobs:
+                        event["logprobs"] = logprobs(list(result.tokens))
+                        tokens.extend(result.tokens)
+                    await send(event)
+            done: dict[str, Any] = {"type": "transcript.text.done", "text": text}
+            if with_logprobs:
+                done["logprobs"] = logprobs(tokens)
+            await send(done)
         except OpenAIError as exc:
             if not response.prepared:
                 raise
@@ -408,7 +443,7 @@ async def create_transcription(request: web.Request, front: OpenAIFront) -> web.
         facts["codec"] = decoder.codec
         recognition = Recognition(front, request, decoder, first, options.prompt)
         if options.stream:
-            response = await stream_events(request, recognition, facts)
+            response = await stream_events(request, recognition, facts, options.logprobs)
         else:
             finals = [r async for r in recognition.results() if r.is_final]
             duration = decoder.seconds

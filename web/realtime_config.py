@@ -4,7 +4,7 @@
 object is checked here against what rtmedia serves, and becomes the `SessionConfig` fields
 the rtmedia session takes; `session_object()` is the API's session object that
 `session.created` / `session.updated` carry. An update with a field rtmedia does not serve
-(tools, `semantic_vad`, noise reduction, image input, MCP, `include`, other formats) is
+(noise reduction, image input, MCP, other formats) is
 refused whole with an error naming the field, and the session stays as it was, as OpenAI's
 own server refuses an invalid update.
 """
@@ -21,6 +21,7 @@ from typing import Any
 
 from rtmedia.v1 import common_pb2
 
+INCLUDE_LOGPROBS = "item.input_audio_transcription.logprobs"
 # The API's model names a session accepts; all are served by the same engines.
 DEFAULT_MODEL = "rtmedia-realtime"
 REALTIME_MODELS = (DEFAULT_MODEL, "gpt-realtime", "gpt-realtime-mini", "gpt-realtime-2025-08-28",
@@ -96,6 +97,17 @@ def _bool(value: Any, param: str) -> bool:
     if not isinstance(value, bool):
         raise _invalid(param, "must be true or false")
     return value
+
+
+def _include(value: Any) -> list[str]:
+    """session.include: null, or a list of what the API may add to its events (logprobs only)."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _invalid("session.include", "must be a list of strings")
+    if unknown := [v for v in value if v != INCLUDE_LOGPROBS]:
+        raise _invalid("session.include", f"{unknown[0][:64]!r} is not one of: {INCLUDE_LOGPROBS}")
+    return sorted(set(value))
 
 
 def audio_format(value: Any, param: str) -> str:
@@ -213,6 +225,7 @@ class RealtimeConfig:
     # the session asks (clients written for OpenAI expect only the responses they create).
     tool_filler_ms: int = 0
     tool_timeout_ms: int = 10000
+    include: list[str] = field(default_factory=list)  # [] or [INCLUDE_LOGPROBS]
 
     # ---- session.update -> rtmedia ------------------------------------------------------------------
     def updated(self, session: Any) -> RealtimeConfig:
@@ -235,8 +248,8 @@ class RealtimeConfig:
         for name in ("tool_filler_ms", "tool_timeout_ms"):
             if name in session:
                 setattr(new, name, int(_number(session[name], f"session.{name}", 0, 120000, whole=True)))
-        if session.get("include") not in (None, []):
-            raise refuse("session.include", "item.input_audio_transcription.logprobs")
+        if "include" in session:
+            new.include = _include(session["include"])
         for name, what in (("tracing", "tracing"), ("prompt", "prompt templates"), ("reasoning", "reasoning")):
             if session.get(name) is not None:
                 raise refuse(f"session.{name}", what)
@@ -386,7 +399,7 @@ class RealtimeConfig:
                     "noise_reduction": None, "turn_detection": turn}
         if self.type == "transcription":
             return {"type": "transcription", "object": "realtime.transcription_session", "id": self.id,
-                    "expires_at": self.expires_at, "audio": {"input": audio_in}, "include": None}
+                    "expires_at": self.expires_at, "audio": {"input": audio_in}, "include": self.include or None}
         return {
             "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
             "expires_at": self.expires_at, "output_modalities": [self.output_modality],
@@ -394,7 +407,7 @@ class RealtimeConfig:
             "audio": {"input": audio_in, "output": {"format": self._format(self.output_format), "voice": self.voice,
                                                     "speed": self.speed}},
             "tools": self.tools, "tool_choice": self.tool_choice, "tracing": None, "truncation": "auto", "prompt": None,
-            "include": None, "max_output_tokens": self.max_output_tokens or "inf",
+            "include": self.include or None, "max_output_tokens": self.max_output_tokens or "inf",
         }
 
     @staticmethod

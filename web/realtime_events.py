@@ -403,8 +403,12 @@ class Translator:
         if self.config.transcription is None:
             return self._user_item_done(e["item_id"], None)
         usage = {"type": "duration", "seconds": self._audio_ms.pop(e["item_id"], 0) / 1000}
+        logprobs = None
+        if self.config.include:
+            logprobs = [{"token": t.get("token", ""), "logprob": round(t.get("logprob", 0.0), 6),
+                         "bytes": list(base64.b64decode(t.get("bytes", "")))} for t in e.get("tokens", [])]
         return [self._event("conversation.item.input_audio_transcription.completed", item_id=e["item_id"],
-                            content_index=0, transcript=e["transcript"], usage=usage),
+                            content_index=0, transcript=e["transcript"], logprobs=logprobs, usage=usage),
                 *self._user_item_done(e["item_id"], e["transcript"])]
 
     def _on_conversation_item_input_audio_transcription_failed(self, e: dict[str, Any]) -> list[dict[str, Any]]:

@@ -83,12 +83,14 @@ async def test_a_converse_turn(channel, speaker, condition):
             completed = await c.wait_for("conversation.item.input_audio_transcription.completed", count=n,
                                          timeout=30)
             texts.append(completed["transcript"])
+            spelled = b"".join(base64.b64decode(t["bytes"]) for t in completed["tokens"]).decode()
+            assert spelled.strip() == completed["transcript"] and all(t["logprob"] <= 0 for t in completed["tokens"])
             await c.wait_for("response.done", count=n, timeout=30)
     heard_well(texts, condition)
 
 
 @pytest.mark.parametrize("condition", CONDITIONS)
-async def test_transcribe(channel, speaker, condition):
+async def test_transcribe(server, channel, speaker, condition):
     pieces = [said(speaker, condition, q) for q in QUESTIONS]
     rate = pieces[0][1]
     encoding = common_pb2.AUDIO_ENCODING_G711_ULAW if condition == "ulaw8k" else common_pb2.AUDIO_ENCODING_PCM16
@@ -101,8 +103,12 @@ async def test_transcribe(channel, speaker, condition):
             yield speech_pb2.TranscribeRequest(audio=audio[i:i + rate // 5])
 
     stub = speech_pb2_grpc.SpeechServiceStub(channel)
+    decodes = server.metrics.registry.get_sample_value("rtmedia_asr_decodes_total", {"kind": "final"}) or 0
     finals = [r async for r in stub.Transcribe(requests()) if r.is_final and r.text]
     heard_well([f.text for f in finals], condition)
+    assert all(b"".join(t.bytes for t in f.tokens).decode().strip() == f.text for f in finals)
+    assert all(0 <= f.no_speech_prob < 0.5 for f in finals)
+    assert server.metrics.registry.get_sample_value("rtmedia_asr_decodes_total", {"kind": "final"}) >= decodes + 3
     assert [f.utterance_index for f in finals] == [0, 1, 2]
     assert all(f.words and f.start_ms <= f.words[0].start_ms <= f.words[-1].end_ms <= f.end_ms for f in finals)
 
@@ -169,7 +175,8 @@ async def test_openai_transcriptions(openai_client, speaker, condition, response
 async def test_a_realtime_transcription_session(openai_client, speaker, condition):
     fmt = {"type": "audio/pcmu"} if condition == "ulaw8k" else {"type": "audio/pcm", "rate": 24000}
     async with openai_client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
-        await conn.session.update(session={"type": "transcription", "audio": {"input": {
+        include = ["item.input_audio_transcription.logprobs"] if condition == "pcm16k" else None
+        await conn.session.update(session={"type": "transcription", "include": include, "audio": {"input": {
             "format": fmt, "transcription": {"model": "gpt-4o-transcribe", "language": "en"}}}})
         texts = []
         while len(texts) < len(QUESTIONS):
@@ -185,6 +192,11 @@ async def test_a_realtime_transcription_session(openai_client, speaker, conditio
                         await asyncio.sleep(0.025)
             elif event.type == "conversation.item.input_audio_transcription.completed":
                 texts.append(event.transcript)
+                if include:
+                    assert "".join(p.token for p in event.logprobs).strip() == event.transcript
+                    assert all(p.logprob <= 0 and bytes(map(int, p.bytes)).decode() == p.token for p in event.logprobs)
+                else:
+                    assert event.logprobs is None
             elif event.type == "error":
                 raise AssertionError(event.error)
     heard_well(texts, condition)

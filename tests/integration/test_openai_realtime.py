@@ -345,7 +345,7 @@ REFUSED = [
     ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "threshold": 0.5}}}},
      "session.audio.input.turn_detection.threshold"),
     ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
-    ({"include": ["item.input_audio_transcription.logprobs"]}, "session.include"),
+    ({"include": ["item.input_text.logprobs"]}, "session.include"),
     ({"audio": {"output": {"format": {"type": "audio/opus"}}}}, "session.audio.output.format.type"),
     ({"audio": {"output": {"voice": {"id": "voice_123"}}}}, "session.audio.output.voice"),
     ({"prompt": {"id": "pmpt_1"}}, "session.prompt"),

@@ -107,8 +107,9 @@ async def test_verbose_json_segments_and_words(openai_client, three, three_wav):
         assert segment.start < segment.end
         assert abs(segment.start - start) < SLACK_S and abs(segment.end - end) < SLACK_S, (segment, start, end)
         assert wer(sentence, segment.text) <= MAX_WER
-        assert segment.tokens == [] and segment.temperature == 0 and segment.no_speech_prob == 0
-        assert segment.avg_logprob <= 0 and segment.compression_ratio > 0
+        assert segment.tokens and all(0 <= t < 50257 for t in segment.tokens) and segment.temperature == 0
+        assert 0 <= segment.no_speech_prob < 0.2  # the model's own estimate: it heard speech
+        assert -0.5 < segment.avg_logprob <= 0 and segment.compression_ratio > 0
         assert segment.seek == pytest.approx(segment.start * 100, abs=100)
     assert [s.start for s in segments] == sorted(s.start for s in segments)
     words = result.words
@@ -176,9 +177,29 @@ async def test_stream_deltas_concatenate_to_the_done_text(openai_client, three):
     assert "".join(e.delta for e in deltas) == done.text
     assert done.text == done.text.strip() and "  " not in done.text
     assert_heard(three.text, done.text, THREE_KEYS)
+    assert all(e.logprobs is None for e in events)  # not asked
     # One delta per utterance, as the recogniser finishes each: the same text as the json answer.
     whole = await transcribe(openai_client, "three.mp3", three.file("mp3"))
     assert done.text == whole.text
+
+
+def spelled(logprobs) -> str:
+    """The text the tokens of OpenAI's `logprobs` entries spell, checking each entry's shape."""
+    assert all(p.logprob <= 0 and bytes(map(int, p.bytes)).decode() == p.token for p in logprobs), logprobs
+    return "".join(p.token for p in logprobs).strip()
+
+
+async def test_logprobs_when_included(openai_client, three, three_wav):
+    result = await transcribe(openai_client, "three.wav", three_wav, include=["logprobs"])
+    assert_heard(three.text, result.text, THREE_KEYS)
+    assert spelled(result.logprobs) == result.text
+    assert (await transcribe(openai_client, "three.wav", three_wav)).logprobs is None
+    stream = await transcribe(openai_client, "three.wav", three_wav, include=["logprobs"], stream=True)
+    events = [event async for event in stream]
+    deltas, done = events[:-1], events[-1]
+    assert [spelled(e.logprobs) for e in deltas] == [e.delta.strip() for e in deltas]
+    assert [p.model_dump() for p in done.logprobs] == [p.model_dump() for e in deltas for p in e.logprobs]
+    assert spelled(done.logprobs) == done.text
 
 
 def failing_results(before: list[speech_pb2.TranscribeResponse]):
@@ -301,6 +322,9 @@ async def test_no_file_is_a_400(openai_client):
     ({"response_format": "xml"}, openai.BadRequestError, 400, "response_format", "'xml' is not supported"),
     ({"temperature": "warm"}, openai.BadRequestError, 400, "temperature", "not a number"),
     ({"timestamp_granularities": ["char"]}, openai.BadRequestError, 400, "timestamp_granularities", "'char'"),
+    ({"include": ["entropy"]}, openai.BadRequestError, 400, "include", "'entropy' is not one of logprobs"),
+    ({"include": ["logprobs"], "response_format": "srt"}, openai.BadRequestError, 400, "include",
+     "needs response_format json"),
 ])
 async def test_bad_fields_are_refused_naming_the_field(openai_client, one, kw, cls, status, param, part):
     kw = {"model": "whisper-1", **kw}
@@ -311,7 +335,7 @@ async def test_bad_fields_are_refused_naming_the_field(openai_client, one, kw, c
 async def test_accepted_fields_are_ignored(openai_client, one):
     result = await openai_client.audio.transcriptions.create(
         model="gpt-4o-mini-transcribe", file=("a.mp3", one.file("mp3")), language="en-US", prompt="Kitchens.",
-        temperature=0.3, include=["logprobs"])
+        temperature=0.3)
     assert_heard(ONE, result.text, ONE_KEYS)
 
 

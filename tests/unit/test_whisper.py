@@ -117,6 +117,12 @@ def test_a_restart_after_a_sentence_is_cut_and_real_repeats_are_kept():
     assert keep("I think I think so.") == "I think I think so."
     assert keep("Stop. Stop the music.") == "Stop. Stop the music."  # goes on past the beginning
     assert keep("It rained. Then it stopped.") == "It rained. Then it stopped."
+    # Without a sentence's end: three words or more again from the beginning, to the end.
+    assert keep("I need a taxi to the I need a taxi") == "I need a taxi to the"
+    assert keep("how much does that, how much does that") == "how much does that,"
+    assert keep("I want to, I want to go home") == "I want to, I want to go home"
+    assert keep("or more Kubernetes nodes, or more Kubernet") == "or more Kubernetes nodes,"  # cut by the cap
+    assert keep("turn it off turn it") == "turn it off turn it"  # two words: a speaker may
 
 
 def test_windows_are_whole_seconds_with_a_tail_and_at_most_thirty():
@@ -144,6 +150,11 @@ def test_a_sentence_is_heard_with_words_timed_inside_it(engine, speech, text):
     starts = [s for _, s, _, _ in final.words]
     assert starts == sorted(starts) and all(0 <= s <= e <= duration_ms + 100 for _, s, e, _ in final.words)
     assert all(0 < c <= 1 for *_, c in final.words)
+    # The final's tokens spell its text; their log-probabilities are the model's, and it heard speech.
+    assert b"".join(b for _, b, _ in final.tokens).decode().strip() == final.text
+    assert all(p <= 0 for *_, p in final.tokens) and sum(p for *_, p in final.tokens) / len(final.tokens) > -0.5
+    assert 0 <= final.no_speech_prob < 0.2
+    assert all(p.tokens == [] for p in partials)
     # Partials are append-only and agree with the final.
     texts = [p.text for p in partials]
     assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
@@ -203,6 +214,7 @@ def test_an_utterance_longer_than_a_window_comes_out_whole_and_in_order(engine, 
     assert final.end_ms == len(pcm) // 2 * 1000 // RATE
     starts = [s for _, s, _, _ in final.words]
     assert starts == sorted(starts) and starts[-1] > _WINDOW_S * 1000
+    assert b"".join(b for _, b, _ in final.tokens).decode().strip() == final.text  # every window's tokens
 
 
 def test_the_contract_of_a_stream(engine, speech):

@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rtmedia/v1/common.proto\x12\nrtmedia.v1\"a\n\x0b\x41udioFormat\x12+\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x19.rtmedia.v1.AudioEncoding\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x03 \x01(\x05\"N\n\x08WordInfo\x12\x0c\n\x04word\x18\x01 \x01(\t\x12\x10\n\x08start_ms\x18\x02 \x01(\x03\x12\x0e\n\x06\x65nd_ms\x18\x03 \x01(\x03\x12\x12\n\nconfidence\x18\x04 \x01(\x02*\x85\x01\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41UDIO_ENCODING_PCM16\x10\x01\x12\x1c\n\x18\x41UDIO_ENCODING_G711_ULAW\x10\x02\x12\x1c\n\x18\x41UDIO_ENCODING_G711_ALAW\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rtmedia/v1/common.proto\x12\nrtmedia.v1\"a\n\x0b\x41udioFormat\x12+\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x19.rtmedia.v1.AudioEncoding\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x03 \x01(\x05\"N\n\x08WordInfo\x12\x0c\n\x04word\x18\x01 \x01(\t\x12\x10\n\x08start_ms\x18\x02 \x01(\x03\x12\x0e\n\x06\x65nd_ms\x18\x03 \x01(\x03\x12\x12\n\nconfidence\x18\x04 \x01(\x02\"F\n\tTokenInfo\x12\n\n\x02id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\r\n\x05\x62ytes\x18\x04 \x01(\x0c*\x85\x01\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41UDIO_ENCODING_PCM16\x10\x01\x12\x1c\n\x18\x41UDIO_ENCODING_G711_ULAW\x10\x02\x12\x1c\n\x18\x41UDIO_ENCODING_G711_ALAW\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rtmedia.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_AUDIOENCODING']._serialized_start=219
-  _globals['_AUDIOENCODING']._serialized_end=352
+  _globals['_AUDIOENCODING']._serialized_start=291
+  _globals['_AUDIOENCODING']._serialized_end=424
   _globals['_AUDIOFORMAT']._serialized_start=39
   _globals['_AUDIOFORMAT']._serialized_end=136
   _globals['_WORDINFO']._serialized_start=138
   _globals['_WORDINFO']._serialized_end=216
+  _globals['_TOKENINFO']._serialized_start=218
+  _globals['_TOKENINFO']._serialized_end=288
 # @@protoc_insertion_point(module_scope)

@@ -101,3 +101,37 @@ class WordInfo(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WordInfo: _TypeAlias = WordInfo  # noqa: Y015
+
+@_typing.final
+class TokenInfo(_message.Message):
+    """One recognised token (Whisper's byte-level BPE) with the model's natural
+    log-probability of it given the audio and the tokens before it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    token: _builtins.str
+    """Its text (U+FFFD where the token holds only part of a character)."""
+    logprob: _builtins.float
+    bytes: _builtins.bytes
+    """Its UTF-8 bytes."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        token: _builtins.str = ...,
+        logprob: _builtins.float = ...,
+        bytes: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "id", b"id", "logprob", b"logprob", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenInfo: _TypeAlias = TokenInfo  # noqa: Y015

@@ -1192,21 +1192,29 @@ class ConversationItemInputAudioTranscriptionCompletedEvent(_message.Message):
     ITEM_ID_FIELD_NUMBER: _builtins.int
     TRANSCRIPT_FIELD_NUMBER: _builtins.int
     WORDS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
     item_id: _builtins.str
     transcript: _builtins.str
     """The authoritative transcript of the user's turn."""
     @_builtins.property
     def words(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.WordInfo]: ...
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenInfo]:
+        """The text tokens with their log-probabilities (Whisper; none with
+        PocketSphinx), in the order of the turn's segments.
+        """
+
     def __init__(
         self,
         *,
         item_id: _builtins.str = ...,
         transcript: _builtins.str = ...,
         words: _abc.Iterable[_common_pb2.WordInfo] | None = ...,
+        tokens: _abc.Iterable[_common_pb2.TokenInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["item_id", b"item_id", "transcript", b"transcript", "words", b"words"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["item_id", b"item_id", "tokens", b"tokens", "transcript", b"transcript", "words", b"words"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

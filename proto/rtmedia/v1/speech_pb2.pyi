@@ -289,6 +289,8 @@ class TranscribeResponse(_message.Message):
     START_MS_FIELD_NUMBER: _builtins.int
     END_MS_FIELD_NUMBER: _builtins.int
     WORDS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    NO_SPEECH_PROB_FIELD_NUMBER: _builtins.int
     utterance_index: _builtins.int
     """Utterance number in the stream, from 0."""
     is_final: _builtins.bool
@@ -302,9 +304,17 @@ class TranscribeResponse(_message.Message):
     start_ms: _builtins.int
     """Utterance bounds in the input stream, in milliseconds."""
     end_ms: _builtins.int
+    no_speech_prob: _builtins.float
     @_builtins.property
     def words(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.WordInfo]:
         """Word timings (final results)."""
+
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenInfo]:
+        """Final results of a recogniser that has them (Whisper; not PocketSphinx):
+        the text tokens with their log-probabilities, and the model's probability
+        that the utterance held no speech.
+        """
 
     def __init__(
         self,
@@ -316,10 +326,12 @@ class TranscribeResponse(_message.Message):
         start_ms: _builtins.int = ...,
         end_ms: _builtins.int = ...,
         words: _abc.Iterable[_common_pb2.WordInfo] | None = ...,
+        tokens: _abc.Iterable[_common_pb2.TokenInfo] | None = ...,
+        no_speech_prob: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "end_ms", b"end_ms", "is_final", b"is_final", "start_ms", b"start_ms", "text", b"text", "utterance_index", b"utterance_index", "words", b"words"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "end_ms", b"end_ms", "is_final", b"is_final", "no_speech_prob", b"no_speech_prob", "start_ms", b"start_ms", "text", b"text", "tokens", b"tokens", "utterance_index", b"utterance_index", "words", b"words"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
