@@ -177,6 +177,10 @@ class RtmediaServer:
         self.port = 0
         self._server: grpc.aio.Server | None = None
 
+    def _asr_batch(self, kind: str, decodes: int) -> None:
+        self.metrics.asr_decodes.labels(kind).inc(decodes)
+        self.metrics.asr_batch.labels(kind).observe(decodes)
+
     def _add_asr(self, config: ServerConfig, scheduler: Scheduler, deadline: Callable[[str], float | None]) -> None:
         """The recogniser's two lanes: `asr` for audio, `asr_final` for the items that only end
         an utterance, so a turn's final never queues behind other streams' audio."""
@@ -184,8 +188,10 @@ class RtmediaServer:
             # One model in this process, running `asr_parallel` batches at once. The `asr` lane has
             # as many runners, each stepping the items of its share of the streams as one batch
             # (sharded by stream, so a stream's items stay in order); `asr_final` has one.
-            whisper = WhisperEngine(intra_threads=config.asr_threads, inter_threads=config.asr_parallel)
+            whisper = WhisperEngine(intra_threads=config.asr_threads, inter_threads=config.asr_parallel,
+                                    on_batch=self._asr_batch)
             self.metrics.asr_streams.labels("0").set_function(functools.partial(whisper.streams_on, 0))
+            self.metrics.asr_partial_cadence.set_function(lambda: whisper.partial_cadence_ms)
             scheduler.add(ASR, whisper, LanePolicy(Priority.REALTIME, max_batch=256, concurrency=config.asr_parallel,
                                                    shard=lambda item: item.stream.id, step_deadline_s=deadline(ASR)))
             scheduler.add(ASR_FINAL, whisper, LanePolicy(Priority.REALTIME, max_batch=256,

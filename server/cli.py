@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from rtmedia.clients import cli as client_cli
-from rtmedia.server.config import ServerConfig
+from rtmedia.server.config import ASR_ENGINES, ServerConfig
 from rtmedia.server.doctor import add_doctor_parser, cmd_doctor
 from rtmedia.web.cli import add_web_parser
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: RTMEDIA_AUTH_TOKENS, else no authentication; reloaded on SIGHUP")
     p.add_argument("--config", default=None, help="YAML deploy file (its `server:` keys; flags override it)")
     p.add_argument("--grace", dest="grace_s", type=float, default=None, help="drain grace period in seconds (30)")
-    p.add_argument("--asr", default=None, choices=("whisper", "pocketsphinx"),
+    p.add_argument("--asr", default=None, choices=ASR_ENGINES,
                    help="the recogniser: Whisper tiny.en on CTranslate2 (whisper, the default) or pocketsphinx")
     p.add_argument("--asr-threads", type=int, default=None, help="Whisper: cores one decode batch uses (1)")
     p.add_argument("--asr-parallel", type=int, default=None,

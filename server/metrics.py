@@ -45,6 +45,17 @@ class Metrics:
             "rtmedia_asr_decoders", "PocketSphinx decoders each ASR worker holds (idle and lent), as of its last "
             "reply", ["worker"], registry=r,
         )
+        self.asr_decodes = Counter(
+            "rtmedia_asr_decodes_total", "Whisper decodes, by kind (partial, final)", ["kind"], registry=r
+        )
+        self.asr_batch = Histogram(
+            "rtmedia_asr_batch_size", "Whisper decodes per batch (one encoder and one decode pass), by kind",
+            ["kind"], buckets=(1, 2, 4, 8, 16), registry=r,
+        )
+        self.asr_partial_cadence = Gauge(
+            "rtmedia_asr_partial_cadence_ms", "New speech between two partial decodes of a stream (Whisper; "
+            "stretched while the recogniser is busy)", registry=r,
+        )
         self.asr_worker_restarts = Counter(
             "rtmedia_asr_worker_restarts_total", "ASR worker processes restarted after they died or hung",
             ["worker"], registry=r,

@@ -13,7 +13,10 @@ WER is over all words of a set, lowercased, punctuation removed and numbers spel
 Figures: WER per voice and condition; the final's latency (the end item's step, one stream,
 p50/p95); CPU seconds per second of speech, finals and partials apart (this process's CPU for
 Whisper, which runs in it; the worker processes' for PocketSphinx); and for 8 streams ending at
-once, one batched step against eight steps one after another. Prints one JSON object.
+once, one batched step against eight steps one after another; and whether Whisper holds the GIL
+while it computes (`gil`: a pure-Python loop's rate while another thread decodes batches of
+finals, over its rate alone; with one core per decode on these two, near 1 when the GIL is
+released). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import wave
 from pathlib import Path
@@ -184,6 +188,37 @@ def batching(engine, pcms: list[bytes]) -> dict:
             "speedup": round(one_by_one / batched, 2)}
 
 
+def gil(engine, pcms: list[bytes], seconds: float = 3.0) -> dict:
+    from rtmedia.engines.asr import AsrItem
+
+    def spin() -> float:
+        count, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            count += 1
+        return count / seconds
+
+    stop, steps = threading.Event(), [0]
+
+    def decode() -> None:
+        while not stop.is_set():
+            streams = [engine.open_stream(segment=False, fast_final=True) for _ in pcms]
+            engine.step([AsrItem(s, p) for s, p in zip(streams, pcms, strict=True)])
+            engine.step([AsrItem(s, b"", end=True) for s in streams])
+            for s in streams:
+                engine.close_stream(s)
+            steps[0] += 1
+
+    alone = spin()
+    worker = threading.Thread(target=decode)
+    worker.start()
+    try:
+        beside = spin()
+    finally:
+        stop.set()
+        worker.join()
+    return {"loop_rate_ratio": round(beside / alone, 3), "decode_rounds": steps[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", default="whisper,pocketsphinx")
@@ -217,6 +252,8 @@ def main() -> None:
                                        "finals": round(final_cpu / speech_s, 4),
                                        "all": round((partial_cpu + final_cpu) / speech_s, 4)}
         figures["batch_of_8"] = batching(engine, sets["piper", "clean"][:8])
+        if name == "whisper":
+            figures["gil"] = gil(engine, sets["piper", "clean"][:4])
         engine.close()
         result["engines"][name] = figures
     print(json.dumps(result))
