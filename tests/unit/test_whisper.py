@@ -276,3 +276,25 @@ def test_a_prompt_is_the_first_utterances_context_and_the_next_follows_the_one_b
     blank = engine.open_stream(prompt="   ")
     assert engine._streams[blank.id].previous == []
     engine.close_stream(blank)
+
+
+def test_a_short_utterance_after_a_long_one_is_decoded_whole(engine, speaker):
+    # The prompt (the utterance before, up to 120 tokens) does not eat the decode's token budget.
+    stream = engine.open_stream(prompt="The weather today is sunny with a light breeze from the west. " * 10)
+    try:
+        [[final]] = engine.step([AsrItem(stream, speaker.say("Okay, got it.").tobytes(), end=True)])
+        assert normalise(final.text).split() in (["okay", "got", "it"], ["ok", "got", "it"]), final.text
+    finally:
+        engine.close_stream(stream)
+
+
+def test_streams_with_contexts_of_any_length_decode_in_one_step(engine, speech):
+    # CTranslate2 batches only prompts of one length: contexts batch with those at least half as long.
+    prompts = ["", "Cooking.", "We talked about cooking and the weather " * 3, "We talked about cooking. " * 50]
+    streams = [engine.open_stream(prompt=p) for p in prompts]
+    try:
+        results = engine.step([AsrItem(s, speech[EGG], end=True) for s in streams])
+    finally:
+        for s in streams:
+            engine.close_stream(s)
+    assert [wer(EGG, r[0].text) for r in results] == [0] * len(prompts), [r[0].text for r in results]
