@@ -198,6 +198,58 @@ class InputAudioBufferTimeoutTriggeredEvent(ServerEvent):
         return self.proto.input_audio_buffer_timeout_triggered.audio_end_ms
 
 
+class InputAudioBufferSpeechTentativeEvent(ServerEvent):
+    """`input_audio_buffer.speech_tentative`."""
+
+    __slots__ = ()
+    type = "input_audio_buffer.speech_tentative"
+    member = "input_audio_buffer_speech_tentative"
+
+    @property
+    def data(self) -> realtime_pb2.InputAudioBufferSpeechTentativeEvent:
+        return self.proto.input_audio_buffer_speech_tentative
+
+    @property
+    def item_id(self) -> str:
+        return self.proto.input_audio_buffer_speech_tentative.item_id
+
+    @property
+    def audio_start_ms(self) -> int:
+        return self.proto.input_audio_buffer_speech_tentative.audio_start_ms
+
+    @property
+    def response_id(self) -> str:
+        return self.proto.input_audio_buffer_speech_tentative.response_id
+
+
+class InputAudioBufferBackchannelEvent(ServerEvent):
+    """`input_audio_buffer.backchannel`."""
+
+    __slots__ = ()
+    type = "input_audio_buffer.backchannel"
+    member = "input_audio_buffer_backchannel"
+
+    @property
+    def data(self) -> realtime_pb2.InputAudioBufferBackchannelEvent:
+        return self.proto.input_audio_buffer_backchannel
+
+    @property
+    def item_id(self) -> str:
+        return self.proto.input_audio_buffer_backchannel.item_id
+
+    @property
+    def transcript(self) -> str:
+        return self.proto.input_audio_buffer_backchannel.transcript
+
+    @property
+    def audio_start_ms(self) -> int:
+        return self.proto.input_audio_buffer_backchannel.audio_start_ms
+
+    @property
+    def response_id(self) -> str:
+        return self.proto.input_audio_buffer_backchannel.response_id
+
+
 class ConversationItemAddedEvent(ServerEvent):
     """`conversation.item.added`."""
 
@@ -738,6 +790,8 @@ EVENT_CLASSES: dict[str, type[ServerEvent]] = {
     "input_audio_buffer_committed": InputAudioBufferCommittedEvent,
     "input_audio_buffer_cleared": InputAudioBufferClearedEvent,
     "input_audio_buffer_timeout_triggered": InputAudioBufferTimeoutTriggeredEvent,
+    "input_audio_buffer_speech_tentative": InputAudioBufferSpeechTentativeEvent,
+    "input_audio_buffer_backchannel": InputAudioBufferBackchannelEvent,
     "conversation_item_added": ConversationItemAddedEvent,
     "conversation_item_deleted": ConversationItemDeletedEvent,
     "conversation_item_retrieved": ConversationItemRetrievedEvent,

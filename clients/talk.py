@@ -119,6 +119,12 @@ def add_talk_parser(sub: argparse._SubParsersAction) -> None:
                         "(commit + response.create after the file), none (response.create after the file)")
     p.add_argument("--eagerness", choices=["low", "medium", "high", "auto"], default=None,
                    help="semantic_vad: how readily a pause ends the turn (default auto = medium)")
+    p.add_argument("--interruption", choices=["immediate", "confirmed"], default=None,
+                   help="voice over a reply: immediate (it cancels the reply; the server's default) or confirmed "
+                        "(the reply pauses, and a backchannel such as \"yeah okay\" lets it go on)")
+    p.add_argument("--noise-reduction", choices=["off", "near_field", "far_field"], default=None,
+                   help="noise suppression of your voice for the server's VAD: near_field (a headset), far_field "
+                        "(a laptop or room microphone) or off (default: the server's)")
     p.add_argument("--responder", default=None, help="responder, e.g. echo (default: the server's)")
     p.add_argument("--instructions", default=None, help="instructions for the responder")
     p.add_argument("--voice", default=None, help="reply voice (see `rtmedia voices`; default: the server's)")
@@ -338,10 +344,13 @@ class Talk:
         args = self.args
         session: dict[str, Any] = {
             "input_audio_format": {"encoding": "pcm16", "sample_rate": input_rate, "channels": 1},
-            "turn_detection": {"type": mode, "eagerness": args.eagerness},
+            "turn_detection": {"type": mode, "eagerness": args.eagerness,
+                               "interruption": {"mode": args.interruption} if args.interruption else None},
             "responder": args.responder, "instructions": args.instructions, "voice": args.voice,
             "output_sample_rate": output_rate,
         }
+        if args.noise_reduction is not None:
+            session["noise_reduction"] = {"type": "" if args.noise_reduction == "off" else args.noise_reduction}
         if self.toolbox is not None:
             session["tools"] = {"functions": self.toolbox.declarations}
         return session
@@ -485,6 +494,10 @@ class Talk:
             self.on_error(ev, now)
         elif name == "input_audio_buffer.speech_started":
             self.last_started, self.open_turn = (now, ev.audio_start_ms), True
+        elif name == "input_audio_buffer.speech_tentative":
+            self.say(now, "(voice over the reply: paused)")
+        elif name == "input_audio_buffer.backchannel":
+            self.say(now, f"(not an interruption: {ev.transcript or 'no words'}; the reply goes on)")
         elif name == "input_audio_buffer.speech_stopped":
             self.open_turn = False
             decision_ms = self.decision_ms(ev)

@@ -172,6 +172,9 @@ class AsrEvent:
     # natural log-probability), and the model's probability that the audio held no speech.
     tokens: list[tuple[int, bytes, float]] = field(default_factory=list)
     no_speech_prob: float = 0.0
+    # Partials: the latest decode's words of the utterance, agreed or not (what a caller that
+    # must decide early reads; `text` holds only the agreed words).
+    hypothesis: str = ""
 
 
 def _words(hyp: Any) -> list[str]:
@@ -422,7 +425,8 @@ class _Worker:
         utt.previous = words
         new = words[len(utt.committed) : stable]
         utt.committed.extend(new)
-        return AsrEvent(utt.index, False, " ".join(utt.committed), " ".join(new), utt.start_ms, utt.end_ms)
+        return AsrEvent(utt.index, False, " ".join(utt.committed), " ".join(new), utt.start_ms, utt.end_ms,
+                        hypothesis=" ".join(words))
 
     def _finish(self, st: _StreamState, events: list[AsrEvent]) -> None:
         utt, st.utt = st.utt, None

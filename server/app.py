@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_tts_pb2, riva_tts_pb2_grpc
 from rtmedia.engines.asr import AsrEngine
+from rtmedia.engines.denoise import Denoiser
 from rtmedia.engines.openai_chat import OpenAIResponder
 from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
 from rtmedia.engines.turn import AcousticTurnModel
@@ -109,7 +110,9 @@ class RtmediaServer:
                       LanePolicy(Priority.BULK, max_batch=1, concurrency=1, step_deadline_s=deadline(VIDEO)))
         # The VAD tick: every window, one batched step over every session's new audio.
         vad = VadEngine(parallel_runs=config.vad_threads)
-        vad_tick = VadTick(vad)
+        denoiser = Denoiser()  # the sessions' noise reduction, in the tick (server/audio_input.py)
+        denoiser.load()
+        vad_tick = VadTick(vad, denoiser)
         scheduler.add_tick(VAD, vad, WINDOW_MS, vad_tick.collect, vad_tick.process, vad_tick.deliver,
                            step_deadline_s=deadline(VAD))
         if config.turn_audio_model:  # semantic_vad's acoustic scorer: single calls (batching gains nothing)
@@ -137,7 +140,9 @@ class RtmediaServer:
                                         replica=config.replica_name or socket.gethostname(),
                                         defaults=SessionSettings(responder=config.default_responder,
                                                                  turn_type=config.turn_detection,
-                                                                 eagerness=config.turn_eagerness),
+                                                                 eagerness=config.turn_eagerness,
+                                                                 noise_reduction="" if config.noise_reduction == "off"
+                                                                 else config.noise_reduction),
                                         limits=Limits(
                                             early_finals=config.early_finals,
                                             turn_thresholds={k: tuple(v) for k, v in

@@ -21,6 +21,12 @@ as ordered actions (`deliver`):
     ("stopped", Stop)             the turn ended
     ("marker", callback)          a commit or response.create queued behind the input
 
+Noise reduction (`SessionSettings.noise_reduction`): the session opens a suppressor stream off the
+loop and hands it over with `denoise`; the tick runs each such input's windows through it, and the
+VAD hears the denoised windows while the recogniser gets the input as it came (the measurements
+found Whisper no better on denoised audio; BENCHMARKS.md). The VAD's verdicts lag the audio by
+the suppressor's delay (16 to 41 ms).
+
 The session ends a semantic_vad turn with `end_turn`: the next tick stops the turn if its
 pause is still the same (speech that resumed meanwhile continues the turn).
 
@@ -31,11 +37,13 @@ transcription is off: then nothing uses it, and the tick only counts it.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from rtmedia.engines.denoise import Denoiser, DenoiseStream
 from rtmedia.engines.resample import (
     alaw_to_float,
     float_to_pcm16,
@@ -107,6 +115,7 @@ class _Frontend:
     held_ms: int = 0  # where `held` starts in the input
     paused: bool = False  # "pause" was said for the silence now held
     stop: Stop | None = None  # the session's end_turn, applied at the next tick
+    denoiser_next: tuple[DenoiseStream | None] | None = None  # AudioInput.denoise's, for this tick
 
     def __post_init__(self) -> None:
         self.resampler = make_resampler(self.settings.input_rate, RATE)
@@ -141,6 +150,9 @@ class AudioInput:
         self._next: _Frontend | None = None  # replaces the frontend at the next tick
         self._stop: Stop | None = None  # end_turn's request, for the next tick
         self._frontend = self._make_frontend(settings)
+        self.denoiser: DenoiseStream | None = None  # the tick's (see `denoise`)
+        self._denoiser_next: tuple[DenoiseStream | None] | None = None  # handed over at the next tick
+        self.orphans: list[DenoiseStream] = []  # replaced before a tick took them: the tick closes them
         self.collected_at = 0.0  # perf_counter when the tick last took this inbox
         # Input frozen by a marker (commit), each followed by its callback.
         self.segments: list[tuple[bytes, Callable[[], None]]] = []
@@ -203,6 +215,18 @@ class AudioInput:
         elif self._frontend.detector is not None:
             self._frontend.settings = settings
 
+    @property
+    def pending_denoiser(self) -> tuple[DenoiseStream | None] | None:
+        """A suppressor handed over but not taken by a tick yet."""
+        return self._denoiser_next or self._frontend.denoiser_next
+
+    def denoise(self, stream: DenoiseStream | None) -> None:
+        """The suppressor stream the VAD's audio goes through from the next tick (None: off);
+        the tick closes the one it replaces."""
+        if self._denoiser_next is not None and self._denoiser_next[0] is not None:
+            self.orphans.append(self._denoiser_next[0])  # handed over, never taken
+        self._denoiser_next = (stream,)
+
     def clear(self) -> int:
         """Drop queued and buffered input (input_audio_buffer.clear); returns the ms dropped.
         Markers already queued still run, after the input before them."""
@@ -234,6 +258,8 @@ class AudioInput:
             self._frontend, self._next = self._next, None
         if self._stop is not None:
             self._frontend.stop, self._stop = self._stop, None
+        if self._denoiser_next is not None:
+            self._frontend.denoiser_next, self._denoiser_next = self._denoiser_next, None
         self.collected_at = time.perf_counter()
         return segments, self._frontend
 
@@ -256,18 +282,29 @@ def _tune(detector: TurnDetector, settings: SessionSettings) -> None:
 class VadTick:
     """The VAD tick lane's collect / process / deliver over all registered inputs."""
 
-    def __init__(self, engine: VadEngine) -> None:
+    def __init__(self, engine: VadEngine, denoiser: Denoiser | None = None) -> None:
         self.engine = engine
+        self.denoiser = denoiser or Denoiser()
         self.inputs: set[AudioInput] = set()
+        self.retired: deque[DenoiseStream] = deque()  # detached inputs' suppressors, closed by the next tick
 
     def collect(self) -> list[tuple[AudioInput, list[tuple[bytes, Callable[[], None] | None]], _Frontend]]:
         return [(inp, *inp.take()) for inp in self.inputs if inp.has_work]
 
     def process(self, work: list[tuple[AudioInput, list[tuple[bytes, Callable[[], None] | None]], _Frontend]]
                 ) -> list[tuple[AudioInput, list[Action]]]:
+        while self.retired:  # (no step uses them any more: the step before this one has ended)
+            self.denoiser.close_stream(self.retired.popleft())
         blocks: list[tuple[int, np.ndarray]] = []  # (work index, the input's whole windows of this tick)
         actions: list[list[Action]] = []
         for n, (inp, segments, fe) in enumerate(work):
+            if fe.denoiser_next is not None:
+                (stream,), fe.denoiser_next = fe.denoiser_next, None
+                while inp.orphans:
+                    self.denoiser.close_stream(inp.orphans.pop())
+                if inp.denoiser is not None:
+                    self.denoiser.close_stream(inp.denoiser)
+                inp.denoiser = stream
             decode = DECODERS[fe.settings.input_encoding]
             acts: list[Action] = []
             actions.append(acts)
@@ -296,7 +333,9 @@ class VadTick:
             elif fe.stop is not None:  # no new window, but the session ended the turn
                 _turn_windows(fe, _EMPTY, [], acts, inp.transcribing)
         if blocks:
-            probs = self.engine.step_blocks([(work[n][2].vad, block) for n, block in blocks])  # type: ignore[misc]
+            heard = [(work[n][2].vad, block if work[n][0].denoiser is None else
+                      self.denoiser.process(work[n][0].denoiser, block)) for n, block in blocks]
+            probs = self.engine.step_blocks(heard)  # type: ignore[arg-type]
             for (n, block), p in zip(blocks, probs, strict=True):
                 inp, _, fe = work[n]
                 _turn_windows(fe, block, p.tolist(), actions[n], inp.transcribing)

@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turn-detection", choices=["server_vad", "semantic_vad"], default=None,
                    help="a session's turn detection unless it asks for another (default server_vad); semantic_vad "
                         "needs the LM")
+    p.add_argument("--noise-reduction", choices=["off", "near_field", "far_field"], default=None,
+                   help="new sessions' noise suppression for the VAD (off; a session may set its own)")
     p.add_argument("--eagerness", dest="turn_eagerness", choices=["low", "medium", "high", "auto"], default=None,
                    help="semantic_vad's default eagerness (auto = medium)")
     p.add_argument("--turn-audio-model", default=None, metavar="smart-turn|FILE",

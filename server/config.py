@@ -126,6 +126,7 @@ class ServerConfig:
     # (docs/protocol.md#semantic-vad, which needs an LM), and semantic_vad's default eagerness.
     turn_detection: str = "server_vad"
     turn_eagerness: str = "auto"
+    noise_reduction: str = "off"  # new sessions' noise_reduction.type: off, near_field, far_field
     # semantic_vad's thresholds (log10 P(finished)) by eagerness, each [before 600 ms, from 600 ms,
     # from 1.5 s of silence]; the eagernesses given replace the defaults (server/semantic_turns.py).
     semantic_thresholds: dict[str, list[float]] = field(default_factory=dict)
@@ -220,6 +221,8 @@ class ServerConfig:
             raise ValueError("tool_fillers needs at least one sentence")
         if self.turn_detection not in ("server_vad", "semantic_vad"):
             raise ValueError(f"turn_detection must be server_vad or semantic_vad, got {self.turn_detection!r}")
+        if self.noise_reduction not in ("off", "near_field", "far_field"):
+            raise ValueError(f"noise_reduction must be off, near_field or far_field, got {self.noise_reduction!r}")
         if self.turn_eagerness not in ("low", "medium", "high", "auto"):
             raise ValueError(f"turn_eagerness must be low, medium, high or auto, got {self.turn_eagerness!r}")
         if not isinstance(self.semantic_thresholds, dict):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem, AsrStream
+from rtmedia.engines.denoise import DenoiseStream
 from rtmedia.engines.responder import CallDelta, Incomplete, ReplyRequest, Responder, Waiting, calls_tools
 from rtmedia.engines.tts import TtsEngine, TtsItem, TtsStream, VoiceSpec
 from rtmedia.engines.turn import TurnPrompt
@@ -126,6 +127,15 @@ class Vad:
     def open(self) -> VadStream:
         return self._engine.open_stream()
 
+    async def denoise(self, kind: str) -> DenoiseStream:
+        """A noise suppressor's stream for an input (opening a `far_field` one loads a model:
+        off the loop)."""
+        return await asyncio.to_thread(self._tick.denoiser.open_stream, kind)
+
+    async def close_denoise(self, stream: DenoiseStream) -> None:
+        """A suppressor stream no input was given."""
+        await asyncio.to_thread(self._tick.denoiser.close_stream, stream)
+
     @property
     def attached(self) -> int:
         return len(self._tick.inputs)
@@ -134,8 +144,12 @@ class Vad:
         self._tick.inputs.add(audio_input)
 
     def detach(self, audio_input: AudioInput) -> None:
-        """After this, no result of a tick still running reaches the input."""
+        """After this, no result of a tick still running reaches the input; its suppressor
+        stream is closed by the next tick."""
         self._tick.inputs.discard(audio_input)
+        for stream in (audio_input.denoiser, *(audio_input.pending_denoiser or ()), *audio_input.orphans):
+            if stream is not None:
+                self._tick.retired.append(stream)
 
 
 class Video:

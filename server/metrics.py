@@ -96,6 +96,10 @@ class Metrics:
             "rtmedia_barge_in_seconds", "Interrupting audio taken by the VAD tick to output_audio_buffer.cleared",
             buckets=STEP_BUCKETS, registry=r,
         )
+        self.interruptions = Counter(
+            "rtmedia_interruptions_total", "Voice over a reply in confirmed mode, by outcome: interrupted (the reply "
+            "was cancelled) or resumed (a backchannel, or no words)", ["outcome"], registry=r,
+        )
         self.turn_ends = Counter(
             "rtmedia_turn_ends_total", "Turns ended by the VAD, by reason (silence, semantic, max_wait)", ["reason"],
             registry=r,

@@ -89,6 +89,12 @@ class Response:
     cleared_at: float = 0.0  # perf_counter of its output_audio_buffer.cleared (the client dropped the rest)
     filler: bool = False  # the server's filler while a function call is out
     calls: list[Call] = field(default_factory=list)  # the function calls it made, once it completed
+    # Set while its audio may go out; cleared while voice heard over it is judged (a confirmed
+    # interruption, server/interruptions.py).
+    unpaused: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.unpaused.set()
 
     def played_ms(self, now: float) -> int:
         """Where the client's playback is: its ack while fresh (under ACK_FRESH_S old),
@@ -357,6 +363,8 @@ class ReplyPipeline:
         step = rate * self.limits.output_delta_ms // 1000 * 2
         for offset in range(0, len(audio), step):
             piece = audio[offset:offset + step]
+            if not response.unpaused.is_set():
+                await response.unpaused.wait()
             lead = response.sent_ms - response.played_ms(time.perf_counter())
             if lead > self.limits.output_lead_ms:
                 await asyncio.sleep((lead - self.limits.output_lead_ms) / 1000)
@@ -400,6 +408,25 @@ class ReplyPipeline:
         self._send_media(response, "response.done", response_id=rid, status=status, status_reason=reason,
                          usage=usage, function_calls=[call_item(c) for c in response.calls])
         self._on_done(response)
+
+    def pause(self) -> Response | None:
+        """Voice over the latest response is being judged: its audio stops going out (the client
+        plays what it has). Returns the response paused, None if there was none to pause."""
+        response = self.response
+        if response is None or response.text_only or not response.unpaused.is_set():
+            return None
+        response.unpaused.clear()
+        return response
+
+    def resume(self, response: Response) -> None:
+        """The voice was no interruption: the paused response's audio goes on from where it
+        stopped. The client played out what it had meanwhile, so playback is reckoned from now."""
+        if response.unpaused.is_set():
+            return
+        now = time.perf_counter()
+        if response.first_audio_at and not (response.heard_ms is not None and now - response.heard_at < ACK_FRESH_S):
+            response.first_audio_at = now - response.played_ms(now) / 1000
+        response.unpaused.set()
 
     def cancel(self, reason: str) -> None:
         """Barge-in or response.cancel: stop generation, fence off its epoch, tell the client."""

@@ -39,6 +39,7 @@ from rtmedia.server.audio_input import Action, AudioInput, Stop
 from rtmedia.server.engine_access import EngineAccess
 from rtmedia.server.faults import fault_status
 from rtmedia.server.idle_turns import IdleTimer
+from rtmedia.server.interruptions import Voice
 from rtmedia.server.items import ConversationItems
 from rtmedia.server.outbox import Outbox
 from rtmedia.server.recognition import Recognizer, Turn, token_infos
@@ -109,6 +110,8 @@ class Session:
         self.buffer_ms = 0.0  # uncommitted input audio (manual / none)
         self._since_commit_ms = 0.0  # of it, what came after the last commit asked for
         self.speech_start_ms = 0
+        self.voice: Voice | None = None  # voice over a reply, being judged (confirmed interruptions)
+        self._unannounced: set[str] = set()  # judged voices' items whose transcript is no turn's
         self._asr_samples = 0  # 16 kHz samples sent to the recogniser
         self.input_ms = 0.0  # input audio appended so far
         self._quiet_since = 0.0  # perf_counter of the last speech stop or idle timeout
@@ -127,7 +130,7 @@ class Session:
         self._fillers = itertools.cycle(self.limits.tool_fillers)
         self.idle = IdleTimer(self._idle_since, lambda: self.settings.idle_timeout_ms, self._idle_expired)
         self.recognizer = Recognizer(
-            access.asr, fast_final=True, priority=Priority.REALTIME,
+            access.asr, fast_final=True, priority=Priority.REALTIME, on_event=self._on_asr_event,
             on_delta=self.on_transcript_delta, on_complete=self._complete, on_error=self.on_recognition_error,
         )
         self.input = AudioInput(settings, self.limits.inbox_ms, self.on_audio, access.vad.open())
@@ -135,6 +138,8 @@ class Session:
         self.semantic = SemanticTurns(self.id, access.turns, self.metrics, lambda: self.settings,
                                       self.input.end_turn, self.spawn, self.limits.turn_thresholds)
         self.track(self.recognizer.start(f"session-{self.id}-asr"))
+        if settings.noise_reduction:
+            self._noise_reduction(settings.noise_reduction)
 
     # ---- helpers ---------------------------------------------------------
     def new_id(self, prefix: str) -> str:
@@ -272,12 +277,26 @@ class Session:
             return
         old, self.settings = self.settings, new
         self.input.reconfigure(new, reset=False)
+        if old.noise_reduction != new.noise_reduction:
+            self._noise_reduction(new.noise_reduction)
         if old.turn_type != new.turn_type and self.turn is not None:
             self._end_turn()
         if (old.turn_type, old.idle_timeout_ms) != (new.turn_type, new.idle_timeout_ms):
             self._quiet_since, self._quiet_input_ms = time.perf_counter(), self.input_ms  # counts from now
         self.send("session.updated", session=new.to_proto())
         self.idle.arm()
+
+    def _noise_reduction(self, kind: str) -> None:
+        """The VAD hears the input through a `kind` suppressor from the next tick after it is open
+        ("": none); the tick closes the one it replaces."""
+        async def hand_over() -> None:
+            stream = await self.access.vad.denoise(kind) if kind else None
+            if self.settings.noise_reduction == kind:
+                self.input.denoise(stream)
+            elif stream is not None:  # changed again meanwhile
+                await self.access.vad.close_denoise(stream)
+
+        self.spawn(hand_over(), "noise-reduction")
 
     def on_input_audio_buffer_commit(self, event: Any, event_id: str) -> None:
         if self.settings.vad_turns:
@@ -435,14 +454,20 @@ class Session:
                     self.recognizer.send("audio", turn, pcm)
                     if semantic:
                         self.semantic.audio(pcm)
+                    if self.voice is not None and turn is self.turn:
+                        self.voice.speech_ms = offset_ms + len(pcm) // 32 - self.voice.start_ms
+                        self._judge(self.voice.heard, final=False)
             elif kind == "pause":
-                if self.turn is not None and (self.limits.early_finals or semantic):
+                voice = self.voice is not None and self.settings.transcription
+                if self.turn is not None and (self.limits.early_finals or semantic or voice):
                     self.turn.cut_done = asyncio.get_running_loop().create_future()
                     self.recognizer.send("cut", self.turn)
-                    if semantic:
+                    if voice:
+                        self._judge_pause(self.turn)
+                    elif semantic:
                         self.semantic.paused(self.turn)
             elif kind == "candidate":
-                if self.turn is not None and semantic:
+                if self.turn is not None and semantic and self.voice is None:
                     self.semantic.candidate(self.turn, *value)
             elif kind == "stopped":
                 self._on_speech_stopped(value)
@@ -478,19 +503,131 @@ class Session:
 
     def _on_speech_started(self, start_ms: int) -> None:
         self.idle.cancel()
-        self.tools.stop()  # the user moved on: no filler or apology over them
+        if self.voice is not None:  # one ended, its transcript not in yet: it was no interruption
+            voice, self.voice = self.voice, None
+            self._dismiss(voice, voice.heard)
+            self._unannounced.add(voice.item_id)
         turn = self._start_turn()
-        self.send("input_audio_buffer.speech_started", item_id=turn.item_id, audio_start_ms=start_ms)
         self.speech_start_ms = start_ms
-        if self.settings.interrupt_response and self.response is not None \
-                and self.response.audible(time.perf_counter()):
+        interrupts = self.settings.interrupt_response and self.response is not None \
+            and self.response.audible(time.perf_counter())
+        if interrupts and self.settings.interruption.mode == "confirmed":
+            paused = self.replies.pause()
+            if paused is not None:  # (a text-only reply is not paused: it is cancelled, as ever)
+                self.voice = Voice(turn.item_id, start_ms, paused, self.input.collected_at,
+                                   self.settings.interruption)
+                self.send("input_audio_buffer.speech_tentative", item_id=turn.item_id, audio_start_ms=start_ms,
+                          response_id=paused.response_id)
+                return
+        self.tools.stop()  # the user moved on: no filler or apology over them
+        self.send("input_audio_buffer.speech_started", item_id=turn.item_id, audio_start_ms=start_ms)
+        if interrupts:
             started = self.input.collected_at
             self.replies.cancel("turn_detected")
             self.metrics.barge_in.observe(time.perf_counter() - started)
+        self._turn_begun()
+
+    def _turn_begun(self) -> None:
         self.replies.prepare()  # the reply's prompt, up to the user's words
         if self.settings.turn_type == "semantic_vad":
             said = [m.text for m in self.history if m.role == "assistant" and m.text]
             self.semantic.started(said[-1] if said else "")
+
+    # ---- voice over a reply, judged (confirmed interruptions, server/interruptions.py) ----------
+    def _on_asr_event(self, turn: Turn, event: Any) -> None:
+        if self.voice is not None and turn.item_id == self.voice.item_id and not event.is_final:
+            self.voice.heard = f"{turn.said} {event.hypothesis or event.text}"
+            self._judge(self.voice.heard, final=False)
+
+    def _judge(self, text: str, final: bool) -> None:
+        voice = self.voice
+        if voice is None:
+            return
+        verdict = voice.verdict(text, voice.speech_ms, final)
+        if verdict == "interrupt":
+            self._confirm(voice)
+        elif verdict == "backchannel":
+            self._dismiss(voice, text)
+
+    def _judge_pause(self, turn: Turn) -> None:
+        """The voice paused: its words so far (the early final) judge it; the reply resumes if
+        they do not come within false_interruption_timeout_ms."""
+        voice = self.voice
+        assert voice is not None and turn.cut_done is not None
+        cut = turn.cut_done
+
+        async def judge() -> None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(cut), voice.settings.false_interruption_timeout_ms / 1000)
+            if self.voice is voice:
+                voice.heard = turn.said
+                self._judge(turn.said, final=True)
+
+        self.spawn(judge(), "voice-judge")
+
+    def _confirm(self, voice: Voice) -> None:
+        """The voice interrupts: its held speech_started and deltas go out, and the reply is
+        cancelled at the heard point, as an immediate barge-in would have."""
+        self.voice = None
+        self.tools.stop()
+        turn = self.turn if self.turn is not None and self.turn.item_id == voice.item_id else None
+        self.send("input_audio_buffer.speech_started", item_id=voice.item_id, audio_start_ms=voice.start_ms)
+        for delta in voice.deltas:
+            self.send("conversation.item.input_audio_transcription.delta", item_id=voice.item_id, delta=delta)
+        self.metrics.interruptions.labels("interrupted").inc()
+        if self.response is voice.response and voice.response.audible(time.perf_counter()):
+            self.replies.cancel("turn_detected")
+            self.metrics.barge_in.observe(time.perf_counter() - voice.started_at)
+        else:
+            self.replies.resume(voice.response)
+        if turn is not None:
+            self._turn_begun()
+
+    def _dismiss(self, voice: Voice, text: str) -> None:
+        """The voice is no interruption (so far): the reply resumes, and the client hears what
+        was said (input_audio_buffer.backchannel). Later words of the same turn may still
+        interrupt."""
+        if voice.dismissed:
+            return
+        voice.dismissed = True
+        self.metrics.interruptions.labels("resumed").inc()
+        self.send("input_audio_buffer.backchannel", item_id=voice.item_id, transcript=text.strip(),
+                  audio_start_ms=voice.start_ms, response_id=voice.response.response_id)
+        self.replies.resume(voice.response)
+
+    def _voice_ended(self, turn: Turn, stop: Stop) -> None:
+        """The VAD ended a turn still being judged: its transcript decides (`_complete`); the
+        reply resumes by false_interruption_timeout_ms if the transcript has not confirmed it."""
+        voice = self.voice
+        assert voice is not None
+        self.turn, voice.stop = None, stop
+        self._finish_recognition(turn)
+        if not voice.dismissed:
+            async def resume_later() -> None:
+                await asyncio.sleep(voice.settings.false_interruption_timeout_ms / 1000)
+                if self.voice is voice:
+                    self._dismiss(voice, turn.said)
+
+            voice.timer = self.spawn(resume_later(), "voice-timer")
+
+    def _voice_heard(self, turn: Turn) -> None:
+        """A judged turn's transcript is in: an interruption becomes the user's turn as any
+        other (its speech_stopped, commit and transcript follow); else it was a backchannel."""
+        voice = self.voice
+        assert voice is not None and voice.stop is not None
+        if voice.timer is not None:
+            voice.timer.cancel()
+        if voice.verdict(turn.said, voice.speech_ms, final=True) != "interrupt":
+            self._dismiss(voice, turn.said)
+            self.voice = None
+            self.close_if_drained()
+            return
+        self._confirm(voice)
+        self._turn_begun()
+        speaking, self.turn = self.turn, turn  # (the user may have begun another turn meanwhile)
+        self._on_speech_stopped(voice.stop, recognised=True)
+        self.turn = speaking
+        self._complete(turn)
 
     def _reply_request(self, instructions: str | None = None, max_tokens: int | None = None) -> ReplyRequest:
         """What the responder gets: the history's messages that hold words (a turn in which
@@ -507,7 +644,11 @@ class Session:
             tool_choice=settings.tool_function if settings.tool_choice == "function" else settings.tool_choice,
         )
 
-    def _on_speech_stopped(self, stop: Stop) -> None:
+    def _on_speech_stopped(self, stop: Stop, recognised: bool = False) -> None:
+        """The turn ends; `recognised`: its transcript is in already (a judged voice's)."""
+        if self.voice is not None and self.turn is not None and self.turn.item_id == self.voice.item_id:
+            self._voice_ended(self.turn, stop)
+            return
         turn = self.turn or self._start_turn()
         end_ms = stop.audio_end_ms
         self.send("input_audio_buffer.speech_stopped", item_id=turn.item_id, audio_end_ms=end_ms,
@@ -516,7 +657,11 @@ class Session:
         self.semantic.ended()
         turn.silence_ms = stop.silence_ms
         turn.audio_ms = end_ms - max(0, self.speech_start_ms - self.settings.prefix_padding_ms)
-        self._end_turn()
+        if recognised:
+            self.turn = None
+            self._committed(turn)
+        else:
+            self._end_turn()
         self._quiet_since, self._quiet_input_ms = time.perf_counter(), self.input_ms
         if self.settings.create_response and self.closing_reason in (None, "server_shutdown"):
             if self.responding:  # interrupt_response off: the new turn waits its turn
@@ -575,6 +720,9 @@ class Session:
 
     # ---- recognition results (server/recognition.py) ---------------------------
     def on_transcript_delta(self, turn: Turn, delta: str) -> None:
+        if self.voice is not None and turn.item_id == self.voice.item_id:
+            self.voice.deltas.append(delta)  # the turn is not announced yet
+            return
         self.send("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, delta=delta)
 
     def on_recognition_error(self, turn: Turn, exc: Exception) -> None:
@@ -602,6 +750,12 @@ class Session:
     def _complete(self, turn: Turn) -> None:
         """A committed turn's transcript is in: the turn joins the history (as an item, even when
         nothing was recognised; the responders see only messages with words)."""
+        if self.voice is not None and turn.item_id == self.voice.item_id and self.voice.stop is not None:
+            self._voice_heard(turn)
+            return
+        if turn.item_id in self._unannounced:
+            self._unannounced.discard(turn.item_id)
+            return
         self.transcript_completed(turn)
         self.history.append(Message("user", turn.said, turn.item_id))
         self.close_if_drained()

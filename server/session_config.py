@@ -7,10 +7,12 @@ import dataclasses
 import json
 import re
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rtmedia.engines.responder import FunctionTool
 from rtmedia.engines.tts import MAX_SPEED, MIN_SPEED
+from rtmedia.server.interruptions import BOUNDS as INTERRUPTION_BOUNDS
+from rtmedia.server.interruptions import MAX_BACKCHANNEL_CHARS, MAX_BACKCHANNELS, MODES, Interruption
 from rtmedia.v1 import common_pb2, realtime_pb2
 
 PCM16 = common_pb2.AUDIO_ENCODING_PCM16
@@ -23,7 +25,8 @@ TURN_TYPES = {
     realtime_pb2.TURN_DETECTION_TYPE_NONE: "none",
     realtime_pb2.TURN_DETECTION_TYPE_SEMANTIC_VAD: "semantic_vad",
 }
-VAD_TURNS = ("server_vad", "semantic_vad")  # the turn types whose turns the VAD finds
+VAD_TURNS = ("server_vad", "semantic_vad")
+NOISE_REDUCTION = ("", "near_field", "far_field")  # engines/denoise.py's kinds, "" off  # the turn types whose turns the VAD finds
 EAGERNESS = {
     realtime_pb2.EAGERNESS_UNSPECIFIED: "auto",
     realtime_pb2.EAGERNESS_LOW: "low",
@@ -112,6 +115,8 @@ class SessionSettings:
     tool_function: str = ""  # tool_choice "function": the function's name
     tool_timeout_ms: int = 10000  # a call unanswered this long ends with the server's apology
     tool_filler_ms: int = 800  # a call out this long gets a filler response; 0: off
+    interruption: Interruption = field(default_factory=Interruption)  # turn_detection.interruption
+    noise_reduction: str = ""  # "near_field", "far_field", or "" (off): the VAD hears the input denoised
 
     @property
     def input_format(self) -> tuple[int, int]:
@@ -161,7 +166,15 @@ class SessionSettings:
             changes["transcription"] = config.input_audio_transcription.enabled
         if config.HasField("turn_detection"):
             changes.update(_turn_changes(config.turn_detection))
+            if config.turn_detection.HasField("interruption"):
+                changes["interruption"] = _interruption(config.turn_detection.interruption, self.interruption)
         changes.update(_tool_changes(config))
+        if config.HasField("noise_reduction"):
+            kind = config.noise_reduction.type
+            if kind not in NOISE_REDUCTION:
+                raise ConfigError("noise_reduction.type", f"noise_reduction.type {kind[:40]!r} is not one of "
+                                  f"{', '.join(NOISE_REDUCTION)} (or \"\": off)")
+            changes["noise_reduction"] = kind
         for name in ("instructions", "voice", "responder", "output_sample_rate", "max_output_tokens",
                      "max_session_s", "idle_timeout_s", "output_modality", "speed"):
             if config.HasField(name):
@@ -217,6 +230,11 @@ class SessionSettings:
                 interrupt_response=self.interrupt_response, idle_timeout_ms=self.idle_timeout_ms,
                 eagerness=next(k for k, v in EAGERNESS.items() if v == self.eagerness and k),
                 candidate_ms=self.candidate_ms, max_wait_ms=self.turn_wait_ms,
+                interruption=realtime_pb2.Interruption(
+                    mode=self.interruption.mode, min_words=self.interruption.min_words,
+                    min_speech_ms=self.interruption.min_speech_ms,
+                    false_interruption_timeout_ms=self.interruption.false_interruption_timeout_ms,
+                    backchannels=self.interruption.backchannels),
             ),
             instructions=self.instructions, voice=self.voice, responder=self.responder,
             max_output_tokens=self.max_output_tokens, max_session_s=self.max_session_s,
@@ -227,6 +245,7 @@ class SessionSettings:
             tool_choice=realtime_pb2.ToolChoice(
                 mode=next(k for k, v in TOOL_CHOICES.items() if v == self.tool_choice), name=self.tool_function),
             tool_timeout_ms=self.tool_timeout_ms, tool_filler_ms=self.tool_filler_ms,
+            noise_reduction=realtime_pb2.NoiseReduction(type=self.noise_reduction),
         )
 
 
@@ -265,6 +284,35 @@ def _turn_changes(turn: realtime_pb2.TurnDetection) -> dict[str, object]:
                 raise ConfigError(f"turn_detection.{name}", f"turn_detection.{name}={value} is outside {low}..{high}")
             changes[name] = value
     return changes
+
+
+def _interruption(config: realtime_pb2.Interruption, current: Interruption) -> Interruption:
+    """turn_detection.interruption applied to `current`; ConfigError names a bad field."""
+    changes: dict[str, object] = {}
+    if config.HasField("mode"):
+        if config.mode not in MODES:
+            raise ConfigError("turn_detection.interruption.mode", f"turn_detection.interruption.mode "
+                              f"{config.mode[:40]!r} is not one of {', '.join(MODES)}")
+        changes["mode"] = config.mode
+    for name, (low, high) in INTERRUPTION_BOUNDS.items():
+        if config.HasField(name):
+            value = getattr(config, name)
+            if not low <= value <= high:
+                raise ConfigError(f"turn_detection.interruption.{name}",
+                                  f"turn_detection.interruption.{name}={value} is outside {low}..{high}")
+            changes[name] = value
+    if config.backchannels:
+        phrases = tuple(config.backchannels)
+        if len(phrases) > MAX_BACKCHANNELS:
+            raise ConfigError("turn_detection.interruption.backchannels", f"turn_detection.interruption.backchannels "
+                              f"has {len(phrases)} phrases; the limit is {MAX_BACKCHANNELS}")
+        for n, phrase in enumerate(phrases):
+            if not phrase.strip() or len(phrase) > MAX_BACKCHANNEL_CHARS:
+                raise ConfigError(f"turn_detection.interruption.backchannels[{n}]",
+                                  f"turn_detection.interruption.backchannels[{n}] must be 1..{MAX_BACKCHANNEL_CHARS} "
+                                  "characters of words")
+        changes["backchannels"] = phrases
+    return dataclasses.replace(current, **changes)  # type: ignore[arg-type]
 
 
 def _tool_changes(config: realtime_pb2.SessionConfig) -> dict[str, object]:

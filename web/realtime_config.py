@@ -4,7 +4,7 @@
 object is checked here against what rtmedia serves, and becomes the `SessionConfig` fields
 the rtmedia session takes; `session_object()` is the API's session object that
 `session.created` / `session.updated` carry. An update with a field rtmedia does not serve
-(noise reduction, image input, MCP, other formats) is
+(image input, MCP, other formats) is
 refused whole with an error naming the field, and the session stays as it was, as OpenAI's
 own server refuses an invalid update.
 """
@@ -99,6 +99,18 @@ def _bool(value: Any, param: str) -> bool:
     return value
 
 
+def _noise_reduction(value: Any) -> str | None:
+    """audio.input.noise_reduction: null (off) or {type: near_field | far_field}."""
+    if value is None:
+        return None
+    param = "session.audio.input.noise_reduction"
+    spec = _object(value, param)
+    _unknown(spec, {"type"}, param + ".")
+    if spec.get("type") not in ("near_field", "far_field"):
+        raise _invalid(param + ".type", 'must be "near_field" or "far_field" (null turns it off)')
+    return str(spec["type"])
+
+
 def _include(value: Any) -> list[str]:
     """session.include: null, or a list of what the API may add to its events (logprobs only)."""
     if value is None:
@@ -108,6 +120,29 @@ def _include(value: Any) -> list[str]:
     if unknown := [v for v in value if v != INCLUDE_LOGPROBS]:
         raise _invalid("session.include", f"{unknown[0][:64]!r} is not one of: {INCLUDE_LOGPROBS}")
     return sorted(set(value))
+
+
+def _interruption(value: Any, param: str) -> dict[str, Any]:
+    """turn_detection.interruption (an rtmedia extension, docs/protocol.md#interruptions), checked."""
+    param += ".interruption"
+    spec = _object(value, param)
+    _unknown(spec, {"mode", "min_words", "min_speech_ms", "false_interruption_timeout_ms", "backchannels"}, param + ".")
+    out: dict[str, Any] = {}
+    if "mode" in spec:
+        if spec["mode"] not in ("immediate", "confirmed"):
+            raise _invalid(param + ".mode", 'must be "immediate" or "confirmed"')
+        out["mode"] = spec["mode"]
+    for name, (low, high) in {"min_words": (1, 20), "min_speech_ms": (200, 10000),
+                              "false_interruption_timeout_ms": (100, 10000)}.items():
+        if name in spec:
+            out[name] = int(_number(spec[name], f"{param}.{name}", low, high, True))
+    if "backchannels" in spec:
+        phrases = spec["backchannels"]
+        if not isinstance(phrases, list) or len(phrases) > 100 or \
+                not all(isinstance(p, str) and p.strip() and len(p) <= 64 for p in phrases):
+            raise _invalid(param + ".backchannels", "must be a list of at most 100 phrases of 1..64 characters")
+        out["backchannels"] = phrases
+    return out
 
 
 def audio_format(value: Any, param: str) -> str:
@@ -192,14 +227,16 @@ class TurnDetection:
     create_response: bool = True
     interrupt_response: bool = True
     idle_timeout_ms: int | None = None
+    interruption: dict[str, Any] | None = None  # (rtmedia extension) as the client set it; None: immediate
 
     def to_json(self) -> dict[str, Any]:
+        extension = {"interruption": self.interruption} if self.interruption is not None else {}
         if self.type == "semantic_vad":
             return {"type": self.type, "eagerness": self.eagerness, "create_response": self.create_response,
-                    "interrupt_response": self.interrupt_response}
+                    "interrupt_response": self.interrupt_response, **extension}
         fields = dataclasses.asdict(self)
-        del fields["eagerness"]
-        return fields
+        del fields["eagerness"], fields["interruption"]
+        return {**fields, **extension}
 
 
 @dataclass
@@ -226,6 +263,7 @@ class RealtimeConfig:
     tool_filler_ms: int = 0
     tool_timeout_ms: int = 10000
     include: list[str] = field(default_factory=list)  # [] or [INCLUDE_LOGPROBS]
+    noise_reduction: str | None = None  # audio.input.noise_reduction.type; None: off
 
     # ---- session.update -> rtmedia ------------------------------------------------------------------
     def updated(self, session: Any) -> RealtimeConfig:
@@ -281,8 +319,8 @@ class RealtimeConfig:
             _unknown(put, {"format", "transcription", "turn_detection", "noise_reduction"}, "session.audio.input.")
             if "format" in put:
                 self.input_format = audio_format(put["format"], "session.audio.input.format")
-            if put.get("noise_reduction") is not None:
-                raise refuse("session.audio.input.noise_reduction", "noise reduction")
+            if "noise_reduction" in put:
+                self.noise_reduction = _noise_reduction(put["noise_reduction"])
             if "transcription" in put:
                 self.transcription = self._transcription(put["transcription"])
             if "turn_detection" in put:
@@ -326,10 +364,10 @@ class RealtimeConfig:
         if kind not in ("server_vad", "semantic_vad"):
             raise _invalid(param + ".type", 'must be "server_vad", "semantic_vad" or null')
         if kind == "semantic_vad":
-            _unknown(spec, {"type", "eagerness", "create_response", "interrupt_response"}, param + ".")
+            _unknown(spec, {"type", "eagerness", "create_response", "interrupt_response", "interruption"}, param + ".")
         else:
             _unknown(spec, {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
-                            "interrupt_response", "idle_timeout_ms"}, param + ".")
+                            "interrupt_response", "idle_timeout_ms", "interruption"}, param + ".")
         turn = copy.copy(self.turn_detection) if self.turn_detection is not None else TurnDetection()
         turn.type = kind
         if kind == "semantic_vad":
@@ -353,6 +391,8 @@ class RealtimeConfig:
                 setattr(turn, name, _bool(spec[name], f"{param}.{name}"))
         if "idle_timeout_ms" in spec and spec["idle_timeout_ms"] is None:
             turn.idle_timeout_ms = None
+        if spec.get("interruption") is not None:
+            turn.interruption = {**(turn.interruption or {}), **_interruption(spec["interruption"], param)}
         return turn
 
     def to_rtmedia(self) -> dict[str, Any]:
@@ -369,12 +409,15 @@ class RealtimeConfig:
                 turn["eagerness"] = t.eagerness
             else:
                 turn["idle_timeout_ms"] = t.idle_timeout_ms or 0  # 0: off
+            if t.interruption is not None:
+                turn["interruption"] = t.interruption
         config: dict[str, Any] = {
             "input_audio_format": {"encoding": ENCODINGS[encoding], "sample_rate": rate, "channels": 1},
             "output_sample_rate": out_rate,
             # rtmedia's responders answer the user's words: the session always transcribes, and the
             # front passes the transcription events on only when the client asked for them.
             "input_audio_transcription": {"enabled": True},
+            "noise_reduction": {"type": self.noise_reduction or ""},
             "turn_detection": turn,
             "instructions": self.instructions,
             "voice": "" if self.voice in OPENAI_VOICES else self.voice,
@@ -396,7 +439,8 @@ class RealtimeConfig:
     def session_object(self) -> dict[str, Any]:
         turn = self.turn_detection.to_json() if self.turn_detection is not None else None
         audio_in = {"format": self._format(self.input_format), "transcription": self.transcription,
-                    "noise_reduction": None, "turn_detection": turn}
+                    "noise_reduction": {"type": self.noise_reduction} if self.noise_reduction else None,
+                    "turn_detection": turn}
         if self.type == "transcription":
             return {"type": "transcription", "object": "realtime.transcription_session", "id": self.id,
                     "expires_at": self.expires_at, "audio": {"input": audio_in}, "include": self.include or None}

@@ -362,6 +362,16 @@ class Translator:
         return [self._event("input_audio_buffer.speech_started", item_id=e["item_id"],
                             audio_start_ms=e["audio_start_ms"])]
 
+    def _on_input_audio_buffer_speech_tentative(self, e: dict[str, Any]) -> list[dict[str, Any]]:
+        # rtmedia's extension (confirmed interruptions): voice over a reply, which is paused
+        return [self._event("input_audio_buffer.speech_tentative", item_id=e["item_id"],
+                            audio_start_ms=e["audio_start_ms"], response_id=e["response_id"])]
+
+    def _on_input_audio_buffer_backchannel(self, e: dict[str, Any]) -> list[dict[str, Any]]:
+        # rtmedia's extension: the voice was no interruption; the reply goes on
+        return [self._event("input_audio_buffer.backchannel", item_id=e["item_id"], transcript=e.get("transcript", ""),
+                            audio_start_ms=e["audio_start_ms"], response_id=e["response_id"])]
+
     def _on_input_audio_buffer_speech_stopped(self, e: dict[str, Any]) -> list[dict[str, Any]]:
         # rtmedia's extensions: why the turn ended (silence, semantic, max_wait) and its end-of-turn score
         extra = {"score": round(e["score"], 3)} if "score" in e else {}

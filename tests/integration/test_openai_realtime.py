@@ -220,6 +220,29 @@ async def test_barge_in_and_truncate_keep_only_the_heard_part(connect, speaker):
     assert len(kept.split()) < len(long.split()) // 2, kept
 
 
+async def test_a_backchannel_in_confirmed_mode_never_shows_a_stock_client_speech_started(connect, speaker):
+    conn = await connect()
+    await conn.session.update(session={"type": "realtime", "audio": {"input": {
+        "noise_reduction": {"type": "near_field"},
+        "turn_detection": {"type": "server_vad", "interruption": {"mode": "confirmed", "min_speech_ms": 2000}}}}})
+    updated = await until(conn, "session.updated")
+    assert updated.session.audio.input.noise_reduction.type == "near_field"
+    assert updated.session.audio.input.turn_detection.model_extra["interruption"] == {"mode": "confirmed",
+                                                                                      "min_speech_ms": 2000}
+    long = ("the quick brown fox jumps over the lazy dog while the farmer counts his sheep one by one in the "
+            "green field behind the old red barn")
+    await stream(conn, turn_audio(speaker, long), RATE * 2 / 1000, pace=4)
+    first = await until(conn, "response.output_audio.delta", timeout=60)
+    await asyncio.sleep(0.6)
+    events: list = []
+    await stream(conn, turn_audio(speaker, "Okay, got it.", lead=0.2, tail=0.2), RATE * 2 / 1000, pace=1)
+    done = await until(conn, "response.done", events, timeout=60)
+    assert done.response.id == first.response_id and done.response.status == "completed"
+    kinds = types(events)
+    assert "input_audio_buffer.speech_tentative" in kinds and "input_audio_buffer.backchannel" in kinds, kinds
+    assert "input_audio_buffer.speech_started" not in kinds and "output_audio_buffer.cleared" not in kinds
+
+
 async def test_text_only_response_has_no_audio(connect):
     conn = await connect()
     await conn.conversation.item.create(item={"type": "message", "role": "user",
@@ -344,7 +367,11 @@ REFUSED = [
      "session.audio.input.turn_detection.eagerness"),
     ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "threshold": 0.5}}}},
      "session.audio.input.turn_detection.threshold"),
-    ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
+    ({"audio": {"input": {"noise_reduction": {"type": "tunnel"}}}}, "session.audio.input.noise_reduction.type"),
+    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "interruption": {"mode": "polite"}}}}},
+     "session.audio.input.turn_detection.interruption.mode"),
+    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "interruption": {"min_words": 0}}}}},
+     "session.audio.input.turn_detection.interruption.min_words"),
     ({"include": ["item.input_text.logprobs"]}, "session.include"),
     ({"audio": {"output": {"format": {"type": "audio/opus"}}}}, "session.audio.output.format.type"),
     ({"audio": {"output": {"voice": {"id": "voice_123"}}}}, "session.audio.output.voice"),

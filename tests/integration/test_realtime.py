@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 import pytest
 from rtmedia.protocol.errors import error_reason
+from rtmedia.server.interruptions import Interruption, is_backchannel
 from rtmedia.v1 import realtime_pb2
 
 from tests.support.converse import Conversation
@@ -215,6 +216,87 @@ async def test_barge_in(channel, speaker):
         assert not stale, "nothing of the cancelled epoch is sent after the cancel"
 
 
+def vowel(ms: int = 800, rate: int = RATE) -> np.ndarray:
+    """A sung "aah" without words (a voiced sound the VAD hears and the recogniser writes nothing
+    for): a pulse train at 120 Hz through the vowel's formants, as PCM16."""
+    from scipy.signal import iirpeak, lfilter
+
+    t = np.arange(rate * ms // 1000) / rate
+    phase = np.cumsum(120 * (1 + 0.02 * np.sin(2 * np.pi * 5 * t))) / rate
+    pulses = (np.diff(np.floor(phase), prepend=0) > 0).astype(float)
+    sound = sum(lfilter(*iirpeak(f / (rate / 2), f / bw), pulses) for f, bw in ((730, 90), (1090, 110), (2440, 170)))
+    sound *= np.minimum(1, t / 0.03) * np.minimum(1, (t[-1] - t) / 0.05)
+    return (sound / np.abs(sound).max() * 0.4 * 32767).astype(np.int16)
+
+
+async def confirmed_reply(c: Conversation, speaker) -> str:
+    """A session in confirmed mode whose long reply is playing: its response id."""
+    c.send("session.update", session={"turn_detection": {"type": "server_vad", "interruption": {"mode": "confirmed"}}})
+    updated = await c.wait_for("session.updated")
+    assert updated["session"]["turn_detection"]["interruption"]["mode"] == "confirmed"
+    first, _, _ = utterance(speaker, LONG, tail=0.8)
+    await c.stream(first, RATE, speed=2.0)
+    created = await c.wait_for("response.created", timeout=20)
+    await c.wait_for("response.output_audio.delta", timeout=20)
+    await asyncio.sleep(0.3)
+    return created["response_id"]
+
+
+@pytest.mark.parametrize("said", ["Yeah, okay, sure.", "Okay, got it.", "vowel"])
+async def test_a_backchannel_or_a_sound_pauses_the_reply_and_it_goes_on(channel, speaker, said):
+    if said == "vowel":
+        voice = np.concatenate([speaker.silence(0.2, RATE), vowel(), speaker.silence(1.2, RATE)]).tobytes()
+    else:
+        voice, _, _ = utterance(speaker, said, lead=0.2, tail=1.2)
+    async with Conversation(channel) as c:
+        response_id = await confirmed_reply(c, speaker)
+        await c.stream(voice, RATE)
+        tentative = await c.wait_for("input_audio_buffer.speech_tentative", timeout=5)
+        heard = await c.wait_for("input_audio_buffer.backchannel", timeout=5)
+        assert tentative["response_id"] == heard["response_id"] == response_id
+        assert heard["item_id"] == tentative["item_id"] and heard["audio_start_ms"] == tentative["audio_start_ms"]
+        # what it was heard as when judged: its words up to its first pause (the sung vowel: none, or a sound)
+        words = normalise(heard["transcript"]).split()
+        if said == "vowel":
+            assert not words or is_backchannel(words, Interruption().phrases), heard
+        else:
+            assert words and set(words) <= set(normalise(said).split()), heard
+        done = await c.wait_for("response.done", response_id=response_id, timeout=30)
+        assert done["status"] == "completed"
+        deltas = [e["t"] for e in c.of_type("response.output_audio.delta") if e["response_id"] == response_id]
+        assert sum(tentative["t"] < t < heard["t"] for t in deltas) <= 1  # paused (one may have been on its way)
+        assert any(t > heard["t"] for t in deltas)  # and went on
+        await asyncio.sleep(1.0)
+        # The voice was no turn: no speech_started of its own, nothing cleared, no reply to it.
+        assert len(c.of_type("input_audio_buffer.speech_started")) == 1
+        assert not c.of_type("output_audio_buffer.cleared") and len(c.of_type("response.created")) == 1
+        assert not [e for e in c.events if e.get("item_id") == tentative["item_id"]
+                    and e["type"] not in ("input_audio_buffer.speech_tentative", "input_audio_buffer.backchannel")]
+
+
+@pytest.mark.parametrize("said", ["Wait, stop.", "Stop!"])
+async def test_words_that_interrupt_cancel_the_reply_as_a_barge_in_would(channel, speaker, said):
+    voice, _, _ = utterance(speaker, said, lead=0.2, tail=1.2)
+    async with Conversation(channel) as c:
+        response_id = await confirmed_reply(c, speaker)
+        await c.stream(voice, RATE)
+        tentative = await c.wait_for("input_audio_buffer.speech_tentative", timeout=5)
+        started = await c.wait_for("input_audio_buffer.speech_started", count=2, timeout=5)
+        assert (started["item_id"], started["audio_start_ms"]) == (tentative["item_id"], tentative["audio_start_ms"])
+        cleared = await c.wait_for("output_audio_buffer.cleared", timeout=5)
+        cancelled = await c.wait_for("response.done", response_id=response_id)
+        assert cleared["response_id"] == response_id and cancelled["status"] == "cancelled"
+        assert cleared["t"] - tentative["t"] < 1.5
+        completed = await c.wait_for("conversation.item.input_audio_transcription.completed", count=2, timeout=10)
+        assert completed["item_id"] == tentative["item_id"] and wer(said, completed["transcript"]) == 0
+        answered = await c.wait_for("response.done", count=2, timeout=20)
+        assert answered["status"] == "completed" and answered["response_id"] != response_id
+        assert not c.of_type("input_audio_buffer.backchannel")
+        order = [e["type"] for e in c.events if e.get("item_id") == tentative["item_id"]]
+        assert order.index("input_audio_buffer.speech_started") < order.index("input_audio_buffer.speech_stopped") \
+            < order.index("input_audio_buffer.committed")
+
+
 async def test_history_truncated_by_playback_ack(server, channel, speaker):
     first, _, _ = utterance(speaker, LONG, tail=0.8)
     interrupt, _, _ = utterance(speaker, "Wait.", lead=0.2, tail=1.0)
@@ -266,7 +348,43 @@ async def test_no_response_during_silence(channel):
         assert not c.of_type("response.created")
 
 
+def noise(kind: str, seconds: float, rate: int = RATE, level: float = 0.03) -> np.ndarray:
+    """Room noise without speech, float: white, mains hum, or music-like chords."""
+    rng = np.random.default_rng(1)
+    t = np.arange(int(rate * seconds)) / rate
+    if kind == "white":
+        return rng.standard_normal(t.size) * level
+    if kind == "hum":
+        return sum(np.sin(2 * np.pi * f * t) / n for n, f in enumerate((60, 120, 180), 1)) * level * 2
+    chords = [(261.6, 329.6, 392.0), (220.0, 261.6, 329.6), (174.6, 220.0, 261.6), (196.0, 246.9, 293.7)]
+    notes = [chords[int(x * 2) % 4] for x in t]
+    return np.array([sum(np.sin(2 * np.pi * f * x) for f in c) for c, x in zip(notes, t, strict=True)]) * level
+
+
+@pytest.mark.parametrize("kind", ["near_field", "far_field"])
+async def test_with_noise_reduction_speech_in_noise_is_heard_and_noise_alone_starts_nothing(channel, speaker, kind):
+    async with Conversation(channel) as c:
+        c.send("session.update", session={"noise_reduction": {"type": kind}})
+        updated = await c.wait_for("session.updated")
+        assert updated["session"]["noise_reduction"]["type"] == kind
+        await asyncio.sleep(0.5)  # (a far_field suppressor loads its model off the loop)
+        for sound in ("white", "hum", "music"):
+            await c.stream((noise(sound, 3.0) * 32767).astype(np.int16).tobytes(), RATE, speed=4.0)
+        await asyncio.sleep(0.5)
+        assert not c.of_type("input_audio_buffer.speech_started")
+        speech = speaker.say(SENTENCE, RATE).astype(np.float64) / 32768
+        room = noise("white", 1.0 + speech.size / RATE + 1.5) * (np.sqrt(np.mean(speech ** 2)) / 0.03 / 10 ** 0.5)
+        room[RATE:RATE + speech.size] += speech  # speech at 10 dB over white noise
+        await c.stream((np.clip(room, -1, 1) * 32767).astype(np.int16).tobytes(), RATE, speed=2.0)
+        completed = await c.wait_for("conversation.item.input_audio_transcription.completed", timeout=20)
+        assert wer(SENTENCE, completed["transcript"]) <= 0.2, completed["transcript"]
+        c.send("session.update", session={"noise_reduction": {"type": ""}})
+        assert (await c.wait_for("session.updated", count=2))["session"]["noise_reduction"]["type"] == ""
+
+
 BAD = [
+    ("session.update", {"session": {"noise_reduction": {"type": "tunnel"}}}, "invalid_value",
+     "noise_reduction.type", "'tunnel' is not one of"),
     ("session.update", {"session": {"turn_detection": {"threshold": 1.2}}}, "invalid_value",
      "turn_detection.threshold", "outside 0.05..0.95"),
     ("session.update", {"session": {"input_audio_format": {"sample_rate": 44100}}}, "invalid_value",
@@ -307,6 +425,12 @@ BAD = [
     ("response.create", {"output_modality": "smell"}, "invalid_value", "output_modality", "must be"),
     ("response.create", {"conversation": "elsewhere"}, "invalid_value", "conversation", "must be \"auto\" or"),
     ("response.create", {"max_output_tokens": 5000}, "invalid_value", "max_output_tokens", "outside 1..4096"),
+    ("session.update", {"session": {"turn_detection": {"interruption": {"mode": "polite"}}}}, "invalid_value",
+     "turn_detection.interruption.mode", "'polite' is not one of immediate, confirmed"),
+    ("session.update", {"session": {"turn_detection": {"interruption": {"min_speech_ms": -5}}}}, "invalid_value",
+     "turn_detection.interruption.min_speech_ms", "outside 200..10000"),
+    ("session.update", {"session": {"turn_detection": {"interruption": {"backchannels": ["ok", ""]}}}},
+     "invalid_value", "turn_detection.interruption.backchannels[1]", "must be 1..64 characters"),
 ]
 
 

@@ -61,6 +61,8 @@ SERVER_EVENTS: dict[str, str] = {
     "input_audio_buffer.committed": "input_audio_buffer_committed",
     "input_audio_buffer.cleared": "input_audio_buffer_cleared",
     "input_audio_buffer.timeout_triggered": "input_audio_buffer_timeout_triggered",
+    "input_audio_buffer.speech_tentative": "input_audio_buffer_speech_tentative",  # (ext)
+    "input_audio_buffer.backchannel": "input_audio_buffer_backchannel",  # (ext)
     "conversation.item.added": "conversation_item_added",
     "conversation.item.deleted": "conversation_item_deleted",
     "conversation.item.retrieved": "conversation_item_retrieved",

@@ -177,6 +177,7 @@ class TurnDetection(_message.Message):
     EAGERNESS_FIELD_NUMBER: _builtins.int
     CANDIDATE_MS_FIELD_NUMBER: _builtins.int
     MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
+    INTERRUPTION_FIELD_NUMBER: _builtins.int
     type: Global___TurnDetectionType.ValueType
     threshold: _builtins.float
     """Speech probability that starts speech (0.05..0.95, default 0.5)."""
@@ -202,6 +203,10 @@ class TurnDetection(_message.Message):
     """semantic_vad: silence after which the turn ends whatever the score, 500..30000 ms
     (default by eagerness: low 8000, medium 4000, high 2000).
     """
+    @_builtins.property
+    def interruption(self) -> Global___Interruption:
+        """How speech during a response interrupts it (docs/protocol.md#interruptions)."""
+
     def __init__(
         self,
         *,
@@ -215,10 +220,11 @@ class TurnDetection(_message.Message):
         eagerness: Global___Eagerness.ValueType | None = ...,
         candidate_ms: _builtins.int | None = ...,
         max_wait_ms: _builtins.int | None = ...,
+        interruption: Global___Interruption | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_candidate_ms", b"_candidate_ms", "_create_response", b"_create_response", "_eagerness", b"_eagerness", "_idle_timeout_ms", b"_idle_timeout_ms", "_interrupt_response", b"_interrupt_response", "_max_wait_ms", b"_max_wait_ms", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "candidate_ms", b"candidate_ms", "create_response", b"create_response", "eagerness", b"eagerness", "idle_timeout_ms", b"idle_timeout_ms", "interrupt_response", b"interrupt_response", "max_wait_ms", b"max_wait_ms", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_candidate_ms", b"_candidate_ms", "_create_response", b"_create_response", "_eagerness", b"_eagerness", "_idle_timeout_ms", b"_idle_timeout_ms", "_interrupt_response", b"_interrupt_response", "_max_wait_ms", b"_max_wait_ms", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "candidate_ms", b"candidate_ms", "create_response", b"create_response", "eagerness", b"eagerness", "idle_timeout_ms", b"idle_timeout_ms", "interrupt_response", b"interrupt_response", "interruption", b"interruption", "max_wait_ms", b"max_wait_ms", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_candidate_ms", b"_candidate_ms", "_create_response", b"_create_response", "_eagerness", b"_eagerness", "_idle_timeout_ms", b"_idle_timeout_ms", "_interrupt_response", b"_interrupt_response", "_max_wait_ms", b"_max_wait_ms", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "candidate_ms", b"candidate_ms", "create_response", b"create_response", "eagerness", b"eagerness", "idle_timeout_ms", b"idle_timeout_ms", "interrupt_response", b"interrupt_response", "max_wait_ms", b"max_wait_ms", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_candidate_ms", b"_candidate_ms", "_create_response", b"_create_response", "_eagerness", b"_eagerness", "_idle_timeout_ms", b"_idle_timeout_ms", "_interrupt_response", b"_interrupt_response", "_max_wait_ms", b"_max_wait_ms", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "candidate_ms", b"candidate_ms", "create_response", b"create_response", "eagerness", b"eagerness", "idle_timeout_ms", b"idle_timeout_ms", "interrupt_response", b"interrupt_response", "interruption", b"interruption", "max_wait_ms", b"max_wait_ms", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__candidate_ms: _TypeAlias = _typing.Literal["candidate_ms"]  # noqa: Y015
     _WhichOneofArgType__candidate_ms: _TypeAlias = _typing.Literal["_candidate_ms", b"_candidate_ms"]  # noqa: Y015
@@ -258,6 +264,101 @@ class TurnDetection(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__threshold) -> _WhichOneofReturnType__threshold | None: ...
 
 Global___TurnDetection: _TypeAlias = TurnDetection  # noqa: Y015
+
+@_typing.final
+class Interruption(_message.Message):
+    """Voice during a response, with interrupt_response on (an rtmedia extension). In
+    session_update only the fields that are set change.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    MIN_WORDS_FIELD_NUMBER: _builtins.int
+    MIN_SPEECH_MS_FIELD_NUMBER: _builtins.int
+    FALSE_INTERRUPTION_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    BACKCHANNELS_FIELD_NUMBER: _builtins.int
+    mode: _builtins.str
+    """"immediate" (default): any speech cancels the response. "confirmed": the response's
+    audio pauses when the voice starts (input_audio_buffer_speech_tentative), and the
+    response is cancelled only once the voice is an interruption; a backchannel ("mhm",
+    "yeah okay sure") or a voice without words resumes it (input_audio_buffer_backchannel).
+    """
+    min_words: _builtins.int
+    """confirmed: words, not all backchannels, that make the voice an interruption, 1..20
+    (default 1: a bare "stop" interrupts).
+    """
+    min_speech_ms: _builtins.int
+    """confirmed: voice this long interrupts unless its words are all backchannels,
+    200..10000 ms (default 1500).
+    """
+    false_interruption_timeout_ms: _builtins.int
+    """confirmed: once the voice stops unconfirmed, the response resumes at the latest after
+    this, 100..10000 ms (default 1000).
+    """
+    @_builtins.property
+    def backchannels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """confirmed: the words and phrases that never interrupt, however many in a row; a
+        non-empty list replaces the English default (at most 100 of 64 characters).
+        """
+
+    def __init__(
+        self,
+        *,
+        mode: _builtins.str | None = ...,
+        min_words: _builtins.int | None = ...,
+        min_speech_ms: _builtins.int | None = ...,
+        false_interruption_timeout_ms: _builtins.int | None = ...,
+        backchannels: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_false_interruption_timeout_ms", b"_false_interruption_timeout_ms", "_min_speech_ms", b"_min_speech_ms", "_min_words", b"_min_words", "_mode", b"_mode", "false_interruption_timeout_ms", b"false_interruption_timeout_ms", "min_speech_ms", b"min_speech_ms", "min_words", b"min_words", "mode", b"mode"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_false_interruption_timeout_ms", b"_false_interruption_timeout_ms", "_min_speech_ms", b"_min_speech_ms", "_min_words", b"_min_words", "_mode", b"_mode", "backchannels", b"backchannels", "false_interruption_timeout_ms", b"false_interruption_timeout_ms", "min_speech_ms", b"min_speech_ms", "min_words", b"min_words", "mode", b"mode"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__false_interruption_timeout_ms: _TypeAlias = _typing.Literal["false_interruption_timeout_ms"]  # noqa: Y015
+    _WhichOneofArgType__false_interruption_timeout_ms: _TypeAlias = _typing.Literal["_false_interruption_timeout_ms", b"_false_interruption_timeout_ms"]  # noqa: Y015
+    _WhichOneofReturnType__min_speech_ms: _TypeAlias = _typing.Literal["min_speech_ms"]  # noqa: Y015
+    _WhichOneofArgType__min_speech_ms: _TypeAlias = _typing.Literal["_min_speech_ms", b"_min_speech_ms"]  # noqa: Y015
+    _WhichOneofReturnType__min_words: _TypeAlias = _typing.Literal["min_words"]  # noqa: Y015
+    _WhichOneofArgType__min_words: _TypeAlias = _typing.Literal["_min_words", b"_min_words"]  # noqa: Y015
+    _WhichOneofReturnType__mode: _TypeAlias = _typing.Literal["mode"]  # noqa: Y015
+    _WhichOneofArgType__mode: _TypeAlias = _typing.Literal["_mode", b"_mode"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__false_interruption_timeout_ms) -> _WhichOneofReturnType__false_interruption_timeout_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_speech_ms) -> _WhichOneofReturnType__min_speech_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_words) -> _WhichOneofReturnType__min_words | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mode) -> _WhichOneofReturnType__mode | None: ...
+
+Global___Interruption: _TypeAlias = Interruption  # noqa: Y015
+
+@_typing.final
+class NoiseReduction(_message.Message):
+    """The input's noise suppression (docs/protocol.md#noise-reduction): what the voice
+    activity detector hears; the recogniser gets the input as it came.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """"near_field" (a headset, a phone at the mouth), "far_field" (a laptop or a room
+    microphone), or "" (off, the default).
+    """
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NoiseReduction: _TypeAlias = NoiseReduction  # noqa: Y015
 
 @_typing.final
 class InputAudioTranscription(_message.Message):
@@ -305,6 +406,7 @@ class SessionConfig(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     TOOL_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     TOOL_FILLER_MS_FIELD_NUMBER: _builtins.int
+    NOISE_REDUCTION_FIELD_NUMBER: _builtins.int
     output_sample_rate: _builtins.int
     """0 means the voice's native rate."""
     instructions: _builtins.str
@@ -350,6 +452,10 @@ class SessionConfig(_message.Message):
     def tool_choice(self) -> Global___ToolChoice:
         """Whether and which function the responder calls (default auto)."""
 
+    @_builtins.property
+    def noise_reduction(self) -> Global___NoiseReduction:
+        """Noise suppression of the input for the voice activity detector (default off)."""
+
     def __init__(
         self,
         *,
@@ -369,10 +475,11 @@ class SessionConfig(_message.Message):
         tool_choice: Global___ToolChoice | None = ...,
         tool_timeout_ms: _builtins.int | None = ...,
         tool_filler_ms: _builtins.int | None = ...,
+        noise_reduction: Global___NoiseReduction | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_modality", b"_output_modality", "_output_sample_rate", b"_output_sample_rate", "_responder", b"_responder", "_speed", b"_speed", "_tool_filler_ms", b"_tool_filler_ms", "_tool_timeout_ms", b"_tool_timeout_ms", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "output_modality", b"output_modality", "output_sample_rate", b"output_sample_rate", "responder", b"responder", "speed", b"speed", "tool_choice", b"tool_choice", "tool_filler_ms", b"tool_filler_ms", "tool_timeout_ms", b"tool_timeout_ms", "tools", b"tools", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_modality", b"_output_modality", "_output_sample_rate", b"_output_sample_rate", "_responder", b"_responder", "_speed", b"_speed", "_tool_filler_ms", b"_tool_filler_ms", "_tool_timeout_ms", b"_tool_timeout_ms", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "noise_reduction", b"noise_reduction", "output_modality", b"output_modality", "output_sample_rate", b"output_sample_rate", "responder", b"responder", "speed", b"speed", "tool_choice", b"tool_choice", "tool_filler_ms", b"tool_filler_ms", "tool_timeout_ms", b"tool_timeout_ms", "tools", b"tools", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_modality", b"_output_modality", "_output_sample_rate", b"_output_sample_rate", "_responder", b"_responder", "_speed", b"_speed", "_tool_filler_ms", b"_tool_filler_ms", "_tool_timeout_ms", b"_tool_timeout_ms", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "output_modality", b"output_modality", "output_sample_rate", b"output_sample_rate", "responder", b"responder", "speed", b"speed", "tool_choice", b"tool_choice", "tool_filler_ms", b"tool_filler_ms", "tool_timeout_ms", b"tool_timeout_ms", "tools", b"tools", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_modality", b"_output_modality", "_output_sample_rate", b"_output_sample_rate", "_responder", b"_responder", "_speed", b"_speed", "_tool_filler_ms", b"_tool_filler_ms", "_tool_timeout_ms", b"_tool_timeout_ms", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "noise_reduction", b"noise_reduction", "output_modality", b"output_modality", "output_sample_rate", b"output_sample_rate", "responder", b"responder", "speed", b"speed", "tool_choice", b"tool_choice", "tool_filler_ms", b"tool_filler_ms", "tool_timeout_ms", b"tool_timeout_ms", "tools", b"tools", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__idle_timeout_s: _TypeAlias = _typing.Literal["idle_timeout_s"]  # noqa: Y015
     _WhichOneofArgType__idle_timeout_s: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s"]  # noqa: Y015
@@ -1163,6 +1270,69 @@ class InputAudioBufferClearedEvent(_message.Message):
 Global___InputAudioBufferClearedEvent: _TypeAlias = InputAudioBufferClearedEvent  # noqa: Y015
 
 @_typing.final
+class InputAudioBufferSpeechTentativeEvent(_message.Message):
+    """confirmed interruptions (an rtmedia extension): voice was heard during a response, whose
+    audio is paused until the voice is judged. input_audio_buffer_speech_started (with this
+    audio_start_ms and item_id) follows if it interrupts; input_audio_buffer_backchannel if not.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    AUDIO_START_MS_FIELD_NUMBER: _builtins.int
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    item_id: _builtins.str
+    audio_start_ms: _builtins.int
+    response_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        item_id: _builtins.str = ...,
+        audio_start_ms: _builtins.int = ...,
+        response_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_start_ms", b"audio_start_ms", "item_id", b"item_id", "response_id", b"response_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputAudioBufferSpeechTentativeEvent: _TypeAlias = InputAudioBufferSpeechTentativeEvent  # noqa: Y015
+
+@_typing.final
+class InputAudioBufferBackchannelEvent(_message.Message):
+    """confirmed interruptions (an rtmedia extension): the voice heard during a response was not
+    an interruption (a backchannel, or no words): it is no turn of its own, and the response's
+    audio resumes. Its words so far are in transcript.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    TRANSCRIPT_FIELD_NUMBER: _builtins.int
+    AUDIO_START_MS_FIELD_NUMBER: _builtins.int
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    item_id: _builtins.str
+    transcript: _builtins.str
+    audio_start_ms: _builtins.int
+    response_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        item_id: _builtins.str = ...,
+        transcript: _builtins.str = ...,
+        audio_start_ms: _builtins.int = ...,
+        response_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio_start_ms", b"audio_start_ms", "item_id", b"item_id", "response_id", b"response_id", "transcript", b"transcript"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputAudioBufferBackchannelEvent: _TypeAlias = InputAudioBufferBackchannelEvent  # noqa: Y015
+
+@_typing.final
 class ConversationItemInputAudioTranscriptionDeltaEvent(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1849,6 +2019,8 @@ class ConverseResponse(_message.Message):
     RESPONSE_OUTPUT_ITEM_DONE_FIELD_NUMBER: _builtins.int
     RESPONSE_FUNCTION_CALL_ARGUMENTS_DELTA_FIELD_NUMBER: _builtins.int
     RESPONSE_FUNCTION_CALL_ARGUMENTS_DONE_FIELD_NUMBER: _builtins.int
+    INPUT_AUDIO_BUFFER_SPEECH_TENTATIVE_FIELD_NUMBER: _builtins.int
+    INPUT_AUDIO_BUFFER_BACKCHANNEL_FIELD_NUMBER: _builtins.int
     event_id: _builtins.str
     @_builtins.property
     def session_created(self) -> Global___SessionCreatedEvent: ...
@@ -1908,6 +2080,10 @@ class ConverseResponse(_message.Message):
     def response_function_call_arguments_delta(self) -> Global___ResponseFunctionCallArgumentsDeltaEvent: ...
     @_builtins.property
     def response_function_call_arguments_done(self) -> Global___ResponseFunctionCallArgumentsDoneEvent: ...
+    @_builtins.property
+    def input_audio_buffer_speech_tentative(self) -> Global___InputAudioBufferSpeechTentativeEvent: ...
+    @_builtins.property
+    def input_audio_buffer_backchannel(self) -> Global___InputAudioBufferBackchannelEvent: ...
     def __init__(
         self,
         *,
@@ -1941,12 +2117,14 @@ class ConverseResponse(_message.Message):
         response_output_item_done: Global___ResponseOutputItemDoneEvent | None = ...,
         response_function_call_arguments_delta: Global___ResponseFunctionCallArgumentsDeltaEvent | None = ...,
         response_function_call_arguments_done: Global___ResponseFunctionCallArgumentsDoneEvent | None = ...,
+        input_audio_buffer_speech_tentative: Global___InputAudioBufferSpeechTentativeEvent | None = ...,
+        input_audio_buffer_backchannel: Global___InputAudioBufferBackchannelEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["conversation_item_added", b"conversation_item_added", "conversation_item_deleted", b"conversation_item_deleted", "conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_failed", b"conversation_item_input_audio_transcription_failed", "conversation_item_retrieved", b"conversation_item_retrieved", "conversation_item_truncated", b"conversation_item_truncated", "error", b"error", "event", b"event", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "input_audio_buffer_timeout_triggered", b"input_audio_buffer_timeout_triggered", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_function_call_arguments_delta", b"response_function_call_arguments_delta", "response_function_call_arguments_done", b"response_function_call_arguments_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_item_added", b"response_output_item_added", "response_output_item_done", b"response_output_item_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["conversation_item_added", b"conversation_item_added", "conversation_item_deleted", b"conversation_item_deleted", "conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_failed", b"conversation_item_input_audio_transcription_failed", "conversation_item_retrieved", b"conversation_item_retrieved", "conversation_item_truncated", b"conversation_item_truncated", "error", b"error", "event", b"event", "input_audio_buffer_backchannel", b"input_audio_buffer_backchannel", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "input_audio_buffer_speech_tentative", b"input_audio_buffer_speech_tentative", "input_audio_buffer_timeout_triggered", b"input_audio_buffer_timeout_triggered", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_function_call_arguments_delta", b"response_function_call_arguments_delta", "response_function_call_arguments_done", b"response_function_call_arguments_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_item_added", b"response_output_item_added", "response_output_item_done", b"response_output_item_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_item_added", b"conversation_item_added", "conversation_item_deleted", b"conversation_item_deleted", "conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_failed", b"conversation_item_input_audio_transcription_failed", "conversation_item_retrieved", b"conversation_item_retrieved", "conversation_item_truncated", b"conversation_item_truncated", "error", b"error", "event", b"event", "event_id", b"event_id", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "input_audio_buffer_timeout_triggered", b"input_audio_buffer_timeout_triggered", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_function_call_arguments_delta", b"response_function_call_arguments_delta", "response_function_call_arguments_done", b"response_function_call_arguments_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_item_added", b"response_output_item_added", "response_output_item_done", b"response_output_item_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_item_added", b"conversation_item_added", "conversation_item_deleted", b"conversation_item_deleted", "conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_failed", b"conversation_item_input_audio_transcription_failed", "conversation_item_retrieved", b"conversation_item_retrieved", "conversation_item_truncated", b"conversation_item_truncated", "error", b"error", "event", b"event", "event_id", b"event_id", "input_audio_buffer_backchannel", b"input_audio_buffer_backchannel", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "input_audio_buffer_speech_tentative", b"input_audio_buffer_speech_tentative", "input_audio_buffer_timeout_triggered", b"input_audio_buffer_timeout_triggered", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_function_call_arguments_delta", b"response_function_call_arguments_delta", "response_function_call_arguments_done", b"response_function_call_arguments_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_item_added", b"response_output_item_added", "response_output_item_done", b"response_output_item_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_created", "session_updated", "input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", "input_audio_buffer_committed", "input_audio_buffer_cleared", "conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_completed", "response_created", "response_output_audio_delta", "response_output_text_delta", "response_output_text_done", "response_output_audio_done", "response_done", "output_audio_buffer_cleared", "playback_acknowledged", "session_closed", "error", "response_waiting", "input_audio_buffer_timeout_triggered", "conversation_item_added", "conversation_item_deleted", "conversation_item_retrieved", "conversation_item_truncated", "conversation_item_input_audio_transcription_failed", "response_output_item_added", "response_output_item_done", "response_function_call_arguments_delta", "response_function_call_arguments_done"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_created", "session_updated", "input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", "input_audio_buffer_committed", "input_audio_buffer_cleared", "conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_completed", "response_created", "response_output_audio_delta", "response_output_text_delta", "response_output_text_done", "response_output_audio_done", "response_done", "output_audio_buffer_cleared", "playback_acknowledged", "session_closed", "error", "response_waiting", "input_audio_buffer_timeout_triggered", "conversation_item_added", "conversation_item_deleted", "conversation_item_retrieved", "conversation_item_truncated", "conversation_item_input_audio_transcription_failed", "response_output_item_added", "response_output_item_done", "response_function_call_arguments_delta", "response_function_call_arguments_done", "input_audio_buffer_speech_tentative", "input_audio_buffer_backchannel"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
