@@ -1,6 +1,7 @@
 """The recognisers side by side, at the engine: word error rate, final latency, CPU, batching.
 
     .venv/bin/python tests/perf/bench_asr.py [--engines whisper,pocketsphinx] [--limit N]
+    .venv/bin/python tests/perf/bench_asr.py --capacity talk:12 [--rounds 4] [--duration 30]
 
 Utterances: the sentences of `asr_sentences.txt` (46), said by Piper (`en_US-joe-medium`) and,
 where Debian's `espeak-ng` is installed, by espeak-ng. Conditions, each brought to 16 kHz the way
@@ -17,6 +18,12 @@ once, one batched step against eight steps one after another; and whether Whispe
 while it computes (`gil`: a pure-Python loop's rate while another thread decodes batches of
 finals, over its rate alone; with one core per decode on these two, near 1 when the GIL is
 released). Prints one JSON object.
+
+`--capacity PROFILE:SESSIONS` measures the servers instead: `rtmedia loadtest --profile PROFILE
+--sessions SESSIONS --chunk-ms 20` fixed runs against `rtmedia serve --no-llm --responder echo`
+with each `--engines` recogniser, alternating engine by engine and round by round (a fresh
+server for each run): SLO held, response and final transcript p95, server CPU per
+session-second.
 """
 
 from __future__ import annotations
@@ -219,11 +226,46 @@ def gil(engine, pcms: list[bytes], seconds: float = 3.0) -> dict:
     return {"loop_rate_ratio": round(beside / alone, 3), "decode_rounds": steps[0]}
 
 
+def capacity(engines: list[str], profile: str, sessions: int, rounds: int, duration: float) -> dict:
+    from tests.perf.bench_loadtest import tree_cpu_s
+    from tests.perf.bench_realtime_ws import loadtest
+    from tests.support.serve import running_server
+
+    runs = []
+    for round_ in range(rounds):
+        for engine in engines if round_ % 2 == 0 else engines[::-1]:
+            with running_server("--asr", engine, "--no-llm", "--responder", "echo", "--max-sessions", "3000",
+                                "--log-level", "WARNING") as (target, server):
+                cpu0, t0 = tree_cpu_s(server.pid), time.perf_counter()
+                report = loadtest(["--target", target, "--profile", profile, "--sessions", str(sessions),
+                                   "--chunk-ms", "20", "--duration", str(duration), "--ramp-per-s", "50"])
+                cpu, wall = tree_cpu_s(server.pid) - cpu0, time.perf_counter() - t0
+            runs.append({"round": round_, "engine": engine, "held": report["slo"]["held"],
+                         "verdict": report["slo"]["verdict"],
+                         "response_p95_ms": report["response_latency_ms"]["p95"],
+                         "transcript_final_p95_ms": report["transcript_final_ms"]["p95"],
+                         "server_cpu_ms_per_session_s": round(cpu / wall / sessions * 1000, 2)})
+            print(json.dumps(runs[-1]), file=sys.stderr)
+    summary = {e: {"held": f"{sum(r['held'] for r in runs if r['engine'] == e)} of {rounds}",
+                   "response_p95_ms": sorted(r["response_p95_ms"] or 0 for r in runs if r["engine"] == e),
+                   "transcript_final_p95_ms": sorted(r["transcript_final_p95_ms"] or 0 for r in runs
+                                                     if r["engine"] == e)} for e in engines}
+    return {"profile": profile, "sessions": sessions, "duration_s": duration, "runs": runs, "summary": summary}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", default="whisper,pocketsphinx")
     parser.add_argument("--limit", type=int, default=0, help="the first N sentences only")
+    parser.add_argument("--capacity", default=None, metavar="PROFILE:SESSIONS", help="server capacity runs instead")
+    parser.add_argument("--rounds", type=int, default=4, help="--capacity: runs per engine (4)")
+    parser.add_argument("--duration", type=float, default=30.0, help="--capacity: seconds per run (30)")
     args = parser.parse_args()
+    if args.capacity:
+        profile, _, sessions = args.capacity.partition(":")
+        print(json.dumps({"benchmark": "asr-capacity", "machine": machine(),
+                          **capacity(args.engines.split(","), profile, int(sessions), args.rounds, args.duration)}))
+        return
     sentences = (HERE / "asr_sentences.txt").read_text().split("\n")
     sentences = [s for s in sentences if s][: args.limit or None]
     speaker = Speaker()
