@@ -4,9 +4,10 @@ barge-in, or a backchannel ("mhm", "yeah okay sure") the reply should talk over?
 `immediate` (the default) is the VAD's word: any speech during a reply cancels it.
 `confirmed` pauses the reply's audio when the voice starts and judges the voice as it is
 recognised (`Voice.verdict`):
-- it interrupts once it holds `min_words` words that are not all backchannels, or once it has
-  lasted `min_speech_ms` without words that are all backchannels (nothing recognised yet, or
-  real words);
+- it interrupts once it holds `min_words` words that are not all backchannels (while it goes
+  on, words that may be a backchannel's beginning, "i" of "i see", are not yet counted), or once
+  it has lasted `min_speech_ms` without words that are all backchannels (nothing recognised yet,
+  or real words);
 - at its first pause (the recogniser's early final) or its end, a voice whose words are all
   backchannels, or that holds no words (a cough, a door), is not an interruption: the reply
   resumes. Later words of the same turn may still make it one.
@@ -51,8 +52,10 @@ class Interruption:
         return frozenset(tuple(normal_words(p)) for p in self.backchannels if normal_words(p))
 
 
-def is_backchannel(words: list[str], phrases: frozenset[tuple[str, ...]]) -> bool:
-    """Whether `words` (normal words, at least one) are one or more phrases of `phrases` in a row."""
+def is_backchannel(words: list[str], phrases: frozenset[tuple[str, ...]], open_end: bool = False) -> bool:
+    """Whether `words` (normal words, at least one) are one or more phrases of `phrases` in a row;
+    `open_end`: or such a run followed by the beginning of a phrase (words still being said:
+    "i" may become "i see", "sur" "sure")."""
     if not words:
         return False
     longest = max((len(p) for p in phrases), default=0)
@@ -62,6 +65,10 @@ def is_backchannel(words: list[str], phrases: frozenset[tuple[str, ...]]) -> boo
             for n in range(1, min(longest, len(words) - i) + 1):
                 if tuple(words[i : i + n]) in phrases:
                     reach[i + n] = True
+            rest = words[i:]
+            if open_end and any(len(p) >= len(rest) and p[: len(rest) - 1] == tuple(rest[:-1])
+                                and p[len(rest) - 1].startswith(rest[-1]) for p in phrases):
+                return True
     return reach[-1]
 
 
@@ -86,7 +93,7 @@ class Voice:
     def verdict(self, text: str, speech_ms: int, final: bool) -> Verdict:
         """`text` recognised so far of `speech_ms` of voice; `final`: at a pause or the end."""
         words = normal_words(text)
-        backchannel = is_backchannel(words, self.settings.phrases)
+        backchannel = is_backchannel(words, self.settings.phrases, open_end=not final)
         if words and not backchannel and len(words) >= self.settings.min_words:
             return "interrupt"
         if speech_ms >= self.settings.min_speech_ms and not backchannel:

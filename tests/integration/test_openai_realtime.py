@@ -199,16 +199,24 @@ async def test_answers_follow_the_order_of_the_client_events(connect):
     assert {e.code for e in errors} == {"response_in_progress"}
 
 
-async def test_barge_in_and_truncate_keep_only_the_heard_part(connect, speaker):
-    conn = await connect()
-    long = ("the quick brown fox jumps over the lazy dog while the farmer counts his sheep one by one in the "
-            "green field behind the old red barn")
-    await stream(conn, turn_audio(speaker, long), RATE * 2 / 1000, pace=4)
+LONG = ("the quick brown fox jumps over the lazy dog while the farmer counts his sheep one by one in the green "
+        "field behind the old red barn")
+
+
+async def voice_over_a_reply(conn, speaker, said: str) -> tuple[object, object, list]:
+    """A long turn, then `said` at real time while its reply plays: (the reply's first audio
+    delta, its response.done, the events from `said` on)."""
+    await stream(conn, turn_audio(speaker, LONG), RATE * 2 / 1000, pace=4)
     first = await until(conn, "response.output_audio.delta", timeout=60)
     await asyncio.sleep(0.6)
     events: list = []
-    await stream(conn, turn_audio(speaker, "stop please", tail=0.2), RATE * 2 / 1000, pace=1)
-    done = await until(conn, "response.done", events, timeout=30)
+    await stream(conn, turn_audio(speaker, said, lead=0.2, tail=0.2), RATE * 2 / 1000, pace=1)
+    return first, await until(conn, "response.done", events, timeout=60), events
+
+
+async def test_barge_in_and_truncate_keep_only_the_heard_part(connect, speaker):
+    conn = await connect()
+    first, done, events = await voice_over_a_reply(conn, speaker, "stop please")
     assert done.response.id == first.response_id and done.response.status == "cancelled"
     assert done.response.status_details.reason == "turn_detected"
     assert "output_audio_buffer.cleared" in types(events)
@@ -217,7 +225,7 @@ async def test_barge_in_and_truncate_keep_only_the_heard_part(connect, speaker):
     assert truncated.item_id == first.item_id and truncated.audio_end_ms == 400
     await conn.conversation.item.retrieve(item_id=first.item_id)
     kept = (await until(conn, "conversation.item.retrieved")).item.content[0].transcript
-    assert len(kept.split()) < len(long.split()) // 2, kept
+    assert len(kept.split()) < len(LONG.split()) // 2, kept
 
 
 async def test_a_backchannel_in_confirmed_mode_never_shows_a_stock_client_speech_started(connect, speaker):
@@ -229,14 +237,7 @@ async def test_a_backchannel_in_confirmed_mode_never_shows_a_stock_client_speech
     assert updated.session.audio.input.noise_reduction.type == "near_field"
     assert updated.session.audio.input.turn_detection.model_extra["interruption"] == {"mode": "confirmed",
                                                                                       "min_speech_ms": 2000}
-    long = ("the quick brown fox jumps over the lazy dog while the farmer counts his sheep one by one in the "
-            "green field behind the old red barn")
-    await stream(conn, turn_audio(speaker, long), RATE * 2 / 1000, pace=4)
-    first = await until(conn, "response.output_audio.delta", timeout=60)
-    await asyncio.sleep(0.6)
-    events: list = []
-    await stream(conn, turn_audio(speaker, "Okay, got it.", lead=0.2, tail=0.2), RATE * 2 / 1000, pace=1)
-    done = await until(conn, "response.done", events, timeout=60)
+    first, done, events = await voice_over_a_reply(conn, speaker, "Okay, got it.")
     assert done.response.id == first.response_id and done.response.status == "completed"
     kinds = types(events)
     assert "input_audio_buffer.speech_tentative" in kinds and "input_audio_buffer.backchannel" in kinds, kinds

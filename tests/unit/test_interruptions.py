@@ -35,6 +35,10 @@ def test_a_verdict_comes_from_words_or_from_voice_that_lasts():
     assert v.verdict("", 1600, final=False) == "interrupt"  # long voice, nothing recognised yet
     assert v.verdict("yeah yeah yeah okay right sure", 4000, final=False) is None  # long, but backchannels
     assert v.verdict("yeah but wait", 500, final=False) == "interrupt"
+    # While the voice goes on, the beginning of a backchannel is not yet a word that interrupts.
+    assert v.verdict("I", 300, final=False) is None and v.verdict("Yeah, of", 300, final=False) is None
+    assert v.verdict("Sur", 300, final=False) is None and v.verdict("I", 300, final=True) == "interrupt"
+    assert v.verdict("Stop", 300, final=False) == "interrupt"
     two = voice(min_words=2)
     assert two.verdict("Stop.", 300, final=False) is None and two.verdict("Stop.", 300, final=True) == "backchannel"
     assert two.verdict("Stop it.", 300, final=False) == "interrupt"
