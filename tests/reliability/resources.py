@@ -3,8 +3,8 @@
 A snapshot reads /proc for the server's main process and for each of its child processes
 separately (the ASR workers, multiprocessing's resource tracker): resident memory, threads and
 open file descriptors; and the server's /metrics: open and draining sessions, LM KV-cache slots
-by state, every lane's queue depth and every `rtmedia_asr_*` gauge (the ASR workers' streams and
-decoders), whatever labels they carry.
+by state, every lane's queue depth and every `rtmedia_asr_*` gauge of a resource (the ASR
+workers' streams and decoders), whatever labels they carry.
 
 `compare` holds a snapshot against a baseline and names what did not return:
 - gauges and the set of processes must be exactly as at the baseline;
@@ -37,6 +37,9 @@ from prometheus_client.parser import text_string_to_metric_families
 GAUGES = ("rtmedia_sessions_active", "rtmedia_sessions_draining", "rtmedia_lm_slots", "rtmedia_lane_queue_depth",
           "rtmedia_token_sessions_active")
 GAUGE_PREFIXES = ("rtmedia_asr_",)
+# Kept-prefix gauges that hold a setting rather than a resource (the partial-decode cadence
+# adapts to load), so they need not return to the baseline.
+NOT_RESOURCES = ("rtmedia_asr_partial_cadence_ms",)
 
 
 def tree(pid: int) -> list[int]:
@@ -109,7 +112,8 @@ def scrape(metrics_port: int, host: str = "127.0.0.1") -> dict[str, float]:
         text = reply.read().decode()
     gauges: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.type != "gauge" or not (family.name in GAUGES or family.name.startswith(GAUGE_PREFIXES)):
+        if family.type != "gauge" or not (family.name in GAUGES or family.name.startswith(GAUGE_PREFIXES)) \
+                or family.name in NOT_RESOURCES:
             continue
         for sample in family.samples:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
