@@ -50,7 +50,15 @@ from rtmedia.clients.loadtest_report import (
     summary_lines,
     write_plot,
 )
-from rtmedia.clients.loadtest_speech import Clip, audio_files, load_clips, paused_clips, synthesized
+from rtmedia.clients.loadtest_speech import (
+    Clip,
+    audio_files,
+    backchannel_clips,
+    load_clips,
+    noise_clips,
+    paused_clips,
+    synthesized,
+)
 from rtmedia.clients.session import RealtimeSession
 from rtmedia.protocol.events import client_event
 from rtmedia.v1 import realtime_pb2
@@ -88,7 +96,10 @@ Profiles (session config):
   talk         full turns answered by the echo responder (openai-ws: the server's default)
   llm          full turns answered by the llm responder (grpc only)
   mixed        sessions take listen, listen, transcribe, talk in turn
-  barge-in     talk, interrupting --barge-in-share of the replies 0.4-0.9 s into them
+  barge-in     talk, interrupting --barge-in-share of the replies 0.4-0.9 s into them; of those
+               voices, --backchannel-share are backchannels ("yeah", "mm-hmm") and --noise
+               a burst like a cough or a knock, neither of which should cancel the reply
+               (--interruption confirmed tells them apart; immediate, the server's default, does not)
 
 Measured on the client's clock (docs/protocol.md#latency-definitions): response latency (speech_stopped
 received -> first reply audio), voice-to-voice (last voiced sample sent -> first
@@ -154,6 +165,12 @@ def add_loadtest_parser(sub: argparse._SubParsersAction) -> None:
                         "unfinished (default 0); a turn that ends in such a pause counts as premature")
     p.add_argument("--barge-in-share", type=float, default=0.5,
                    help="barge-in: the share of replies interrupted (default 0.5)")
+    p.add_argument("--interruption", choices=["immediate", "confirmed"], default=None,
+                   help="turn_detection.interruption.mode (default: the server's, immediate)")
+    p.add_argument("--backchannel-share", type=float, default=0.0,
+                   help="barge-in: the share of the voices over replies that are backchannels (default 0)")
+    p.add_argument("--noise", type=float, default=0.0, metavar="SHARE",
+                   help="barge-in: the share of the voices over replies that are noise bursts (default 0)")
     p.add_argument("--audio", type=Path, default=None, metavar="DIR",
                    help="speak the audio files of DIR (wav, mp3, m4a, ogg/opus, flac, webm, ...: any format "
                         "PyAV decodes; other files are skipped) instead of the built-in sentences")
@@ -200,6 +217,14 @@ def check_args(args: argparse.Namespace) -> None:
         (args.eagerness is not None and args.turn_detection != "semantic_vad",
          "--eagerness is for --turn-detection semantic_vad"),
         (not 0 <= args.paused_share <= 1, f"--paused-share must be 0..1, got {args.paused_share:g}"),
+        (not 0 <= args.backchannel_share <= 1, f"--backchannel-share must be 0..1, got {args.backchannel_share:g}"),
+        (not 0 <= args.noise <= 1, f"--noise must be 0..1, got {args.noise:g}"),
+        (args.backchannel_share + args.noise > 1,
+         f"--backchannel-share and --noise add up to {args.backchannel_share + args.noise:g}, more than 1"),
+        ((args.backchannel_share or args.noise) and args.profile != "barge-in",
+         "--backchannel-share and --noise are for --profile barge-in (they are said over replies)"),
+        (args.interruption is not None and args.turn_detection == "none",
+         "--interruption needs turn detection"),
         (args.paused_share > 0 and args.audio is not None, "--paused-share speaks built-in sentences, not --audio"),
         (args.slo_p95_ms <= 0, f"--slo-p95-ms must be positive, got {args.slo_p95_ms:g}"),
         (args.reply_timeout <= 0, f"--reply-timeout must be positive, got {args.reply_timeout:g}"),
@@ -221,6 +246,8 @@ def session_config(profile: str, args: argparse.Namespace) -> dict[str, Any]:
     turn: dict[str, Any] = {"type": args.turn_detection}
     if args.turn_detection == "semantic_vad":
         turn["eagerness"] = args.eagerness
+    if args.interruption:
+        turn["interruption"] = {"mode": args.interruption}
     if profile in ("listen", "transcribe") and args.turn_detection != "none":
         turn["create_response"] = False
     config: dict[str, Any] = {"input_audio_format": {"sample_rate": input_rate(args)},
@@ -250,6 +277,7 @@ class Reply(talk.Reply):
     last_t: float = 0.0
     last_s: float = 0.0
     item_id: str = ""
+    over: str = ""  # the kind of the latest voice said over it (speech, backchannel, noise)
 
 
 class Person:
@@ -417,25 +445,44 @@ class Person:
             due = [t for t in (self.next_speech, self.barge_at) if t is not None]
             if not (may_start and due and now >= min(due)):
                 return self.run.silence
-            pool = self.run.plain
-            if self.run.paused and self.rng.random() < self.run.args.paused_share:
-                pool = self.run.paused
-            clip = self.current = pool[self.rng.randrange(len(pool))]
+            over = self.barge_at is not None and now >= self.barge_at
+            clip = self.current = self.pick(over)
             self.pos, self.next_speech, self.barge_at = 0, None, None
             base = n * self.run.chunk_ms
             resumes = None if clip.pause_ms is None else base + clip.pause_ms[1]
             self.utterances.append(Utterance(base + clip.voice_start_ms, base + clip.voice_end_ms, resumes_ms=resumes))
-            self.stats.turns += 1
+            if over and (reply := self.playing(now)) is not None:
+                reply.over = clip.kind
+                self.stats.over[clip.kind] += 1
+            self.stats.turns += clip.kind == "speech"
             self.stats.paused_turns += resumes is not None
         msg = self.current.chunks[self.pos]
         self.pos += 1
         if self.pos == len(self.current.chunks):
-            self.current, self.last_end = None, now
-            if self.responds:
+            kind, self.current, self.last_end = self.current.kind, None, now
+            if self.responds and kind == "speech":  # a backchannel or a burst asks for nothing
                 self.awaiting_since = now
             else:
                 self.next_speech = now + self.rng.uniform(*PAUSE_S)
         return msg
+
+    def pick(self, over: bool) -> Clip:
+        """The next utterance: over a reply, a backchannel or a noise burst by their shares."""
+        run, args = self.run, self.run.args
+        roll = self.rng.random() if over and (args.backchannel_share or args.noise) else 1.0
+        pool = run.plain
+        if roll < args.backchannel_share:
+            pool = run.backchannels
+        elif roll < args.backchannel_share + args.noise:
+            pool = run.noises
+        elif run.paused and self.rng.random() < args.paused_share:
+            pool = run.paused
+        return pool[self.rng.randrange(len(pool))]
+
+    def playing(self, now: float) -> Reply | None:
+        """The reply being played now, if one is."""
+        return next((r for r in self.live_replies if r.first_audio_t is not None and not r.cleared
+                     and r.playing(now)), None)
 
     def replies_done(self, now: float) -> bool:
         return all(r.status and not r.playing(now) for r in self.live_replies)
@@ -598,7 +645,9 @@ class Person:
         if reply is None or reply.cleared:
             return None
         reply.received_ms, reply.play_until, reply.cleared = reply.played_ms(now), now, True
-        if self.last_started is not None and self.last_started[0] >= reply.created_t:
+        if reply.over:
+            self.stats.cancelled[reply.over] += 1
+        if reply.over in ("", "speech") and self.last_started is not None and self.last_started[0] >= reply.created_t:
             utterance = self.last_started[1]
             if utterance is not None and (sent := self.sent_at(utterance.start_ms)) is not None:
                 self.stats.record("barge_in_ms", now - sent, now)
@@ -637,8 +686,10 @@ class Run:
     def __post_init__(self) -> None:
         self.chunk_ms = self.args.chunk_ms
         self.stats = Stats(time.perf_counter())
-        self.plain = [c for c in self.clips if c.pause_ms is None]  # (--paused-share picks the others)
-        self.paused = [c for c in self.clips if c.pause_ms is not None]
+        self.plain = [c for c in self.clips if c.kind == "speech" and c.pause_ms is None]
+        self.paused = [c for c in self.clips if c.pause_ms is not None]  # --paused-share
+        self.backchannels = [c for c in self.clips if c.kind == "backchannel"]  # --backchannel-share
+        self.noises = [c for c in self.clips if c.kind == "noise"]  # --noise
         silence = bytes(2 * input_rate(self.args) * self.chunk_ms // 1000)
         profiles = [p for p in PROFILES if p != "mixed"]
         if self.args.transport == "openai-ws":
@@ -690,7 +741,8 @@ class Run:
         self.stats.tick(time.perf_counter())
         settings = {"profile": args.profile, "sessions": self.sessions, "ramp_per_s": args.ramp_per_s,
                     "duration_s": args.duration, "chunk_ms": self.chunk_ms, "input_rate": input_rate(args),
-                    "turn_detection": args.turn_detection, "transport": args.transport, "target": self.where,
+                    "turn_detection": args.turn_detection, "interruption": args.interruption or "server default",
+                    "transport": args.transport, "target": self.where,
                     "audio": str(args.audio) if args.audio else "built-in Piper sentences"}
         report = build_report(self.stats, settings, time.perf_counter() - origin, _cpu_s() - cpu0,
                               os.cpu_count() or 1, [p.summary() for p in people])
@@ -851,6 +903,10 @@ def cmd_loadtest(args: argparse.Namespace) -> None:
     clips = load_clips(paths, input_rate(args), args.chunk_ms)
     if args.paused_share:
         clips += paused_clips(input_rate(args), args.chunk_ms, args.seed)
+    if args.backchannel_share:
+        clips += backchannel_clips(input_rate(args), args.chunk_ms)
+    if args.noise:
+        clips += noise_clips(input_rate(args), args.chunk_ms, args.seed)
     if args.transport == "openai-ws":
         from rtmedia.clients.loadtest_openai import socket_clips
 

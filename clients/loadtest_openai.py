@@ -102,6 +102,8 @@ def api_session(profile: str, args: argparse.Namespace) -> dict[str, Any]:
         turn = {"type": args.turn_detection}
         if args.turn_detection == "semantic_vad":
             turn["eagerness"] = args.eagerness or "auto"
+        if args.interruption:
+            turn["interruption"] = {"mode": args.interruption}  # an rtmedia extension
         if profile in ("listen", "transcribe"):
             turn["create_response"] = False
     pcm = {"type": "audio/pcm", "rate": API_INPUT_RATE}

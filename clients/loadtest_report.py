@@ -18,6 +18,7 @@ import numpy as np
 # Every report has these, each with p50/p95/p99/max/count (ms).
 LATENCIES = ("response_latency_ms", "voice_to_voice_ms", "barge_in_ms", "vad_start_ms", "transcript_final_ms",
              "jitter_ms")
+VOICE_KINDS = ("speech", "backchannel", "noise")  # what a barge-in session says over replies
 TIMELINE_WINDOW_S = 5.0  # the chart's latency percentiles are over the last 5 s
 
 
@@ -50,6 +51,8 @@ class Stats:
     chunks: int = 0  # append events sent
     late_chunks: int = 0  # chunks the load generator sent more than one chunk late
     max_send_lag_ms: float = 0.0
+    over: Counter[str] = field(default_factory=Counter)  # voices said over a reply, by kind (barge-in)
+    cancelled: Counter[str] = field(default_factory=Counter)  # of them, those whose reply was cancelled
     timeline: list[dict[str, Any]] = field(default_factory=list)
 
     def record(self, metric: str, value_s: float, now: float) -> None:
@@ -92,6 +95,9 @@ def build_report(stats: Stats, settings: dict[str, Any], wall_s: float, cpu_s: f
         "paused_turns": stats.paused_turns,
         "premature_turn_ends": stats.premature_turn_ends,
         "responses": stats.responses,
+        "voices_over_replies": {k: stats.over[k] for k in VOICE_KINDS},
+        "replies_cancelled_by": {k: stats.cancelled[k] for k in VOICE_KINDS},
+        "false_cancels": stats.cancelled["backchannel"] + stats.cancelled["noise"],
         "chunks_sent": stats.chunks,
         "errors": sum(stats.errors.values()),
         "errors_by_code": dict(sorted(stats.errors.items())),
@@ -198,6 +204,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
              f"load generator: {report['loadgen_cpu_s']:.1f} CPU s = {report['loadgen_cpu_share'] * 100:.0f}% of "
              f"{report['cores']} cores; {report['loadgen_late_chunks']} chunks sent late "
              f"(max lag {report['loadgen_max_send_lag_ms']:.0f} ms)"]
+    over, cancelled = report["voices_over_replies"], report["replies_cancelled_by"]
+    if any(over.values()):
+        lines.append("over replies: " + ", ".join(f"{cancelled[k]} of {over[k]} {k} cancelled" for k in VOICE_KINDS
+                                                  if over[k]) + f"; false cancels: {report['false_cancels']}")
     if "slo" in report:
         lines.append(f"SLO ({report['slo']['metric']} p95 <= {report['slo']['p95_ms']:g} ms, no underruns, "
                      f"no errors): {report['slo']['verdict']}")

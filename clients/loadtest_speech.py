@@ -8,7 +8,7 @@ import hashlib
 import os
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,10 @@ PAUSED_SENTENCES = [
     ("can you help me find a", "good restaurant nearby"),
 ]
 PAUSE_MS = (600, 900)
+# What --backchannel-share says over a reply: words that acknowledge, not interrupt.
+BACKCHANNELS = ["Yeah.", "Okay.", "Right.", "Mm-hmm.", "Uh huh.", "Sure.", "Yeah, okay.", "I see.", "Got it.",
+                "All right."]
+BURST_MS = (120, 400)  # --noise: a cough, a knock, a door
 VOICED = 0.005 * 32768  # a sample is voiced above this amplitude (about -46 dBFS)
 
 
@@ -68,6 +72,7 @@ class Clip:
     voice_end_ms: float
     # A sentence paused mid-way: where its first part's voice ends and the rest's starts.
     pause_ms: tuple[float, float] | None = None
+    kind: str = "speech"  # or "backchannel", "noise" (said over a reply, never a turn of its own)
 
 
 def cache_dir() -> Path:
@@ -139,13 +144,13 @@ def _samples(path: Path, rate: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _clip(name: str, samples: np.ndarray, voiced: np.ndarray, rate: int, chunk_ms: int,
-          pause_ms: tuple[float, float] | None = None) -> Clip:
+          pause_ms: tuple[float, float] | None = None, kind: str = "speech") -> Clip:
     step = rate * chunk_ms // 1000
     padded = np.zeros(-(-len(samples) // step) * step, np.int16)
     padded[:len(samples)] = samples
     chunks = [client_event("input_audio_buffer.append", audio=padded[i:i + step].tobytes())
               for i in range(0, len(padded), step)]
-    return Clip(name, chunks, voiced[0] * 1000 / rate, (voiced[-1] + 1) * 1000 / rate, pause_ms)
+    return Clip(name, chunks, voiced[0] * 1000 / rate, (voiced[-1] + 1) * 1000 / rate, pause_ms, kind)
 
 
 def load_clips(paths: list[Path], rate: int, chunk_ms: int) -> list[Clip]:
@@ -166,4 +171,29 @@ def paused_clips(rate: int, chunk_ms: int, seed: int) -> list[Clip]:
         voiced = np.concatenate([va, len(a) + gap + vb - vb[0]])
         clips.append(_clip(f"{first.stem}+{rest.stem}", samples, voiced, rate, chunk_ms,
                            (len(a) * 1000 / rate, (len(a) + gap) * 1000 / rate)))
+    return clips
+
+
+def backchannel_clips(rate: int, chunk_ms: int) -> list[Clip]:
+    """BACKCHANNELS spoken by the embedded Piper voice."""
+    return [replace(c, kind="backchannel") for c in load_clips(synthesized(BACKCHANNELS), rate, chunk_ms)]
+
+
+def noise_clips(rate: int, chunk_ms: int, seed: int, count: int = 8) -> list[Clip]:
+    """Bursts like a cough or a knock: 120-400 ms (seeded) of low-passed noise at speech level
+    (peaks near -10 dBFS), a 5 ms attack and an exponential decay, 100 ms of silence either side."""
+    rng = np.random.default_rng(seed)
+    clips = []
+    for n in range(count):
+        length = int(rng.uniform(*BURST_MS) * rate / 1000)
+        smooth = max(1, rate // 2000 * (1 + n % 3))  # a cutoff of about 1-2 kHz, per burst
+        noise = np.convolve(rng.standard_normal(length + smooth), np.hanning(smooth + 2)[1:-1], "valid")[:length]
+        t = np.arange(length) / rate
+        envelope = np.minimum(1.0, t / 0.005) * np.exp(-t / (length / rate / 4))
+        burst = noise * envelope
+        burst *= 0.3 * 32767 / np.max(np.abs(burst))
+        pad = np.zeros(rate // 10)
+        samples = np.concatenate([pad, burst, pad]).astype(np.int16)
+        voiced = np.flatnonzero(np.abs(samples.astype(np.int32)) > VOICED)
+        clips.append(_clip(f"burst{n}", samples, voiced, rate, chunk_ms, kind="noise"))
     return clips

@@ -74,6 +74,27 @@ def test_barge_in_run(target, tmp_path):
     assert len(report["per_session"]) == 3 and all(s["admitted"] for s in report["per_session"])
 
 
+@pytest.mark.parametrize("mode", ["immediate", "confirmed"])
+def test_backchannels_and_noise_over_replies(target, mode):
+    """Voices over replies that are not interruptions: in immediate mode every backchannel
+    cancels its reply (false cancels, counted); in confirmed mode they and the noise bursts ask
+    for no response, so no turn goes unanswered."""
+    shares = ["--backchannel-share", "1"] if mode == "immediate" else ["--backchannel-share", "0.5", "--noise", "0.5"]
+    result = loadtest(target, "--profile", "barge-in", "--barge-in-share", "1", "--interruption", mode, *shares,
+                      "--sessions", "2", "--ramp-per-s", "2", "--duration", "12", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["interruption"] == mode
+    assert report["errors"] == 0, report["errors_by_code"]
+    over, cancelled = report["voices_over_replies"], report["replies_cancelled_by"]
+    assert over["speech"] == cancelled["speech"] == 0
+    assert over["backchannel"] + over["noise"] >= 2, over
+    assert report["false_cancels"] == cancelled["backchannel"] + cancelled["noise"]
+    if mode == "immediate":
+        assert cancelled["backchannel"] >= 1, report  # (one said as a short reply ends may miss it)
+    assert "over replies: " in result.stderr
+
+
 def test_listen_from_a_directory_with_rejections(target, tmp_path, speaker):
     """Listening sessions beyond the server's --max-sessions are counted as rejected."""
     rate = 16000

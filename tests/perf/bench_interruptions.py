@@ -2,6 +2,7 @@
 over replies.
 
     .venv/bin/python tests/perf/bench_interruptions.py [--concurrency 3] [--out results.json]
+        [--modes confirmed,immediate] [--server-log serve.log]
 
 One `rtmedia serve --no-llm --responder echo` hears, per setting (`confirmed`, `immediate`),
 20 backchannels ("yeah, okay, sure") and 20 interruptions ("wait, stop", a bare "stop"), each
@@ -79,14 +80,14 @@ def pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 1) if values else None
 
 
-async def run(target: str, concurrency: int) -> dict[str, Any]:
+async def run(target: str, concurrency: int, modes: list[str]) -> dict[str, Any]:
     speaker = Speaker()
     reply, _ = clip(speaker, REPLY, 0.3, 1.0)
     voices = {t: clip(speaker, t, 0.1, 1.5) for t in BACKCHANNELS + INTERRUPTIONS}
     out: dict[str, Any] = {}
     gate = asyncio.Semaphore(concurrency)
     async with grpc.aio.insecure_channel(target) as channel:
-        for mode in SETTINGS:
+        for mode in modes:
             async def one(text: str, mode: str = mode) -> tuple[str, dict[str, Any]]:
                 async with gate:
                     return text, await trial(channel, mode, reply, *voices[text])
@@ -111,9 +112,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=3, help="sessions at once (3)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--modes", default=",".join(SETTINGS), help="the modes to run (confirmed,immediate)")
+    parser.add_argument("--server-log", type=Path, default=None,
+                        help="the server's log at DEBUG here (each confirmed interruption with the words it heard)")
     args = parser.parse_args()
-    with running_server("--no-llm", "--responder", "echo", "--log-level", "WARNING") as (target, _):
-        result = {"benchmark": "interruptions", "machine": machine(), **asyncio.run(run(target, args.concurrency))}
+    level = "DEBUG" if args.server_log else "WARNING"
+    with running_server("--no-llm", "--responder", "echo", "--log-level", level, log=args.server_log) as (target, _):
+        result = {"benchmark": "interruptions", "machine": machine(), **asyncio.run(run(target, args.concurrency, args.modes.split(",")))}
     text = json.dumps(result)
     if args.out:
         args.out.write_text(text)

@@ -102,6 +102,11 @@ def test_capacity_search_finds_the_break(true_capacity):
     (["--eagerness", "high"], "--eagerness is for --turn-detection semantic_vad"),
     (["--paused-share", "2"], "--paused-share must be 0..1"),
     (["--paused-share", "0.5", "--audio", "."], "--paused-share speaks built-in sentences"),
+    (["--profile", "barge-in", "--backchannel-share", "-0.1"], "--backchannel-share must be 0..1"),
+    (["--profile", "barge-in", "--noise", "2"], "--noise must be 0..1"),
+    (["--profile", "barge-in", "--backchannel-share", "0.7", "--noise", "0.5"], "add up to 1.2, more than 1"),
+    (["--profile", "talk", "--noise", "0.5"], "are for --profile barge-in"),
+    (["--profile", "listen", "--turn-detection", "none", "--interruption", "confirmed"], "needs turn detection"),
 ])
 def test_impossible_parameters(argv, message):
     with pytest.raises(CliError, match=re.escape(message)):
@@ -121,6 +126,21 @@ def test_session_configs():
     assert session_config("listen", none)["turn_detection"] == {"type": "none"}
     semantic = parse("--turn-detection", "semantic_vad", "--eagerness", "high")
     assert session_config("talk", semantic)["turn_detection"] == {"type": "semantic_vad", "eagerness": "high"}
+    confirmed = parse("--interruption", "confirmed")
+    assert session_config("talk", confirmed)["turn_detection"]["interruption"] == {"mode": "confirmed"}
+
+
+def test_noise_bursts_are_short_loud_and_seeded():
+    from rtmedia.clients.loadtest_speech import noise_clips
+
+    clips = noise_clips(16000, 20, seed=3)
+    again = noise_clips(16000, 20, seed=3)
+    assert [c.chunks for c in clips] == [c.chunks for c in again]
+    for clip in clips:
+        assert clip.kind == "noise"
+        assert 100 <= clip.voice_start_ms <= 105 and 60 < clip.voice_end_ms - clip.voice_start_ms <= 400
+        pcm = np.frombuffer(b"".join(m.input_audio_buffer_append.audio for m in clip.chunks), np.int16)
+        assert 0.25 * 32767 < np.abs(pcm.astype(np.int32)).max() <= 0.31 * 32767
 
 
 def test_paused_clips_pause_600_to_900_ms_where_the_sentence_is_unfinished():
