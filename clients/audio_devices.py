@@ -354,7 +354,8 @@ class Speaker(_Device):
     speaker knows which timeline frame reaches the DAC when (PortAudio's outputBufferDacTime), so
     `played_ms(r)` is how much of reply r has come out of the speaker by now. Playback of a reply
     starts once `jitter_ms` is buffered or the reply has ended; an underrun plays silence and
-    buffers again.
+    buffers again. While `paused` (voice over a reply being judged) it plays silence and keeps
+    what is queued.
     """
 
     what = "speaker"
@@ -374,6 +375,7 @@ class Speaker(_Device):
         self.timeline = 0
         self.anchor = (0, math.inf)  # (timeline frame, perf_counter it reaches the DAC)
         self.buffering = True
+        self.paused = False
         self.underruns = 0  # the jitter buffer ran dry inside a reply
         self.device_underflows = 0  # PortAudio's: the callback came too late for the device
         self.output_latency_s = 0.0
@@ -442,6 +444,10 @@ class Speaker(_Device):
             self.anchor = (self.timeline, dac)
             self.output_latency_s = t.outputBufferDacTime - t.currentTime
             filled = 0
+            if self.paused:
+                out[:, 0] = 0
+                self.timeline += frames
+                return
             if self.buffering and self.queue:
                 last = self.queue[-1][0]
                 self.buffering = self.queued < self.jitter_frames and last not in self.ended

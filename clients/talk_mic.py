@@ -207,6 +207,11 @@ class MicTalk(Talk):
         ev = getattr(msg, kind or "", None)
         if kind == "response_done" and self.speaker is not None:
             self.speaker.end(ev.response_id)
+        elif kind == "input_audio_buffer_speech_tentative" and self.speaker is not None:
+            self.speaker.paused = True  # confirmed interruptions: hold the reply while the voice is judged
+        elif kind in ("input_audio_buffer_backchannel", "input_audio_buffer_speech_started") and \
+                self.speaker is not None:
+            self.speaker.paused = False  # judged: it goes on (an interruption's cleared follows)
         elif kind == "conversation_item_input_audio_transcription_completed":
             self.done_items.add(ev.item_id)
         elif kind == "session_closed":
@@ -232,6 +237,7 @@ class MicTalk(Talk):
         if reply is None or self.speaker is None:
             return
         reply.cleared = True
+        self.speaker.paused = False
         self.speaker.clear(ev.response_id)  # the ack loop reports what still comes out, then the end
 
     def heard_ms(self, reply: Reply, now: float) -> int:

@@ -145,11 +145,14 @@ class AsrStream:
 
 @dataclass(frozen=True, slots=True)
 class AsrItem:
-    """PCM16 mono 16 kHz audio for a stream; `end=True` flushes the open utterance."""
+    """PCM16 mono 16 kHz audio for a stream; `end=True` flushes the open utterance; `eager`:
+    a caller deciding on the words early wants partials twice as often (recognisers that
+    decode partials on a cadence)."""
 
     stream: AsrStream
     audio: bytes
     end: bool = False
+    eager: bool = False
 
     @property
     def only_ends(self) -> bool:

@@ -12,7 +12,8 @@ always yields exactly one final (empty text when the utterance held no words or 
 
 One step takes the items of every stream queued on the lane: their audio is appended to each
 stream's utterance, then the decodes it makes due run together. A final is due on `end=True`;
-a partial when `partial_ms` of new audio has come since the utterance's last decode. Under load
+a partial when `partial_ms` of new audio has come since the utterance's last decode (half that
+for an `eager` item: a voice over a reply being judged on its words). Under load
 the cadence stretches: while steps keep the engine busy (`_account`) it doubles, up to 4 times
 `partial_ms`, and a step decodes at most `_PARTIALS_PER_STEP` partials, those with the most new
 audio (the others wait for a later step); finals are never held back. Due
@@ -538,7 +539,7 @@ class WhisperEngine:
             utt, st.utt = st.utt, None
             due[sid] = _Decode(i, st, utt, True, utt.pcm())
         elif item.stream.partials and st.utt is not None and \
-                st.utt.samples - st.utt.decoded_samples >= self.partial_samples * self.stretch:
+                st.utt.samples - st.utt.decoded_samples >= self.partial_samples * self.stretch // (1 + item.eager):
             due[sid] = _Decode(i, st, st.utt, False, st.utt.pcm())
 
     def _close_window(self, st: _Stream) -> None:

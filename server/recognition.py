@@ -64,6 +64,7 @@ class Turn:
     segments: list[AsrEvent] = field(default_factory=list)
     segment_open: bool = False
     cut_done: asyncio.Future[None] | None = None  # set when the latest "cut" has been recognised
+    eager: bool = False  # voice over a reply being judged: its hypotheses come twice as often
 
     @property
     def said(self) -> str:
@@ -171,7 +172,7 @@ class Recognizer:
                     if self._stream is None:
                         self._stream = self._asr.open(segment=False, fast_final=self.fast_final,
                                                       partials=self.partials, prompt=self.prompt)
-                    item = AsrItem(self._stream, pcm, end=kind != "audio")
+                    item = AsrItem(self._stream, pcm, end=kind != "audio", eager=turn.eager)
                     turn.segment_open = kind == "audio"
                     events = await self._asr.recognize(item, self.priority)
                 except EngineError as exc:

@@ -514,6 +514,7 @@ class Session:
         if interrupts and self.settings.interruption.mode == "confirmed":
             paused = self.replies.pause()
             if paused is not None:  # (a text-only reply is not paused: it is cancelled, as ever)
+                turn.eager = True  # its words are wanted early
                 self.voice = Voice(turn.item_id, start_ms, paused, self.input.collected_at,
                                    self.settings.interruption)
                 self.send("input_audio_buffer.speech_tentative", item_id=turn.item_id, audio_start_ms=start_ms,
@@ -536,7 +537,7 @@ class Session:
     # ---- voice over a reply, judged (confirmed interruptions, server/interruptions.py) ----------
     def _on_asr_event(self, turn: Turn, event: Any) -> None:
         if self.voice is not None and turn.item_id == self.voice.item_id and not event.is_final:
-            self.voice.heard = f"{turn.said} {event.hypothesis or event.text}"
+            self.voice.hear(f"{turn.said} {event.hypothesis or event.text}")
             self._judge(self.voice.heard, final=False)
 
     def _judge(self, text: str, final: bool) -> None:
@@ -571,6 +572,8 @@ class Session:
         self.voice = None
         self.tools.stop()
         turn = self.turn if self.turn is not None and self.turn.item_id == voice.item_id else None
+        if turn is not None:
+            turn.eager = False
         self.send("input_audio_buffer.speech_started", item_id=voice.item_id, audio_start_ms=voice.start_ms)
         for delta in voice.deltas:
             self.send("conversation.item.input_audio_transcription.delta", item_id=voice.item_id, delta=delta)

@@ -8,7 +8,8 @@ The peer owns its tasks and ends them all in `close()`:
   the page, playback acks), in order;
 - `reader`: server events; reply audio goes into the playout buffer, everything else
   (and a light form of the audio deltas) to the page on the `events` data channel;
-  `output_audio_buffer.cleared` empties the playout buffer at once;
+  `output_audio_buffer.cleared` empties the playout buffer at once; `speech_tentative` pauses
+  it until the voice is judged (`backchannel` or `speech_started`);
 - `acks`: `playback.ack` from what the outgoing audio track has actually played out;
 - `video`: a demo `DecodeVideo` whose frames go out on the video track;
 - `connect`: the connect deadline (`expect_connection`): a peer whose connection is not up
@@ -412,6 +413,7 @@ class Peer:
             # Barge-in: drop queued audio first, so not one more frame of it is played.
             rid = msg.output_audio_buffer_cleared.response_id
             dropped = self.buffer.clear()
+            self.buffer.paused = False
             if rid in self._replies:
                 self._replies[rid].done = True
             self.to_page_event(msg)
@@ -419,7 +421,11 @@ class Peer:
                              dropped_ms=round(dropped * 1000 / PLAYOUT_RATE),
                              played_ms=self.buffer.played(rid) * 1000 // PLAYOUT_RATE)
             return
-        if name == "response.done":
+        if name == "input_audio_buffer.speech_tentative":
+            self.buffer.paused = True  # confirmed interruptions: hold the reply while the voice is judged
+        elif name in ("input_audio_buffer.backchannel", "input_audio_buffer.speech_started"):
+            self.buffer.paused = False  # judged: it goes on (a cancel's cleared follows an interruption)
+        elif name == "response.done":
             reply = self._replies.get(msg.response_done.response_id)
             if reply is not None:
                 reply.done = True

@@ -57,7 +57,8 @@ class PlayoutBuffer:
 
     `push()` appends a response's samples (int16); when more than `max_ms` would be
     queued the oldest samples are dropped and counted. `pull()` takes one frame,
-    padding with silence. `clear()` drops what is queued. `played(response_id)`:
+    padding with silence; while `paused` it plays silence and keeps the queue (voice over a
+    reply being judged). `clear()` drops what is queued. `played(response_id)`:
     samples of that response pulled so far; `received(response_id)`: samples pushed.
     """
 
@@ -72,6 +73,7 @@ class PlayoutBuffer:
         self._played: OrderedDict[str, int] = OrderedDict()
         self._received: dict[str, int] = {}
         self._in_reply = False  # the previous frame carried audio
+        self.paused = False
         self.arrived = asyncio.Event()  # set by push(): audio is queued
         self.stats = PlayoutStats()
 
@@ -137,7 +139,7 @@ class PlayoutBuffer:
         """The next `n` samples: queued audio, then silence."""
         out = np.zeros(n, np.int16)
         filled = 0
-        while filled < n and self._queue:
+        while filled < n and self._queue and not self.paused:
             rid, seg = self._queue[0]
             take = min(n - filled, len(seg) - self._offset)
             out[filled:filled + take] = seg[self._offset:self._offset + take]
@@ -152,7 +154,7 @@ class PlayoutBuffer:
         self.stats.frames += 1
         if filled:
             self.stats.audio_frames += 1
-        if self._in_reply and filled < n:
+        if self._in_reply and filled < n and not self.paused:
             self.stats.underruns += 1
         self._in_reply = filled == n and bool(self._queue)
         return out

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.e2e
 SENTENCE = "Please tell me a long story about the weather in the mountains and the rivers."
 SHORT = "Please tell me about the weather today."
 INTERRUPTION = "Stop, that is enough."
+BACKCHANNEL = "Yeah, okay."
 NO_TRACEBACK = "Traceback"
 
 
@@ -43,7 +44,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def speech(speaker):
-    return {text: speaker.say(text, MIC_RATE) for text in (SENTENCE, SHORT, INTERRUPTION)}
+    return {text: speaker.say(text, MIC_RATE) for text in (SENTENCE, SHORT, INTERRUPTION, BACKCHANNEL)}
 
 
 def played_samples(recording: np.ndarray, sent: np.ndarray) -> int:
@@ -105,6 +106,30 @@ def test_mic_turn_reply_barge_in_and_ctrl_c(served, pulse, speech, tmp_path):
     assert abs(played * 1000 / MIC_RATE - heard_ms) <= 40, (played, heard_ms)
     # ... and the answer to the interruption came out of the speaker too.
     assert len(voiced_spans(recording)) >= 2
+
+
+def test_confirmed_mode_holds_the_speaker_over_a_backchannel_and_plays_on(served, pulse, speech):
+    live = LiveTalk(served, pulse, "--interruption", "confirmed")
+    live.wait(lambda: live.events("session.updated"), why="session.updated")
+    pulse.voice.say(np.concatenate([np.zeros(MIC_RATE // 2, np.int16), speech[SENTENCE]]))
+    live.wait(lambda: any(e["played_ms"] >= 1500 for e in live.events("playback.acknowledged")), why="reply playing")
+    pulse.voice.say(speech[BACKCHANNEL])
+    live.wait(lambda: live.events("input_audio_buffer.backchannel"), why="the backchannel")
+    live.wait(lambda: live.events("response.done"), why="the reply's end")
+    events, _, stderr = live.interrupt()
+
+    assert NO_TRACEBACK not in stderr
+    kinds = [e["type"] for e in events]
+    assert "output_audio_buffer.cleared" not in kinds
+    assert [e["status"] for e in events if e["type"] == "response.done"] == ["completed"]
+    # While the voice was judged the speaker held the reply: what it played grew by no more than
+    # what the device already had (the server's 1 s lead stayed queued, not played).
+    paused, judged = kinds.index("input_audio_buffer.speech_tentative"), kinds.index("input_audio_buffer.backchannel")
+    acks = [(n, e["played_ms"]) for n, e in enumerate(events) if e["type"] == "playback.acknowledged"]
+    before = max(ms for n, ms in acks if n < paused)
+    during = [ms for n, ms in acks if paused < n < judged]
+    assert max(during, default=before) - before < 400, (before, during)
+    assert max(ms for _, ms in acks) > before + 1000  # ... and played on afterwards
 
 
 def test_half_duplex_mutes_the_microphone_while_a_reply_plays(served, pulse, speech):

@@ -118,6 +118,34 @@ async def test_talk_through_the_bridge(served, voice):
             raise AssertionError(f"the bridge kept the closed peer: {server_log(served)}")
 
 
+async def test_confirmed_mode_holds_the_track_over_a_backchannel_and_plays_on(served, voice):
+    """The bridge paces the reply itself: voice over it (speech_tentative) silences the track at
+    once, and a backchannel lets the reply go on from there."""
+    async with aiohttp.ClientSession() as http:
+        peer = BridgePeer(served["url"])
+        try:
+            await peer.connect(http)
+            await peer.wait_for("session.updated")
+            peer.send({"type": "session.update", "event_id": "confirmed",
+                       "session": {"turn_detection": {"type": "server_vad", "interruption": {"mode": "confirmed"}}}})
+            await peer.wait_for("session.updated", count=2)
+            peer.mic.say(voice(LONG))
+            created = await peer.wait_for("response.created", timeout=30)
+            await peer.wait_for("response.output_audio.delta", response_id=created["response_id"], timeout=20)
+            await asyncio.sleep(1.2)
+            peer.mic.say(voice("Yeah, okay."))
+            tentative = await peer.wait_for("input_audio_buffer.speech_tentative", timeout=10)
+            judged = await peer.wait_for("input_audio_buffer.backchannel", timeout=10)
+            done = await peer.wait_for("response.done", response_id=created["response_id"], timeout=30)
+            assert done["status"] == "completed" and not peer.of_type("output_audio_buffer.cleared")
+            held = [level for t, level in peer.received if tentative["t"] + 0.15 < t < judged["t"]]
+            assert held and max(held) < 0.003, max(held)  # silent at once, the queued lead kept
+            after = [level for t, level in peer.received if t > judged["t"]]
+            assert max(after) > 0.01  # and the reply went on
+        finally:
+            await peer.close()
+
+
 async def test_page_events_are_checked(served):
     async with aiohttp.ClientSession() as http:
         peer = BridgePeer(served["url"])

@@ -43,7 +43,24 @@ def test_a_verdict_comes_from_words_or_from_voice_that_lasts():
     assert two.verdict("Stop.", 300, final=False) is None and two.verdict("Stop.", 300, final=True) == "backchannel"
     assert two.verdict("Stop it.", 300, final=False) == "interrupt"
     own = voice(backchannels=("go on",))
-    assert own.verdict("go on", 300, final=True) == "backchannel" and own.verdict("yeah", 300, final=False)
+    assert own.verdict("go on", 300, final=True) == "backchannel" and own.verdict("yeah", 300, final=True)
+
+
+def test_a_partial_hypothesis_counts_once_the_next_agrees_or_it_holds_a_word_that_interrupts():
+    v = voice()
+    v.hear("Cheers!")  # "Sure." a quarter second in
+    assert v.verdict(v.heard, 300, final=False) is None
+    v.hear("Sure.")
+    assert v.verdict(v.heard, 500, final=False) is None and v.verdict("Sure.", 500, final=True) == "backchannel"
+    asking = voice()
+    asking.hear("can you")
+    assert asking.verdict(asking.heard, 300, final=False) is None
+    asking.hear("Can you repeat")
+    assert asking.verdict(asking.heard, 800, final=False) == "interrupt"  # "can you" agreed
+    for text in ("wait it", "No,", "hang on", "Yeah, but"):
+        hurried = voice()
+        hurried.hear(text)
+        assert hurried.verdict(hurried.heard, 250, final=False) == "interrupt", text
 
 
 def test_the_default_list_reads_as_the_recogniser_writes():

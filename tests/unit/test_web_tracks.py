@@ -62,6 +62,17 @@ def test_playout_clear_drops_everything_at_once():
     assert buf.clear() == 0 and buf.stats.cleared == 1
 
 
+def test_a_paused_playout_plays_silence_and_keeps_its_place():
+    buf = PlayoutBuffer()
+    buf.push("r1", ramp(4800))
+    first = buf.pull()
+    buf.paused = True
+    assert not buf.pull().any() and not buf.pull().any()
+    assert buf.played("r1") == 960 and buf.queued_samples == 4800 - 960 and buf.stats.underruns == 0
+    buf.paused = False
+    assert (buf.pull() == ramp(4800)[960:1920]).all() and first.any()
+
+
 def test_playout_tracks_responses_separately():
     buf = PlayoutBuffer()
     buf.push("a", ramp(500))
