@@ -278,6 +278,13 @@ class Reply(talk.Reply):
     last_s: float = 0.0
     item_id: str = ""
     over: str = ""  # the kind of the latest voice said over it (speech, backchannel, noise)
+    held_at: float | None = None  # paused here while voice over it is judged (confirmed interruptions)
+
+    def played_ms(self, now: float) -> int:
+        return super().played_ms(now if self.held_at is None else min(now, self.held_at))
+
+    def playing(self, now: float) -> bool:
+        return super().playing(now) or (self.held_at is not None and not self.cleared)
 
 
 class Person:
@@ -451,8 +458,10 @@ class Person:
             base = n * self.run.chunk_ms
             resumes = None if clip.pause_ms is None else base + clip.pause_ms[1]
             self.utterances.append(Utterance(base + clip.voice_start_ms, base + clip.voice_end_ms, resumes_ms=resumes))
-            if over and (reply := self.playing(now)) is not None:
-                reply.over = clip.kind
+            playing = self.playing(now)
+            for reply in self.live_replies:  # a cancel is the latest voice's doing
+                reply.over = clip.kind if over and reply is playing else ""
+            if over and playing is not None:
                 self.stats.over[clip.kind] += 1
             self.stats.turns += clip.kind == "speech"
             self.stats.paused_turns += resumes is not None
@@ -460,8 +469,9 @@ class Person:
         self.pos += 1
         if self.pos == len(self.current.chunks):
             kind, self.current, self.last_end = self.current.kind, None, now
-            if self.responds and kind == "speech":  # a backchannel or a burst asks for nothing
-                self.awaiting_since = now
+            if self.responds:
+                if kind == "speech":  # a backchannel or a burst asks for nothing
+                    self.awaiting_since = now
             else:
                 self.next_speech = now + self.rng.uniform(*PAUSE_S)
         return msg
@@ -536,7 +546,12 @@ class Person:
                 channels = max(1, ev.channels)
                 self.on_audio(ev.response_id, len(ev.audio) // (2 * channels), ev.sample_rate, now)
         elif kind == "input_audio_buffer_speech_started":
+            self.on_judged(now)
             self.on_speech_started(ev.audio_start_ms, now)
+        elif kind == "input_audio_buffer_speech_tentative":
+            self.on_tentative(ev.response_id, now)
+        elif kind == "input_audio_buffer_backchannel":
+            self.on_judged(now)
         elif kind == "input_audio_buffer_speech_stopped":
             self.on_speech_stopped(ev.item_id, ev.audio_end_ms, now)
         elif kind == "conversation_item_input_audio_transcription_completed":
@@ -564,6 +579,20 @@ class Person:
             utterance.vad_seen = True
             if (sent := self.sent_at(utterance.start_ms)) is not None:
                 self.stats.record("vad_start_ms", now - sent, now)
+
+    def on_tentative(self, response_id: str, now: float) -> None:
+        """Voice over the reply is being judged: its playback holds, as a client that pauses on
+        the event does (the rest of it is not yet heard, and more of it may still come)."""
+        reply = self.live_reply(response_id)
+        if reply is not None and not reply.cleared and reply.held_at is None:
+            reply.held_at = now
+
+    def on_judged(self, now: float) -> None:
+        """The voice was judged: held replies play on from where they held."""
+        for reply in self.live_replies:
+            if reply.held_at is not None:
+                reply.play_until = now + max(0.0, reply.play_until - reply.held_at)
+                reply.held_at = None
 
     def on_speech_stopped(self, item_id: str, audio_end_ms: float, now: float) -> None:
         paused = self.utterance_at(audio_end_ms)
@@ -628,14 +657,14 @@ class Person:
                 stats.record("voice_to_voice_ms", now - reply.voiced_t, now)
             if self.barge_share and self.rng.random() < self.barge_share:
                 self.barge_at = now + self.rng.uniform(*BARGE_AFTER_S)
-        else:
+        elif reply.held_at is None:
             if now > reply.play_until:
                 self.underruns += 1
                 stats.underruns += 1
             stats.record("jitter_ms", max(0.0, now - reply.last_t - reply.last_s), now)
         reply.received_frames += frames
         reply.received_ms = reply.received_frames * 1000 // rate
-        reply.play_until = max(now, reply.play_until) + seconds
+        reply.play_until = (max(now, reply.play_until) if reply.held_at is None else reply.play_until) + seconds
         reply.last_t, reply.last_s = now, seconds
         return reply
 
@@ -645,6 +674,7 @@ class Person:
         if reply is None or reply.cleared:
             return None
         reply.received_ms, reply.play_until, reply.cleared = reply.played_ms(now), now, True
+        reply.held_at = None
         if reply.over:
             self.stats.cancelled[reply.over] += 1
         if reply.over in ("", "speech") and self.last_started is not None and self.last_started[0] >= reply.created_t:

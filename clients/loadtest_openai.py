@@ -320,8 +320,13 @@ class SocketPerson(Person):
             if reply is not None and not reply.item_id:
                 reply.item_id = event.get("item_id") or ""
         elif kind == "input_audio_buffer.speech_started":
+            self.on_judged(now)
             self.on_speech_started(event["audio_start_ms"], now)
             self.cut_playback(now)
+        elif kind == "input_audio_buffer.speech_tentative":  # rtmedia's confirmed interruptions
+            self.on_tentative(event["response_id"], now)
+        elif kind == "input_audio_buffer.backchannel":
+            self.on_judged(now)
         elif kind == "input_audio_buffer.speech_stopped":
             self.on_speech_stopped(event["item_id"], event["audio_end_ms"], now)
         elif kind == "input_audio_buffer.committed":

@@ -147,7 +147,7 @@ class AsrStream:
 class AsrItem:
     """PCM16 mono 16 kHz audio for a stream; `end=True` flushes the open utterance; `eager`:
     a caller deciding on the words early wants partials twice as often (recognisers that
-    decode partials on a cadence)."""
+    decode partials on a cadence), and no context from the utterance before."""
 
     stream: AsrStream
     audio: bytes

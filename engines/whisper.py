@@ -13,7 +13,9 @@ always yields exactly one final (empty text when the utterance held no words or 
 One step takes the items of every stream queued on the lane: their audio is appended to each
 stream's utterance, then the decodes it makes due run together. A final is due on `end=True`;
 a partial when `partial_ms` of new audio has come since the utterance's last decode (half that
-for an `eager` item: a voice over a reply being judged on its words). Under load
+for an `eager` item: a voice over a reply being judged on its words; such an utterance is
+decoded without the previous one's text, which Whisper repeats when a short voice gives it little
+to go on: "yeah" over a reply heard as the start of the sentence before). Under load
 the cadence stretches: while steps keep the engine busy (`_account`) it doubles, up to 4 times
 `partial_ms`, and a step decodes at most `_PARTIALS_PER_STEP` partials, those with the most new
 audio (the others wait for a later step); finals are never held back. Due
@@ -330,6 +332,7 @@ class _Utterance:
     # windows already decoded (an utterance longer than _WINDOW_S): their words and tokens
     done_words: list[tuple[str, int, int, float]] = field(default_factory=list)
     done_tokens: list[int] = field(default_factory=list)
+    unprompted: bool = False  # an eager item came: decoded without the previous utterance's text
     done_logprobs: list[tuple[int, float]] = field(default_factory=list)  # their decoded tokens
     done_samples: int = 0  # audio before the current window
 
@@ -524,6 +527,7 @@ class WhisperEngine:
                 st.utt = _Utterance(st.next_index, st.samples * 1000 // SAMPLE_RATE)
                 st.next_index += 1
             pcm = np.frombuffer(item.audio, dtype="<i2").astype(np.float32) / 32768.0
+            st.utt.unprompted |= item.eager
             st.utt.audio.append(pcm)
             st.utt.samples += pcm.size
             st.samples += pcm.size
@@ -580,7 +584,8 @@ class WhisperEngine:
             if gate and (not d.audio.size or _dbfs(d.audio) < _SILENT_DBFS):
                 continue
             d.frames = window_frames(d.audio.size)
-            d.context = (d.stream.previous + d.utt.done_tokens)[-_PROMPT_TOKENS:]
+            previous = [] if d.utt.unprompted else d.stream.previous
+            d.context = (previous + d.utt.done_tokens)[-_PROMPT_TOKENS:]
             todo.append(d)
         todo.sort(key=lambda d: (not d.final, d.frames, not d.context, -len(d.context)))
         for _, bucket in itertools.groupby(todo, key=lambda d: (not d.final, d.frames, not d.context)):

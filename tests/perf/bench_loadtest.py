@@ -3,7 +3,7 @@ against a bare grpc.aio bidi servicer, on this machine with the load generator o
 the same box.
 
     .venv/bin/python tests/perf/bench_loadtest.py [--profiles listen,transcribe,talk,llm] [--frame-path]
-        [--duration 30] [--out results.json]
+        [--noise-reduction listen:200,talk:6] [--interruptions 4] [--duration 30] [--out results.json]
 
 Each profile gets a fresh `rtmedia serve` (echo responder and no LM, except for
 llm) and a capacity search (SLO: p95 of the profile's key latency <= 500 ms, no
@@ -15,7 +15,15 @@ chunk goes through the session's input path and nothing else) against a bare
 grpc.aio servicer of the same RealtimeService.Converse that only reads the
 chunks; both take the same paced load; the ratio is frames per server CPU-second
 (rtmedia / bare; 1.0 means the frame path costs no more than gRPC itself).
-Prints one JSON object.
+
+Noise reduction (`--noise-reduction PROFILE:SESSIONS,...`): fixed runs of each profile at that
+many sessions on a server started with `--noise-reduction off`, `near_field` and `far_field`:
+the server's CPU (its process tree) per session-second, the key latency and the SLO verdict.
+
+Interruptions (`--interruptions SESSIONS`): fixed barge-in runs (every reply talked over; of
+the voices 40 % backchannels, 20 % noise bursts, the rest real interruptions) in `immediate`
+and `confirmed` mode: replies cancelled by each kind and the real interruptions' barge-in
+latency. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -85,6 +93,42 @@ def capacity(profile: str, duration: float) -> dict:
                                                    "jitter_ms", "underruns", "errors")}}
 
 
+def fixed_run(profile: str, sessions: int, duration: float, serve_args: list[str], args: list[str]) -> dict:
+    """One loadtest of `sessions` at once on a fresh server; the report and the server's CPU."""
+    _, chunk_ms, profile_args = PROFILES.get(profile, PROFILES["talk"])
+    with running_server("--metrics-port", "0", "--max-sessions", "3000", "--log-level", "WARNING",
+                        *profile_args, *serve_args) as (target, server):
+        cpu0, t0 = tree_cpu_s(server.pid), time.perf_counter()
+        report = loadtest(target, ["--profile", profile, "--sessions", str(sessions), "--chunk-ms", str(chunk_ms),
+                                   "--duration", str(duration), "--ramp-per-s", "50", *args])
+        wall, cpu = time.perf_counter() - t0, tree_cpu_s(server.pid) - cpu0
+    return {"report": report, "server_cpu_s": round(cpu, 2),
+            "server_cpu_per_session_s": round(cpu / wall / sessions, 4)}
+
+
+def noise_reduction(runs: list[tuple[str, int]], duration: float) -> dict:
+    out: dict = {}
+    for profile, sessions in runs:
+        for kind in ("off", "near_field", "far_field"):
+            run = fixed_run(profile, sessions, duration, ["--noise-reduction", kind], [])
+            report, metric = run["report"], run["report"]["slo"]["metric"]
+            out[f"{profile}:{sessions}:{kind}"] = {
+                "server_cpu_per_session_s": run["server_cpu_per_session_s"], metric: report[metric],
+                "slo": report["slo"]["verdict"], "errors": report["errors"], "underruns": report["underruns"]}
+    return out
+
+
+def interruptions(sessions: int, duration: float) -> dict:
+    out: dict = {}
+    for mode in ("immediate", "confirmed"):
+        report = fixed_run("barge-in", sessions, duration, [],
+                           ["--barge-in-share", "1", "--backchannel-share", "0.4", "--noise", "0.2",
+                            "--interruption", mode])["report"]
+        out[mode] = {k: report[k] for k in ("voices_over_replies", "replies_cancelled_by", "false_cancels",
+                                            "barge_in_ms", "response_latency_ms", "errors", "errors_by_code")}
+    return out
+
+
 # ---- the frame path against a bare servicer ---------------------------------------------------------
 
 def bare_server(port: int) -> None:
@@ -150,6 +194,10 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=30.0, help="seconds per capacity level")
     parser.add_argument("--frame-path", action="store_true", help="also the frame-path overhead benchmark")
     parser.add_argument("--frame-sessions", type=int, default=100)
+    parser.add_argument("--noise-reduction", default="", metavar="PROFILE:SESSIONS,...",
+                        help="fixed runs with noise reduction off, near_field and far_field")
+    parser.add_argument("--interruptions", type=int, default=0, metavar="SESSIONS",
+                        help="fixed barge-in runs with backchannels and noise, immediate against confirmed")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--bare-server", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -161,6 +209,11 @@ def main() -> None:
         result["frame_path"] = frame_path(args.frame_sessions, args.duration)
     for profile in filter(None, args.profiles.split(",")):
         result["capacity"][profile] = capacity(profile, args.duration)
+    if args.noise_reduction:
+        runs = [(p, int(n)) for p, n in (run.split(":") for run in args.noise_reduction.split(","))]
+        result["noise_reduction"] = noise_reduction(runs, args.duration)
+    if args.interruptions:
+        result["interruptions"] = interruptions(args.interruptions, args.duration)
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text + "\n")

@@ -272,6 +272,7 @@ def test_an_eager_item_has_its_partial_at_half_the_cadence(engine, speech):
     assert events == []  # 250 ms since: not due ...
     [events] = engine.step([AsrItem(stream, speech[FOX][3 * quarter : 3 * quarter + 2], eager=True)])
     assert [e.is_final for e in events] == [False]  # ... but due for an eager item
+    assert engine._streams[stream.id].utt.unprompted  # and decoded without the text before
     engine.close_stream(stream)
 
 
