@@ -131,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--web-max-peers", type=int, default=None, help="concurrent browser peers of the bridge (8)")
     p.add_argument("--no-openai-api", dest="web_openai_api", action="store_false", default=None,
                    help="do not serve OpenAI's audio APIs (/v1/audio/speech, /v1/audio/transcriptions) on the web port")
+    p.add_argument("--web-twilio", action="store_true", default=None,
+                   help="answer phone calls Twilio connects on the web port (see `rtmedia web --help`)")
+    p.add_argument("--web-twilio-auth-token-file", default=None, metavar="FILE",
+                   help="the Twilio account's auth token (default: $RTMEDIA_TWILIO_AUTH_TOKEN)")
+    p.add_argument("--web-twilio-insecure", action="store_true", default=None,
+                   help="accept unsigned requests on /twilio/")
+    p.add_argument("--web-twilio-public-url", default=None, metavar="URL",
+                   help="the web port's URL as Twilio calls it, https://HOST[:PORT]")
     p.add_argument("--video-vae", default=None, metavar="DIR",
                    help="a local diffusers AutoencoderKLWan directory (e.g. a Wan 2.1 vae/ folder); without it "
                         "a small Wan-style VAE with seeded random weights is built (real decode path and timing, "

@@ -167,6 +167,12 @@ class ServerConfig:
     web_max_peers: int = 8
     # OpenAI's audio HTTP APIs (/v1/audio/speech, /v1/audio/transcriptions) on the web port.
     web_openai_api: bool = True
+    # Twilio Media Streams on the web port (docs/telephony.md): the account's auth token file
+    # (else $RTMEDIA_TWILIO_AUTH_TOKEN), unsigned requests accepted, the URL Twilio calls.
+    web_twilio: bool = False
+    web_twilio_auth_token_file: str | None = None
+    web_twilio_insecure: bool = False
+    web_twilio_public_url: str | None = None
     # A local diffusers AutoencoderKLWan directory (e.g. a Wan 2.1 `vae/` folder); without
     # one, a small Wan-style VAE with seeded random weights (real decode path, fake pictures).
     video_vae: str | None = None
@@ -221,6 +227,12 @@ class ServerConfig:
             raise ValueError("tool_fillers needs at least one sentence")
         if self.turn_detection not in ("server_vad", "semantic_vad"):
             raise ValueError(f"turn_detection must be server_vad or semantic_vad, got {self.turn_detection!r}")
+        if (self.web_twilio_auth_token_file or self.web_twilio_insecure or self.web_twilio_public_url) \
+                and not self.web_twilio:
+            raise ValueError("web_twilio_auth_token_file, web_twilio_insecure and web_twilio_public_url need "
+                             "web_twilio (--web-twilio)")
+        if self.web_twilio and not self.web:
+            raise ValueError("web_twilio serves on the web port: it needs web (--web)")
         if self.noise_reduction not in ("off", "near_field", "far_field"):
             raise ValueError(f"noise_reduction must be off, near_field or far_field, got {self.noise_reduction!r}")
         if self.turn_eagerness not in ("low", "medium", "high", "auto"):

@@ -87,6 +87,7 @@ from rtmedia.web.openai_api import OpenAIConfig, OpenAIFront, Upstream, openai_e
 from rtmedia.web.peer import OfferError, Peer, VideoDefaults
 from rtmedia.web.realtime_calls import SECRET_KEY
 from rtmedia.web.realtime_events import Translator
+from rtmedia.web.telephony.twilio import TwilioConfig, TwilioDoor
 from rtmedia.web.tracks import PLAYOUT_RATE, set_audio_prefetch
 
 log = logging.getLogger("rtmedia.web")
@@ -152,6 +153,8 @@ class BridgeConfig:
     server_token: str | None = None
     # OpenAI's audio HTTP APIs under /v1/ (rtmedia.web.openai_api); None: not served.
     openai: OpenAIConfig | None = field(default_factory=OpenAIConfig)
+    # Twilio Media Streams under /twilio/ (rtmedia.web.telephony.twilio); None: not served.
+    twilio: TwilioConfig | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.audio_prefetch <= 16:
@@ -267,6 +270,8 @@ class Bridge:
         self.sctp_chunk = cap_sctp_chunk_size()
         self.ice = IceBinding(ports=config.udp_ports)  # resolved from media_bind_host in start()
         self.openai: OpenAIFront | None = None  # made by app() when config.openai says so
+        self.twilio: TwilioDoor | None = None  # made by app() when config.twilio says so
+        self._signed_resources: set[Any] = set()  # Twilio's: checked by signature, not bearer tokens
 
     # ---- the app --------------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -286,10 +291,13 @@ class Bridge:
         app.router.add_options("/whip", self.whip_options)
         app.router.add_delete("/whip/{peer_id}", self.delete)
         app.router.add_patch("/whip/{peer_id}", self.whip_patch)
+        upstream = Upstream(self._channel, self.server_metadata, lambda: self.draining, calls=self)
         if self.config.openai is not None:
-            upstream = Upstream(self._channel, self.server_metadata, lambda: self.draining, calls=self)
             self.openai = OpenAIFront(upstream, self.config.openai)
             self.openai.add_routes(app)
+        if self.config.twilio is not None:
+            self.twilio = TwilioDoor(self.config.twilio, upstream)
+            self._signed_resources = self.twilio.add_routes(app)
         return app
 
     async def start(self) -> int:
@@ -519,6 +527,8 @@ class Bridge:
         handshake, the subprotocol `rtmedia.bearer.TOKEN`) on every route but the page's and
         /healthz, else 401. A presented token is kept on the request (BEARER_KEY) to be forwarded
         to the server, the matched token (TOKEN_KEY) for its name."""
+        if request.match_info.route.resource in self._signed_resources:
+            return await handler(request)  # Twilio's: its handler checks X-Twilio-Signature
         presented, protocol = presented_token(request)
         if self.openai is not None and request.path.startswith("/v1/realtime") and \
                 (secret := self.openai.secrets.get(presented)) is not None:
@@ -684,6 +694,10 @@ async def start_beside(server_config: Any, target: str, tokens: TokenTable) -> B
     bridge = Bridge(BridgeConfig(target=target, host=server_config.host, port=server_config.web_port,
                                  tls_cert=server_config.web_tls_cert, tls_key=server_config.web_tls_key,
                                  max_peers=server_config.web_max_peers,
-                                 openai=OpenAIConfig() if server_config.web_openai_api else None), tokens)
+                                 openai=OpenAIConfig() if server_config.web_openai_api else None,
+                                 twilio=TwilioConfig.load(server_config.web_twilio_auth_token_file,
+                                                          server_config.web_twilio_insecure,
+                                                          server_config.web_twilio_public_url)
+                                 if server_config.web_twilio else None), tokens)
     await bridge.start()
     return bridge

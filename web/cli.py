@@ -79,6 +79,15 @@ def add_web_parser(sub: argparse._SubParsersAction) -> None:
                    help="longest audio a transcription decodes (default 3600)")
     g.add_argument("--openai-max-requests", type=int, default=None, metavar="N",
                    help="audio requests served at once; one more is answered 429 (default 16)")
+    g = p.add_argument_group("Twilio Media Streams on the web port (/twilio/voice, /twilio/media)")
+    g.add_argument("--twilio", action="store_true", help="answer phone calls that Twilio connects (docs/telephony.md)")
+    g.add_argument("--twilio-auth-token-file", default=None, metavar="FILE",
+                   help="the Twilio account's auth token, which signs its requests (default: "
+                        "$RTMEDIA_TWILIO_AUTH_TOKEN)")
+    g.add_argument("--twilio-insecure", action="store_true",
+                   help="accept unsigned requests on /twilio/ (no auth token: anyone may open calls)")
+    g.add_argument("--twilio-public-url", default=None, metavar="URL",
+                   help="the web port's URL as Twilio calls it, https://HOST[:PORT] (default: each request's)")
     g = p.add_argument_group("tokens on the web port")
     g.add_argument("--auth-tokens", default=None, metavar="FILE",
                    help="token file (TOKEN [NAME] [limits] per line; default $RTMEDIA_AUTH_TOKENS, else no "
@@ -100,7 +109,13 @@ def add_web_parser(sub: argparse._SubParsersAction) -> None:
 def bridge_config(args: argparse.Namespace) -> object:
     from rtmedia.web.bridge import BridgeConfig, parse_udp_ports
     from rtmedia.web.openai_api import OpenAIConfig
+    from rtmedia.web.telephony.twilio import TwilioConfig
 
+    twilio_flags = args.twilio_auth_token_file or args.twilio_insecure or args.twilio_public_url
+    if twilio_flags and not args.twilio:
+        raise ValueError("--twilio-auth-token-file, --twilio-insecure and --twilio-public-url need --twilio")
+    twilio = TwilioConfig.load(args.twilio_auth_token_file, args.twilio_insecure, args.twilio_public_url) \
+        if args.twilio else None
     session = {"responder": args.responder} if args.responder else {}
     server_token = args.server_token if args.server_token is not None else os.environ.get(TOKEN_ENV)
     return BridgeConfig(target=args.target, host=args.host, port=args.port, tls_cert=args.tls_cert,
@@ -115,7 +130,8 @@ def bridge_config(args: argparse.Namespace) -> object:
                         openai=OpenAIConfig(**{k: v for k, v in (("max_upload_bytes", args.openai_max_upload_bytes),
                                                                  ("max_requests", args.openai_max_requests),
                                                                  ("max_audio_seconds", args.openai_max_audio_seconds))
-                                               if v is not None}) if args.openai_api else None)
+                                               if v is not None}) if args.openai_api else None,
+                        twilio=twilio)
 
 
 def cmd_web(args: argparse.Namespace) -> None:

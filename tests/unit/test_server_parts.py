@@ -81,6 +81,14 @@ def test_rich_status_carries_error_info():
     assert (info.reason, info.domain, dict(info.metadata)) == ("EMPTY_TEXT", DOMAIN, {"field": "text"})
 
 
+def test_the_twilio_door_needs_the_web_port():
+    assert ServerConfig(web=True, web_twilio=True, web_twilio_insecure=True).web_twilio
+    for bad, part in (({"web_twilio": True}, "it needs web"),
+                      ({"web": True, "web_twilio_insecure": True}, "need web_twilio")):
+        with pytest.raises(ValueError, match=part):
+            ServerConfig(**bad)
+
+
 def test_turn_detection_defaults_of_the_deploy_file_are_checked():
     config = ServerConfig(turn_detection="semantic_vad", turn_eagerness="high",
                           semantic_thresholds={"high": [-2.0, -3.0, -3.0]})

@@ -14,6 +14,7 @@ import datetime
 import ipaddress
 import json
 import logging
+import re
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -589,6 +590,38 @@ def test_openai_flags_reach_the_config():
         bridge_config(parser.parse_args(["web", "--openai-max-requests", "0"]))
 
 
+def test_twilio_flags_reach_the_config(tmp_path, monkeypatch):
+    from rtmedia.web.telephony.twilio import TOKEN_ENV, TwilioConfig, signature
+
+    parser = argparse.ArgumentParser()
+    add_web_parser(parser.add_subparsers())
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert bridge_config(parser.parse_args(["web"])).twilio is None
+    assert bridge_config(parser.parse_args(["web", "--twilio"])).twilio == TwilioConfig()
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    given = bridge_config(parser.parse_args(["web", "--twilio", "--twilio-auth-token-file", str(token),
+                                             "--twilio-public-url", "https://voice.example/"]))
+    assert (given.twilio.auth_token, given.twilio.public_url) == ("secret", "https://voice.example")
+    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    assert bridge_config(parser.parse_args(["web", "--twilio"])).twilio.auth_token == "from-env"
+    for argv, message in [(["--twilio-insecure"], "need --twilio"),
+                          (["--twilio", "--twilio-auth-token-file", str(tmp_path / "none")], "No such file"),
+                          (["--twilio", "--twilio-public-url", "voice.example"], "must be http(s)://HOST")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            bridge_config(parser.parse_args(["web", *argv]))
+    token.write_text("")
+    with pytest.raises(ValueError, match="the file is empty"):
+        bridge_config(parser.parse_args(["web", "--twilio", "--twilio-auth-token-file", str(token)]))
+    # Twilio's documented example (docs "Webhooks security"): this URL, these parameters, token 12345.
+    params = {"CallSid": "CA1234567890ABCDE", "Caller": "+12349013030", "Digits": "1234", "From": "+12349013030",
+              "To": "+18005551212"}
+    from twilio.request_validator import RequestValidator
+
+    url = "https://mycompany.com/myapp.php?foo=1&bar=2"
+    assert signature("12345", url, params) == RequestValidator("12345").compute_signature(url, params)
+
+
 def test_server_flags_reach_the_config(tmp_path, monkeypatch):
     parser = argparse.ArgumentParser()
     add_web_parser(parser.add_subparsers())
@@ -675,6 +708,7 @@ async def test_start_beside_takes_the_servers_target_and_tokens(sessionless):
     class ServerConfig:
         host, web_port, web_tls_cert, web_tls_key, web_max_peers = "127.0.0.1", 0, None, None, 3
         web_openai_api = False  # `serve --no-openai-api`
+        web_twilio, web_twilio_auth_token_file, web_twilio_insecure, web_twilio_public_url = False, None, False, None
 
     tokens = table(f"{ALICE} alice")
     bridge = await start_beside(ServerConfig(), "unix:/nonexistent/grpc.sock", tokens)
