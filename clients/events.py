@@ -250,6 +250,26 @@ class InputAudioBufferBackchannelEvent(ServerEvent):
         return self.proto.input_audio_buffer_backchannel.response_id
 
 
+class InputAudioBufferDtmfEventReceivedEvent(ServerEvent):
+    """`input_audio_buffer.dtmf_event_received`."""
+
+    __slots__ = ()
+    type = "input_audio_buffer.dtmf_event_received"
+    member = "input_audio_buffer_dtmf_event_received"
+
+    @property
+    def data(self) -> realtime_pb2.InputAudioBufferDtmfEventReceivedEvent:
+        return self.proto.input_audio_buffer_dtmf_event_received
+
+    @property
+    def event(self) -> str:
+        return self.proto.input_audio_buffer_dtmf_event_received.event
+
+    @property
+    def received_at(self) -> int:
+        return self.proto.input_audio_buffer_dtmf_event_received.received_at
+
+
 class ConversationItemAddedEvent(ServerEvent):
     """`conversation.item.added`."""
 
@@ -792,6 +812,7 @@ EVENT_CLASSES: dict[str, type[ServerEvent]] = {
     "input_audio_buffer_timeout_triggered": InputAudioBufferTimeoutTriggeredEvent,
     "input_audio_buffer_speech_tentative": InputAudioBufferSpeechTentativeEvent,
     "input_audio_buffer_backchannel": InputAudioBufferBackchannelEvent,
+    "input_audio_buffer_dtmf_event_received": InputAudioBufferDtmfEventReceivedEvent,
     "conversation_item_added": ConversationItemAddedEvent,
     "conversation_item_deleted": ConversationItemDeletedEvent,
     "conversation_item_retrieved": ConversationItemRetrievedEvent,

@@ -67,6 +67,7 @@ TURN_END_REASONS = {"silence": realtime_pb2.TURN_END_REASON_SILENCE,
 __all__ = ["TTS_WINDOW_FRAMES", "Limits", "Session"]
 
 log = logging.getLogger(__name__)
+DTMF_KEYS = "0123456789*#ABCD"
 
 
 @dataclass(frozen=True)
@@ -405,6 +406,14 @@ class Session:
                        .replace("  ", " "), event_id, "response_id")
             return
         self.replies.cancel("client_cancelled")
+
+    def on_input_audio_buffer_dtmf(self, event: Any, event_id: str) -> None:
+        """A key the caller pressed (a telephony door): told back as OpenAI's SIP event."""
+        if len(event.event) != 1 or event.event not in DTMF_KEYS:
+            self.error("invalid_value", f"input_audio_buffer.dtmf: event is a keypad key, one of 0-9, *, #, A-D; "
+                       f"got {event.event[:16]!r}", event_id, "event")
+            return
+        self.send("input_audio_buffer.dtmf_event_received", event=event.event, received_at=int(time.time()))
 
     def on_playback_ack(self, event: Any, event_id: str) -> None:
         response = self.responses.get(event.response_id)

@@ -372,6 +372,10 @@ class Translator:
         return [self._event("input_audio_buffer.backchannel", item_id=e["item_id"], transcript=e.get("transcript", ""),
                             audio_start_ms=e["audio_start_ms"], response_id=e["response_id"])]
 
+    def _on_input_audio_buffer_dtmf_event_received(self, e: dict[str, Any]) -> list[dict[str, Any]]:
+        return [self._event("input_audio_buffer.dtmf_event_received", event=e["event"],
+                            received_at=int(e["received_at"]))]
+
     def _on_input_audio_buffer_speech_stopped(self, e: dict[str, Any]) -> list[dict[str, Any]]:
         # rtmedia's extensions: why the turn ended (silence, semantic, max_wait) and its end-of-turn score
         extra = {"score": round(e["score"], 3)} if "score" in e else {}

@@ -159,6 +159,9 @@ async def test_a_call_is_heard_answered_and_interrupted(door, speaker):
         heard = await transcribe(http, door, bytes(twilio.audio))
         assert wer(SENTENCE, heard.lower().removeprefix("you said").strip(" ,:.")) <= 0.3, heard
         assert all(e["streamSid"] == "MZ0001" for _, e in twilio.received)
+        # A key pressed goes to the session (its answer is the session's, not Twilio's) and the call goes on.
+        await ws.send_json({"event": "dtmf", "streamSid": "MZ0001", "sequenceNumber": "9",
+                            "dtmf": {"track": "inbound_track", "digit": "5"}})
         # 2. A barge-in: the door sends clear, and the reply's audio stops coming.
         first = len(twilio.audio)
         await twilio.say(ulaw(speaker, LONG))

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import multiprocessing
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -468,6 +469,21 @@ async def test_unknown_event_and_mode_errors(channel, speaker):
         c.send("input_audio_buffer.clear")
         cleared = await c.wait_for("input_audio_buffer.cleared")
         assert cleared["reason"] == "client" and cleared["discarded_ms"] > 0
+
+
+async def test_a_keypad_key_is_told_back_and_a_bad_one_refused(channel):
+    async with Conversation(channel) as c:
+        await c.wait_for("session.created")
+        before = int(time.time())
+        c.send("input_audio_buffer.dtmf", event="#")
+        received = await c.wait_for("input_audio_buffer.dtmf_event_received")
+        assert received["event"] == "#" and before <= int(received["received_at"]) <= int(time.time())
+        for bad in ("55", "x", ""):
+            c.send("input_audio_buffer.dtmf", event_id=f"evt_{bad}", event=bad)
+            error = await c.wait_for("error", event_id=f"evt_{bad}")
+            assert error["code"] == "invalid_value" and error["param"] == "event", error
+        c.send("input_audio_buffer.dtmf", event="7")
+        assert (await c.wait_for("input_audio_buffer.dtmf_event_received", count=2))["event"] == "7"
 
 
 async def test_backpressure_says_what_was_discarded(channel):

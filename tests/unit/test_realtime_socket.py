@@ -88,3 +88,11 @@ async def test_the_servers_end_of_the_call_closes_the_socket():
     socket = RealtimeSocket(ws, session_on(Ended()), Translator(new_config("gpt-realtime", "realtime")), RealtimeLimits())
     await asyncio.wait_for(socket.run([]), 5)
     assert ws.closed and ws.close_code == 1000
+
+
+def test_a_keypad_key_is_openais_dtmf_event():
+    translator = Translator(new_config("gpt-realtime", "realtime"))
+    [event] = translator.from_server(server_event("input_audio_buffer.dtmf_event_received", event="5",
+                                                  received_at=1764900000))
+    assert (event["type"], event["event"], event["received_at"]) == ("input_audio_buffer.dtmf_event_received", "5",
+                                                                     1764900000)

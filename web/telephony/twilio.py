@@ -7,10 +7,11 @@ Twilio, one `Converse` session per call.
 - `GET /twilio/media` is that WebSocket. Twilio sends `connected`, `start` (the call's
   `streamSid`, `mediaFormat` audio/x-mulaw at 8000 Hz, `customParameters`), `media` (base64
   μ-law of the caller, 20 ms a message), `mark` (a mark it was sent, once the audio before it has
-  played), `dtmf` and `stop`. The door answers with `media` (the reply as μ-law), a `mark` after
-  each reply delta named `RESPONSE_ID:END_MS`, and `clear` at a barge-in. Each mark Twilio
-  returns becomes `playback.ack` of that much of the reply, so the server truncates an
-  interrupted reply at what the caller heard.
+  played), `dtmf` (a key the caller pressed: `input_audio_buffer.dtmf`, which the session
+  answers with `input_audio_buffer.dtmf_event_received`) and `stop`. The door answers with
+  `media` (the reply as μ-law), a `mark` after each reply delta named `RESPONSE_ID:END_MS`, and
+  `clear` at a barge-in. Each mark Twilio returns becomes `playback.ack` of that much of the
+  reply, so the server truncates an interrupted reply at what the caller heard.
 
 Twilio cannot send bearer tokens: both routes are authenticated by `X-Twilio-Signature`
 (HMAC-SHA1 of the URL Twilio called, and a form POST's parameters sorted by name, with the
@@ -302,8 +303,8 @@ class TwilioCall:
             elif kind == "stop":
                 return
             elif kind == "dtmf":
-                log.info("twilio dtmf not delivered: the session has no DTMF events yet",
-                         extra={"stream_sid": self.stream_sid})
+                digit = str((event.get("dtmf") or {}).get("digit", ""))  # (the server refuses a bad one)
+                await self.session.send(client_event("input_audio_buffer.dtmf", event=digit))
 
     async def _send(self, message: dict[str, Any]) -> None:
         await asyncio.wait_for(self.ws.send_str(json.dumps(message, separators=(",", ":"))), 10.0)

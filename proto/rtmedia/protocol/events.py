@@ -50,6 +50,7 @@ CLIENT_EVENTS: dict[str, str] = {
     "playback.ack": "playback_ack",  # (ext)
     "camera.frame": "camera_frame",  # (ext)
     "session.close": "session_close",  # (ext)
+    "input_audio_buffer.dtmf": "input_audio_buffer_dtmf",  # (ext)
 }
 
 # Server -> client: event name -> ConverseResponse.event oneof member.
@@ -63,6 +64,7 @@ SERVER_EVENTS: dict[str, str] = {
     "input_audio_buffer.timeout_triggered": "input_audio_buffer_timeout_triggered",
     "input_audio_buffer.speech_tentative": "input_audio_buffer_speech_tentative",  # (ext)
     "input_audio_buffer.backchannel": "input_audio_buffer_backchannel",  # (ext)
+    "input_audio_buffer.dtmf_event_received": "input_audio_buffer_dtmf_event_received",
     "conversation.item.added": "conversation_item_added",
     "conversation.item.deleted": "conversation_item_deleted",
     "conversation.item.retrieved": "conversation_item_retrieved",

@@ -1058,6 +1058,7 @@ class ConverseRequest(_message.Message):
     SESSION_CLOSE_FIELD_NUMBER: _builtins.int
     CONVERSATION_ITEM_DELETE_FIELD_NUMBER: _builtins.int
     CONVERSATION_ITEM_RETRIEVE_FIELD_NUMBER: _builtins.int
+    INPUT_AUDIO_BUFFER_DTMF_FIELD_NUMBER: _builtins.int
     event_id: _builtins.str
     """Optional client-chosen id; errors refer to it."""
     @_builtins.property
@@ -1086,6 +1087,8 @@ class ConverseRequest(_message.Message):
     def conversation_item_delete(self) -> Global___ConversationItemDeleteEvent: ...
     @_builtins.property
     def conversation_item_retrieve(self) -> Global___ConversationItemRetrieveEvent: ...
+    @_builtins.property
+    def input_audio_buffer_dtmf(self) -> Global___InputAudioBufferDtmfEvent: ...
     def __init__(
         self,
         *,
@@ -1103,12 +1106,13 @@ class ConverseRequest(_message.Message):
         session_close: Global___SessionCloseEvent | None = ...,
         conversation_item_delete: Global___ConversationItemDeleteEvent | None = ...,
         conversation_item_retrieve: Global___ConversationItemRetrieveEvent | None = ...,
+        input_audio_buffer_dtmf: Global___InputAudioBufferDtmfEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["camera_frame", b"camera_frame", "conversation_item_create", b"conversation_item_create", "conversation_item_delete", b"conversation_item_delete", "conversation_item_retrieve", b"conversation_item_retrieve", "conversation_item_truncate", b"conversation_item_truncate", "event", b"event", "input_audio_buffer_append", b"input_audio_buffer_append", "input_audio_buffer_clear", b"input_audio_buffer_clear", "input_audio_buffer_commit", b"input_audio_buffer_commit", "playback_ack", b"playback_ack", "response_cancel", b"response_cancel", "response_create", b"response_create", "session_close", b"session_close", "session_update", b"session_update"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["camera_frame", b"camera_frame", "conversation_item_create", b"conversation_item_create", "conversation_item_delete", b"conversation_item_delete", "conversation_item_retrieve", b"conversation_item_retrieve", "conversation_item_truncate", b"conversation_item_truncate", "event", b"event", "input_audio_buffer_append", b"input_audio_buffer_append", "input_audio_buffer_clear", b"input_audio_buffer_clear", "input_audio_buffer_commit", b"input_audio_buffer_commit", "input_audio_buffer_dtmf", b"input_audio_buffer_dtmf", "playback_ack", b"playback_ack", "response_cancel", b"response_cancel", "response_create", b"response_create", "session_close", b"session_close", "session_update", b"session_update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["camera_frame", b"camera_frame", "conversation_item_create", b"conversation_item_create", "conversation_item_delete", b"conversation_item_delete", "conversation_item_retrieve", b"conversation_item_retrieve", "conversation_item_truncate", b"conversation_item_truncate", "event", b"event", "event_id", b"event_id", "input_audio_buffer_append", b"input_audio_buffer_append", "input_audio_buffer_clear", b"input_audio_buffer_clear", "input_audio_buffer_commit", b"input_audio_buffer_commit", "playback_ack", b"playback_ack", "response_cancel", b"response_cancel", "response_create", b"response_create", "session_close", b"session_close", "session_update", b"session_update"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["camera_frame", b"camera_frame", "conversation_item_create", b"conversation_item_create", "conversation_item_delete", b"conversation_item_delete", "conversation_item_retrieve", b"conversation_item_retrieve", "conversation_item_truncate", b"conversation_item_truncate", "event", b"event", "event_id", b"event_id", "input_audio_buffer_append", b"input_audio_buffer_append", "input_audio_buffer_clear", b"input_audio_buffer_clear", "input_audio_buffer_commit", b"input_audio_buffer_commit", "input_audio_buffer_dtmf", b"input_audio_buffer_dtmf", "playback_ack", b"playback_ack", "response_cancel", b"response_cancel", "response_create", b"response_create", "session_close", b"session_close", "session_update", b"session_update"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_update", "input_audio_buffer_append", "input_audio_buffer_commit", "input_audio_buffer_clear", "conversation_item_create", "conversation_item_truncate", "response_create", "response_cancel", "playback_ack", "camera_frame", "session_close", "conversation_item_delete", "conversation_item_retrieve"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_update", "input_audio_buffer_append", "input_audio_buffer_commit", "input_audio_buffer_clear", "conversation_item_create", "conversation_item_truncate", "response_create", "response_cancel", "playback_ack", "camera_frame", "session_close", "conversation_item_delete", "conversation_item_retrieve", "input_audio_buffer_dtmf"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
@@ -1331,6 +1335,55 @@ class InputAudioBufferBackchannelEvent(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InputAudioBufferBackchannelEvent: _TypeAlias = InputAudioBufferBackchannelEvent  # noqa: Y015
+
+@_typing.final
+class InputAudioBufferDtmfEvent(_message.Message):
+    """A telephony door (an rtmedia extension): the caller pressed a key of the phone's keypad,
+    one of 0-9, *, #, A-D. The server answers input_audio_buffer_dtmf_event_received.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    event: _builtins.str
+    def __init__(
+        self,
+        *,
+        event: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputAudioBufferDtmfEvent: _TypeAlias = InputAudioBufferDtmfEvent  # noqa: Y015
+
+@_typing.final
+class InputAudioBufferDtmfEventReceivedEvent(_message.Message):
+    """The caller pressed a key (OpenAI's event, from its SIP calls): `event` is the key, 0-9, *, #,
+    A-D; `received_at` the UTC Unix time, in seconds, the server received it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    RECEIVED_AT_FIELD_NUMBER: _builtins.int
+    event: _builtins.str
+    received_at: _builtins.int
+    def __init__(
+        self,
+        *,
+        event: _builtins.str = ...,
+        received_at: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "received_at", b"received_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputAudioBufferDtmfEventReceivedEvent: _TypeAlias = InputAudioBufferDtmfEventReceivedEvent  # noqa: Y015
 
 @_typing.final
 class ConversationItemInputAudioTranscriptionDeltaEvent(_message.Message):
@@ -2021,6 +2074,7 @@ class ConverseResponse(_message.Message):
     RESPONSE_FUNCTION_CALL_ARGUMENTS_DONE_FIELD_NUMBER: _builtins.int
     INPUT_AUDIO_BUFFER_SPEECH_TENTATIVE_FIELD_NUMBER: _builtins.int
     INPUT_AUDIO_BUFFER_BACKCHANNEL_FIELD_NUMBER: _builtins.int
+    INPUT_AUDIO_BUFFER_DTMF_EVENT_RECEIVED_FIELD_NUMBER: _builtins.int
     event_id: _builtins.str
     @_builtins.property
     def session_created(self) -> Global___SessionCreatedEvent: ...
@@ -2084,6 +2138,8 @@ class ConverseResponse(_message.Message):
     def input_audio_buffer_speech_tentative(self) -> Global___InputAudioBufferSpeechTentativeEvent: ...
     @_builtins.property
     def input_audio_buffer_backchannel(self) -> Global___InputAudioBufferBackchannelEvent: ...
+    @_builtins.property
+    def input_audio_buffer_dtmf_event_received(self) -> Global___InputAudioBufferDtmfEventReceivedEvent: ...
     def __init__(
         self,
         *,
@@ -2119,12 +2175,13 @@ class ConverseResponse(_message.Message):
         response_function_call_arguments_done: Global___ResponseFunctionCallArgumentsDoneEvent | None = ...,
         input_audio_buffer_speech_tentative: Global___InputAudioBufferSpeechTentativeEvent | None = ...,
         input_audio_buffer_backchannel: Global___InputAudioBufferBackchannelEvent | None = ...,
+        input_audio_buffer_dtmf_event_received: Global___InputAudioBufferDtmfEventReceivedEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["conversation_item_added", b"conversation_item_added", "conversation_item_deleted", b"conversation_item_deleted", "conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_failed", b"conversation_item_input_audio_transcription_failed", "conversation_item_retrieved", b"conversation_item_retrieved", "conversation_item_truncated", b"conversation_item_truncated", "error", b"error", "event", b"event", "input_audio_buffer_backchannel", b"input_audio_buffer_backchannel", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "input_audio_buffer_speech_tentative", b"input_audio_buffer_speech_tentative", "input_audio_buffer_timeout_triggered", b"input_audio_buffer_timeout_triggered", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_function_call_arguments_delta", b"response_function_call_arguments_delta", "response_function_call_arguments_done", b"response_function_call_arguments_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_item_added", b"response_output_item_added", "response_output_item_done", b"response_output_item_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["conversation_item_added", b"conversation_item_added", "conversation_item_deleted", b"conversation_item_deleted", "conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_failed", b"conversation_item_input_audio_transcription_failed", "conversation_item_retrieved", b"conversation_item_retrieved", "conversation_item_truncated", b"conversation_item_truncated", "error", b"error", "event", b"event", "input_audio_buffer_backchannel", b"input_audio_buffer_backchannel", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_dtmf_event_received", b"input_audio_buffer_dtmf_event_received", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "input_audio_buffer_speech_tentative", b"input_audio_buffer_speech_tentative", "input_audio_buffer_timeout_triggered", b"input_audio_buffer_timeout_triggered", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_function_call_arguments_delta", b"response_function_call_arguments_delta", "response_function_call_arguments_done", b"response_function_call_arguments_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_item_added", b"response_output_item_added", "response_output_item_done", b"response_output_item_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_item_added", b"conversation_item_added", "conversation_item_deleted", b"conversation_item_deleted", "conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_failed", b"conversation_item_input_audio_transcription_failed", "conversation_item_retrieved", b"conversation_item_retrieved", "conversation_item_truncated", b"conversation_item_truncated", "error", b"error", "event", b"event", "event_id", b"event_id", "input_audio_buffer_backchannel", b"input_audio_buffer_backchannel", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "input_audio_buffer_speech_tentative", b"input_audio_buffer_speech_tentative", "input_audio_buffer_timeout_triggered", b"input_audio_buffer_timeout_triggered", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_function_call_arguments_delta", b"response_function_call_arguments_delta", "response_function_call_arguments_done", b"response_function_call_arguments_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_item_added", b"response_output_item_added", "response_output_item_done", b"response_output_item_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_item_added", b"conversation_item_added", "conversation_item_deleted", b"conversation_item_deleted", "conversation_item_input_audio_transcription_completed", b"conversation_item_input_audio_transcription_completed", "conversation_item_input_audio_transcription_delta", b"conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_failed", b"conversation_item_input_audio_transcription_failed", "conversation_item_retrieved", b"conversation_item_retrieved", "conversation_item_truncated", b"conversation_item_truncated", "error", b"error", "event", b"event", "event_id", b"event_id", "input_audio_buffer_backchannel", b"input_audio_buffer_backchannel", "input_audio_buffer_cleared", b"input_audio_buffer_cleared", "input_audio_buffer_committed", b"input_audio_buffer_committed", "input_audio_buffer_dtmf_event_received", b"input_audio_buffer_dtmf_event_received", "input_audio_buffer_speech_started", b"input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", b"input_audio_buffer_speech_stopped", "input_audio_buffer_speech_tentative", b"input_audio_buffer_speech_tentative", "input_audio_buffer_timeout_triggered", b"input_audio_buffer_timeout_triggered", "output_audio_buffer_cleared", b"output_audio_buffer_cleared", "playback_acknowledged", b"playback_acknowledged", "response_created", b"response_created", "response_done", b"response_done", "response_function_call_arguments_delta", b"response_function_call_arguments_delta", "response_function_call_arguments_done", b"response_function_call_arguments_done", "response_output_audio_delta", b"response_output_audio_delta", "response_output_audio_done", b"response_output_audio_done", "response_output_item_added", b"response_output_item_added", "response_output_item_done", b"response_output_item_done", "response_output_text_delta", b"response_output_text_delta", "response_output_text_done", b"response_output_text_done", "response_waiting", b"response_waiting", "session_closed", b"session_closed", "session_created", b"session_created", "session_updated", b"session_updated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_created", "session_updated", "input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", "input_audio_buffer_committed", "input_audio_buffer_cleared", "conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_completed", "response_created", "response_output_audio_delta", "response_output_text_delta", "response_output_text_done", "response_output_audio_done", "response_done", "output_audio_buffer_cleared", "playback_acknowledged", "session_closed", "error", "response_waiting", "input_audio_buffer_timeout_triggered", "conversation_item_added", "conversation_item_deleted", "conversation_item_retrieved", "conversation_item_truncated", "conversation_item_input_audio_transcription_failed", "response_output_item_added", "response_output_item_done", "response_function_call_arguments_delta", "response_function_call_arguments_done", "input_audio_buffer_speech_tentative", "input_audio_buffer_backchannel"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_created", "session_updated", "input_audio_buffer_speech_started", "input_audio_buffer_speech_stopped", "input_audio_buffer_committed", "input_audio_buffer_cleared", "conversation_item_input_audio_transcription_delta", "conversation_item_input_audio_transcription_completed", "response_created", "response_output_audio_delta", "response_output_text_delta", "response_output_text_done", "response_output_audio_done", "response_done", "output_audio_buffer_cleared", "playback_acknowledged", "session_closed", "error", "response_waiting", "input_audio_buffer_timeout_triggered", "conversation_item_added", "conversation_item_deleted", "conversation_item_retrieved", "conversation_item_truncated", "conversation_item_input_audio_transcription_failed", "response_output_item_added", "response_output_item_done", "response_function_call_arguments_delta", "response_function_call_arguments_done", "input_audio_buffer_speech_tentative", "input_audio_buffer_backchannel", "input_audio_buffer_dtmf_event_received"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
