@@ -353,8 +353,8 @@ class Bridge:
             self.draining = True
             log.info("web bridge draining", extra={"peers": len(self.peers), "grace_s": grace_s})
         deadline = time.monotonic() + max(0.0, grace_s)
-        while (self.peers or self._opening or (self.openai and (self.openai.active or self.openai.sockets))) \
-                and (left := deadline - time.monotonic()) > 0:
+        while (self.peers or self._opening or (self.openai and (self.openai.active or self.openai.sockets))
+               or (self.twilio and self.twilio.calls)) and (left := deadline - time.monotonic()) > 0:
             # Offers already being answered become peers (or fail); every peer is waited for.
             closing = [asyncio.ensure_future(p.closed.wait()) for p in list(self.peers.values())]
             try:

@@ -141,9 +141,16 @@ class TwilioDoor:
         return error_response(403, why, reason="twilio_signature")
 
     # ---- the voice webhook -------------------------------------------------------------------------
+    def draining(self) -> web.Response | None:
+        """The 503 while the web front drains: new calls go to another replica."""
+        if not self.upstream.draining():
+            return None
+        return error_response(503, "the server is shutting down (draining): call another replica",
+                              {"Retry-After": "5"}, "draining")
+
     async def voice(self, request: web.Request) -> web.Response:
         form = {k: str(v) for k, v in (await request.post()).items()}
-        if (refusal := self.refused(request, self.url_of(request), form)) is not None:
+        if (refusal := self.refused(request, self.url_of(request), form) or self.draining()) is not None:
             return refusal
         https = self.url_of(request).startswith("https:")
         media = urlsplit(self.url_of(request, "wss" if https else "ws"))
@@ -160,7 +167,8 @@ class TwilioDoor:
         if not ws.can_prepare(request).ok:
             raise web.HTTPBadRequest(text="/twilio/media is a WebSocket (Twilio's Media Streams)\n")
         https = self.url_of(request).startswith("https:")
-        if (refusal := self.refused(request, self.url_of(request, "wss" if https else "ws"))) is not None:
+        if (refusal := self.refused(request, self.url_of(request, "wss" if https else "ws"))
+                or self.draining()) is not None:
             return refusal
         await ws.prepare(request)
         call = TwilioCall(self, request, ws)
