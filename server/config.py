@@ -233,6 +233,9 @@ class ServerConfig:
                              "web_twilio (--web-twilio)")
         if self.web_twilio and not self.web:
             raise ValueError("web_twilio serves on the web port: it needs web (--web)")
+        if self.web_twilio and self.auth_tokens:
+            raise ValueError("web_twilio with auth_tokens: Twilio presents no token for the server to check; run "
+                             "`rtmedia web --twilio --server-token TOKEN` beside the server instead")
         if self.noise_reduction not in ("off", "near_field", "far_field"):
             raise ValueError(f"noise_reduction must be off, near_field or far_field, got {self.noise_reduction!r}")
         if self.turn_eagerness not in ("low", "medium", "high", "auto"):

@@ -4,7 +4,7 @@ shared by the quick tests (tests/reliability/test_fuzz.py) and the long run
 (tests/reliability/fuzz.py).
 
 A door is registered with `@door(name, cases, needs=...)` on its runner; `needs` names what
-the server must offer for it ("riva", "web", "auth", "openai"). A new door (a service, a method, an HTTP
+the server must offer for it ("riva", "web", "auth", "openai", "twilio"). A new door (a service, a method, an HTTP
 route) is one strategy and one runner here, and both the quick tests and the long run pick it
 up. Request messages come from `strategies.message`, which fuzzes every field of a request
 type, so a field added to a request later is covered without a change here.
@@ -27,6 +27,7 @@ What every case must end with (`run_case` checks it all):
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import json
@@ -1955,3 +1956,88 @@ def case_repr(case: Any, limit: int = 600) -> str:
 
 __all__ = ["DOORS", "METHODS", "Door", "Outcome", "SdpEdit", "Target", "Verdict", "case_repr", "doors_for",
            "offer_sdp", "probe_latent_channels", "run_case"]
+
+
+# ---- Twilio Media Streams (web/telephony/twilio.py) ----------------------------------------------
+
+TWILIO_PATH = "/twilio/media"
+# The door's closes: its own end (stop), and refusals that name the reason.
+TWILIO_CLOSES = {1000: "the call ended", 1003: "not Twilio's messages", 1008: "out of order", 1013: "at capacity"}
+TWILIO_FORMAT = {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}
+
+
+def _twilio_frames() -> st.SearchStrategy[str | bytes]:
+    """One frame of a Media Streams socket: Twilio's messages, right or with fuzzed fields, or
+    anything else."""
+    sid = st.sampled_from(["MZ1", ""])
+    fmt = weighted([st.just(TWILIO_FORMAT)] * 3 + [json_values()])
+    start = st.builds(lambda s, f, p: {"event": "start", "streamSid": s, "start": {"streamSid": s, "mediaFormat": f,
+                                                                                   "customParameters": p}},
+                      sid, fmt, weighted([st.just({}), st.dictionaries(strings(12), json_values(), max_size=4)]))
+    payload = weighted([st.binary(max_size=800).map(lambda b: base64.b64encode(b).decode())] * 3
+                       + [strings()])
+    media = st.builds(lambda s, p: {"event": "media", "streamSid": s, "media": {"track": "inbound", "payload": p}},
+                      sid, payload)
+    other = st.builds(lambda kind, body: {"event": kind, "streamSid": "MZ1", kind: body},
+                      st.sampled_from(["mark", "dtmf", "stop", "connected", "nonsense"]),
+                      weighted([st.fixed_dictionaries({"name": strings()}),
+                                st.fixed_dictionaries({"digit": strings(4)}), json_values()]))
+    as_json = weighted([start, media, media, media, other, json_values()]).map(json.dumps)
+    return weighted([as_json] * 6 + [strings(), blobs(256)])
+
+
+TWILIO_CASES = st.tuples(
+    st.lists(_twilio_frames(), max_size=12).map(
+        lambda frames: [json.dumps({"event": "connected"}),
+                        json.dumps({"event": "start", "streamSid": "MZ1",
+                                    "start": {"streamSid": "MZ1", "mediaFormat": TWILIO_FORMAT}}), *frames]),
+    st.booleans())  # whether the well-formed opening comes first (else the frames alone)
+
+
+@door("twilio_media", TWILIO_CASES, needs=["web", "twilio"])
+async def twilio_media(target: Target, case: tuple[list[str | bytes], bool]) -> Outcome:
+    """One `/twilio/media` socket: the frames, what comes back, and the client's close. The
+    door may close it, with one of TWILIO_CLOSES and a reason; whatever it sends is Twilio's
+    JSON (`media`, `mark`, `clear` with the call's streamSid)."""
+    import aiohttp
+
+    frames, opening = case
+    frames = frames if opening else frames[2:]
+    outcome = Outcome()
+    url = target.web_url.replace("http", "ws", 1) + TWILIO_PATH
+    try:
+        async with target.http.ws_connect(url, heartbeat=None) as ws:
+            outcome.status("HTTP 101")
+            for frame in frames:
+                if ws.closed:
+                    break
+                with contextlib.suppress(ConnectionError, aiohttp.ClientError):
+                    await (ws.send_bytes(frame) if isinstance(frame, bytes) else ws.send_str(frame))
+            deadline = time.monotonic() + 0.5
+            while not ws.closed and (left := deadline - time.monotonic()) > 0:
+                try:
+                    msg = await ws.receive(timeout=left)
+                except TimeoutError:
+                    break
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    event = json.loads(msg.data)
+                    if event.get("event") not in ("media", "mark", "clear") or event.get("streamSid") != "MZ1":
+                        outcome.problems.append(f"a message that is not Twilio's: {msg.data[:200]}")
+                elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
+                    break
+                else:
+                    outcome.problems.append(f"a {msg.type.name} frame from the door")
+            server_closed = ws.closed
+            await asyncio.wait_for(ws.close(), END_S)
+            code = ws.close_code
+        if server_closed:
+            outcome.status(f"WS {code}")
+            if code not in TWILIO_CLOSES:
+                outcome.problems.append(f"the door closed the socket with {code}")
+    except aiohttp.WSServerHandshakeError as exc:
+        outcome.status(f"HTTP {exc.status}")
+        if exc.status >= 500 and exc.status != 503:
+            outcome.problems.append(f"the handshake got HTTP {exc.status}")
+    except TimeoutError:
+        outcome.problems.append(f"the socket did not close within {END_S:g} s of the client's close")
+    return outcome

@@ -28,6 +28,7 @@ from rtmedia.v1 import speech_pb2
 from rtmedia.web.bridge import Bridge, BridgeConfig
 from rtmedia.web.openai_api import OpenAIConfig
 from rtmedia.web.realtime_ws import RealtimeLimits
+from rtmedia.web.telephony.twilio import TwilioConfig
 from yarl import URL
 
 from tests.reliability.doors import (
@@ -82,7 +83,9 @@ async def fuzz_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 async def fuzz_bridge(fuzz_server):
     bridge = Bridge(BridgeConfig(target=f"127.0.0.1:{fuzz_server.port}", port=0, max_peers=4,
-                                 openai=OpenAIConfig(max_upload_bytes=UPLOAD_LIMIT, realtime=REALTIME_LIMITS)),
+                                 openai=OpenAIConfig(max_upload_bytes=UPLOAD_LIMIT, realtime=REALTIME_LIMITS),
+                                 twilio=TwilioConfig(insecure=True, start_timeout_s=1.0),
+                                 server_token=GOOD),  # (what a Twilio call, which has no token, runs with)
                     fuzz_server.tokens)
     await bridge.start()
     yield bridge
@@ -118,7 +121,7 @@ async def target(fuzz_server, fuzz_bridge, error_log):
                      errors_logged=error_log.take,
                      latent_channels=await probe_latent_channels(channel, metadata),
                      max_receive_bytes=fuzz_server.config.max_receive_bytes,
-                     features=frozenset({"riva", "web", "auth", "openai"}),
+                     features=frozenset({"riva", "web", "auth", "openai", "twilio"}),
                      web_url=f"http://127.0.0.1:{fuzz_bridge.port}", http=http, web_peers=peers,
                      offer_sdp=await offer_sdp(), max_upload_bytes=UPLOAD_LIMIT,
                      max_event_bytes=REALTIME_LIMITS.max_event_bytes, max_frame_bytes=REALTIME_LIMITS.max_frame_bytes)

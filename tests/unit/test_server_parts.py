@@ -84,7 +84,8 @@ def test_rich_status_carries_error_info():
 def test_the_twilio_door_needs_the_web_port():
     assert ServerConfig(web=True, web_twilio=True, web_twilio_insecure=True).web_twilio
     for bad, part in (({"web_twilio": True}, "it needs web"),
-                      ({"web": True, "web_twilio_insecure": True}, "need web_twilio")):
+                      ({"web": True, "web_twilio_insecure": True}, "need web_twilio"),
+                      ({"web": True, "web_twilio": True, "auth_tokens": "tokens"}, "--server-token")):
         with pytest.raises(ValueError, match=part):
             ServerConfig(**bad)
 

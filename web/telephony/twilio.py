@@ -206,8 +206,10 @@ class TwilioCall:
             await self._open(start)
         except RtmediaError as exc:
             busy = exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if not busy:  # the door's own set-up (e.g. no --server-token for a server with tokens)
+                log.warning("twilio call refused by the server", extra={"code": exc.code.name, "details": exc.details})
             self.refuse(TRY_AGAIN_LATER if busy else WSCloseCode.INTERNAL_ERROR,
-                        f"the rtmedia server refused the call: {exc.details}")
+                        f"the rtmedia server refused the call: {exc.code.name}: {exc.details}")
             return
         self.door.calls += 1
         writer = asyncio.ensure_future(self._from_server())
