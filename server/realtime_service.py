@@ -2,7 +2,8 @@
 
 A client may say how it reached the server in the call's `rtmedia-transport` metadata
 (`grpc`, the default; `webrtc`: the bridge; `openai-ws`, `openai-webrtc`: the OpenAI Realtime
-front); `rtmedia_transport_sessions_active{transport}` counts the open sessions by it.
+front; `twilio`: a phone call through Twilio); `rtmedia_transport_sessions_active{transport}`
+counts the open sessions by it.
 """
 
 from __future__ import annotations

@@ -8,13 +8,14 @@ import asyncio
 import io
 import time
 import wave
+from types import SimpleNamespace
 
 import aiohttp
 import numpy as np
 import pytest
 from rtmedia.engines.resample import ulaw_to_float
 
-from tests.support.serve import FEW_SPEAKERS, running_server
+from tests.support.serve import FEW_SPEAKERS, free_port, running_server
 from tests.support.speech import wer
 from tests.support.twilio import RATE, TOKEN, Twilio, signed, ulaw
 from tests.support.webrtc import running_bridge
@@ -29,10 +30,11 @@ INTERRUPTION = "Stop, that is enough."
 def door(tmp_path_factory):
     folder = tmp_path_factory.mktemp("twilio")
     (folder / "token").write_text(TOKEN + "\n")
-    with running_server("--no-llm", "--responder", "echo", log=folder / "serve.log",
+    metrics = free_port()
+    with running_server("--no-llm", "--responder", "echo", "--metrics-port", str(metrics), log=folder / "serve.log",
                         asr_decoders=FEW_SPEAKERS) as (target, _), \
             running_bridge(target, "--twilio", "--twilio-auth-token-file", str(folder / "token")) as url:
-        yield url
+        yield SimpleNamespace(url=url, metrics=f"http://127.0.0.1:{metrics}/metrics")
 
 
 async def transcribe(http: aiohttp.ClientSession, url: str, mulaw: bytes) -> str:
@@ -52,24 +54,24 @@ async def transcribe(http: aiohttp.ClientSession, url: str, mulaw: bytes) -> str
 
 async def test_the_voice_webhook_answers_twiml_to_twilio_only(door):
     params = {"CallSid": "CA0001", "AccountSid": "AC0001", "From": "+15551230000", "To": "+15559870000"}
-    url = f"{door}/twilio/voice"
+    url = f"{door.url}/twilio/voice"
     async with aiohttp.ClientSession() as http:
         async with http.post(url, data=params, headers=signed(url, params)) as res:
             assert res.status == 200 and res.content_type == "text/xml"
             twiml = await res.text()
-        assert f'<Stream url="{door.replace("http", "ws")}/twilio/media">' in twiml
+        assert f'<Stream url="{door.url.replace("http", "ws")}/twilio/media">' in twiml
         assert '<Parameter name="From" value="+15551230000"/>' in twiml
         async with http.post(url, data=params) as res:
             assert res.status == 403 and "X-Twilio-Signature is missing" in await res.text()
         async with http.post(url, data={**params, "From": "+15550000000"}, headers=signed(url, params)) as res:
             assert res.status == 403 and "does not match" in await res.text()
         with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
-            await http.ws_connect(f"{door.replace('http', 'ws')}/twilio/media")
+            await http.ws_connect(f"{door.url.replace('http', 'ws')}/twilio/media")
         assert refused.value.status == 403
 
 
 async def test_a_call_is_heard_answered_and_interrupted(door, speaker):
-    media = f"{door.replace('http', 'ws')}/twilio/media"
+    media = f"{door.url.replace('http', 'ws')}/twilio/media"
     async with aiohttp.ClientSession() as http, http.ws_connect(media, headers=signed(media)) as ws:
         twilio = Twilio(ws)
         reader = asyncio.ensure_future(twilio.read())
@@ -79,9 +81,11 @@ async def test_a_call_is_heard_answered_and_interrupted(door, speaker):
         await twilio.wait(lambda: twilio.returned and len(twilio.audio) > RATE)
         await twilio.wait(lambda: time.perf_counter() > twilio.play_until + 0.5 and
                           twilio.returned[-1] == twilio.of("mark")[-1][1]["mark"]["name"])
-        heard = await transcribe(http, door, bytes(twilio.audio))
+        heard = await transcribe(http, door.url, bytes(twilio.audio))
         assert wer(SENTENCE, heard.lower().removeprefix("you said").strip(" ,:.")) <= 0.3, heard
         assert all(e["streamSid"] == "MZ0001" for _, e in twilio.received)
+        async with http.get(door.metrics) as res:  # the call is a session the server counts as Twilio's
+            assert 'rtmedia_transport_sessions_active{transport="twilio"} 1.0' in await res.text()
         # A key pressed goes to the session (its answer is the session's, not Twilio's) and the call goes on.
         await ws.send_json({"event": "dtmf", "streamSid": "MZ0001", "sequenceNumber": "9",
                             "dtmf": {"track": "inbound_track", "digit": "5"}})
@@ -110,7 +114,7 @@ async def test_a_call_is_heard_answered_and_interrupted(door, speaker):
     ({"event": "start"}, 1008, "start without streamSid"),
 ])
 async def test_a_socket_that_is_not_twilio_is_closed_with_the_reason(door, first, code, reason):
-    media = f"{door.replace('http', 'ws')}/twilio/media"
+    media = f"{door.url.replace('http', 'ws')}/twilio/media"
     async with aiohttp.ClientSession() as http, http.ws_connect(media, headers=signed(media)) as ws:
         await (ws.send_str(first) if isinstance(first, str) else ws.send_json(first))
         msg = await ws.receive(timeout=10)

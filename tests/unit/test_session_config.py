@@ -80,6 +80,7 @@ def test_idle_timeout_ms_is_for_server_vad_only(kind):
     ((("authorization", "Bearer x"), ("rtmedia-transport", "openai-ws")), "openai-ws"),
     ((("rtmedia-transport", "webrtc"),), "webrtc"),
     ((("rtmedia-transport", "openai-webrtc"),), "openai-webrtc"),
+    ((("rtmedia-transport", "twilio"),), "twilio"),
     ((("rtmedia-transport", "carrier-pigeon"),), "other"),
     ((("rtmedia-transport", ""),), "other"),
 ])
