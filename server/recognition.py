@@ -64,7 +64,7 @@ class Turn:
     segments: list[AsrEvent] = field(default_factory=list)
     segment_open: bool = False
     cut_done: asyncio.Future[None] | None = None  # set when the latest "cut" has been recognised
-    eager: bool = False  # voice over a reply being judged: its hypotheses come twice as often
+    eager: bool = False  # voice over a reply being judged: its hypotheses come more often
 
     @property
     def said(self) -> str:

@@ -262,16 +262,17 @@ def test_the_partial_cadence_stretches_while_the_engine_is_busy_and_comes_back(e
         engine.stretch = 1
 
 
-def test_an_eager_item_has_its_partial_at_half_the_cadence(engine, speech):
+def test_an_eager_item_has_its_partial_at_a_quarter_of_the_cadence(engine, speech):
     stream = engine.open_stream()
     quarter = RATE * 2 // 4  # 250 ms of PCM16
     assert engine.step([AsrItem(stream, speech[FOX][:quarter])]) == [[]]
     [events] = engine.step([AsrItem(stream, speech[FOX][quarter : 2 * quarter], eager=True)])
     assert [e.is_final for e in events] == [False]  # 500 ms of new audio: due either way
-    [events] = engine.step([AsrItem(stream, speech[FOX][2 * quarter : 3 * quarter])])
-    assert events == []  # 250 ms since: not due ...
-    [events] = engine.step([AsrItem(stream, speech[FOX][3 * quarter : 3 * quarter + 2], eager=True)])
-    assert [e.is_final for e in events] == [False]  # ... but due for an eager item
+    ms = RATE * 2 // 1000  # 1 ms of PCM16
+    [events] = engine.step([AsrItem(stream, speech[FOX][2 * quarter : 2 * quarter + 100 * ms])])
+    assert events == []  # 100 ms since: not due ...
+    [events] = engine.step([AsrItem(stream, speech[FOX][2 * quarter + 100 * ms : 2 * quarter + 130 * ms], eager=True)])
+    assert [e.is_final for e in events] == [False]  # ... but 130 ms is due for an eager item
     assert engine._streams[stream.id].utt.unprompted  # and decoded without the text before
     engine.close_stream(stream)
 
