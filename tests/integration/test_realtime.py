@@ -383,6 +383,22 @@ async def test_with_noise_reduction_speech_in_noise_is_heard_and_noise_alone_sta
         assert (await c.wait_for("session.updated", count=2))["session"]["noise_reduction"]["type"] == ""
 
 
+async def test_noise_reduction_takes_a_phone_calls_8_khz_mulaw(channel, speaker):
+    """G.711 at 8 kHz (a phone call's audio) is resampled for the suppressor like any input."""
+    from rtmedia.engines.resample import float_to_ulaw
+
+    async with Conversation(channel) as c:
+        c.send("session.update", session={"noise_reduction": {"type": "near_field"},
+                                          "input_audio_format": {"encoding": "g711_ulaw", "sample_rate": 8000}})
+        updated = await c.wait_for("session.updated")
+        assert updated["session"]["noise_reduction"]["type"] == "near_field"
+        speech = speaker.say(SENTENCE, 8000).astype(np.float32) / 32768
+        call = np.concatenate([np.zeros(4000, np.float32), speech, np.zeros(12000, np.float32)])
+        await c.stream(float_to_ulaw(call), 8000, speed=2.0, bytes_per_sample=1)
+        completed = await c.wait_for("conversation.item.input_audio_transcription.completed", timeout=20)
+        assert wer(SENTENCE, completed["transcript"]) <= 0.2, completed["transcript"]
+
+
 BAD = [
     ("session.update", {"session": {"noise_reduction": {"type": "tunnel"}}}, "invalid_value",
      "noise_reduction.type", "'tunnel' is not one of"),
