@@ -458,7 +458,7 @@ class Person:
             base = n * self.run.chunk_ms
             resumes = None if clip.pause_ms is None else base + clip.pause_ms[1]
             self.utterances.append(Utterance(base + clip.voice_start_ms, base + clip.voice_end_ms, resumes_ms=resumes))
-            playing = self.playing(now)
+            playing = self.playing_reply(now)
             for reply in self.live_replies:  # a cancel is the latest voice's doing
                 reply.over = clip.kind if over and reply is playing else ""
             if over and playing is not None:
@@ -489,7 +489,7 @@ class Person:
             pool = run.paused
         return pool[self.rng.randrange(len(pool))]
 
-    def playing(self, now: float) -> Reply | None:
+    def playing_reply(self, now: float) -> Reply | None:
         """The reply being played now, if one is."""
         return next((r for r in self.live_replies if r.first_audio_t is not None and not r.cleared
                      and r.playing(now)), None)

@@ -78,6 +78,16 @@ class _Frames(Protocol):
     def close(self) -> None: ...
 
 
+def _each_frame(process: Any, state: Any, src: np.ndarray, frame: int, out_first: bool) -> np.ndarray:
+    """`process(state, ...)` on each whole float32 frame of `src` into a new array: the C APIs
+    take the output and input frames' addresses (RNNoise output first, DeepFilterNet input first)."""
+    out = np.empty_like(src)
+    a, b = src.ctypes.data, out.ctypes.data
+    for offset in range(0, src.nbytes, frame * 4):
+        process(state, *((b + offset, a + offset) if out_first else (a + offset, b + offset)))
+    return out
+
+
 class _Rnnoise:
     """RNNoise at 48 kHz on 480-sample frames; its samples are floats on the 16-bit scale."""
 
@@ -110,11 +120,7 @@ class _Rnnoise:
 
     def run(self, x: np.ndarray) -> np.ndarray:
         src = np.ascontiguousarray(x * np.float32(32768))
-        out = np.empty_like(src)
-        step, process = self.frame * 4, self._lib.rnnoise_process_frame
-        a, b = src.ctypes.data, out.ctypes.data
-        for offset in range(0, src.nbytes, step):
-            process(self._state, b + offset, a + offset)
+        out = _each_frame(self._lib.rnnoise_process_frame, self._state, src, self.frame, out_first=True)
         out *= np.float32(1 / 32768)
         return out
 
@@ -163,13 +169,8 @@ class _DeepFilter:
             raise EngineError(f"DeepFilterNet's frames are {length} samples, not {self.frame}")
 
     def run(self, x: np.ndarray) -> np.ndarray:
-        src = np.ascontiguousarray(x, np.float32)
-        out = np.empty_like(src)
-        step, process = self.frame * 4, self._lib.df_process_frame
-        a, b = src.ctypes.data, out.ctypes.data
-        for offset in range(0, src.nbytes, step):
-            process(self._state, a + offset, b + offset)
-        return out
+        return _each_frame(self._lib.df_process_frame, self._state, np.ascontiguousarray(x, np.float32), self.frame,
+                           out_first=False)
 
     def close(self) -> None:
         state, self._state = self._state, None

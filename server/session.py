@@ -587,7 +587,8 @@ class Session:
         for delta in voice.deltas:
             self.send("conversation.item.input_audio_transcription.delta", item_id=voice.item_id, delta=delta)
         self.metrics.interruptions.labels("interrupted").inc()
-        log.debug("interruption confirmed", extra={"session_id": self.id, "heard": voice.heard.strip(), "speech_ms": voice.speech_ms})
+        log.debug("interruption confirmed",
+                  extra={"session_id": self.id, "heard": voice.heard.strip(), "speech_ms": voice.speech_ms})
         if self.response is voice.response and voice.response.audible(time.perf_counter()):
             self.replies.cancel("turn_detected")
             self.metrics.barge_in.observe(time.perf_counter() - voice.started_at)

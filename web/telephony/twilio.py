@@ -110,18 +110,17 @@ class TwilioDoor:
                 app.router.add_get("/twilio/media", self.media).resource}
 
     # ---- authentication ---------------------------------------------------------------------------
-    def url_of(self, request: web.Request, scheme: str | None = None) -> str:
+    def url_of(self, request: web.Request, socket: bool = False) -> str:
         """The URL Twilio requested: under `public_url` if set, else as the request says (behind
-        a proxy, X-Forwarded-Proto and X-Forwarded-Host)."""
+        a proxy, X-Forwarded-Proto and X-Forwarded-Host); `socket`: as ws:// or wss://."""
         if self.config.public_url:
-            base = self.config.public_url
-            if scheme is not None:
-                base = scheme + base[base.index(":"):]
+            proto, host = self.config.public_url.split("://", 1)
         else:
             proto = request.headers.get("X-Forwarded-Proto", request.scheme).split(",")[0].strip()
             host = request.headers.get("X-Forwarded-Host", request.host).split(",")[0].strip()
-            base = f"{scheme or proto}://{host}"
-        return base + request.path_qs
+        if socket:
+            proto = "wss" if proto == "https" else "ws"
+        return f"{proto}://{host}{request.path_qs}"
 
     def refused(self, request: web.Request, url: str, params: dict[str, str] | None = None) -> web.Response | None:
         """The 403 for a request that is not Twilio's; None for one that is."""
@@ -152,8 +151,7 @@ class TwilioDoor:
         form = {k: str(v) for k, v in (await request.post()).items()}
         if (refusal := self.refused(request, self.url_of(request), form) or self.draining()) is not None:
             return refusal
-        https = self.url_of(request).startswith("https:")
-        media = urlsplit(self.url_of(request, "wss" if https else "ws"))
+        media = urlsplit(self.url_of(request, socket=True))
         stream_url = f"{media.scheme}://{media.netloc}{media.path.rsplit('/', 1)[0]}/media"
         parameters = "".join(f"<Parameter name={quoteattr(k)} value={quoteattr(form[k][:MAX_PARAMETER_CHARS])}/>"
                              for k in ("From", "To", "CallSid") if form.get(k))
@@ -166,8 +164,7 @@ class TwilioDoor:
         ws = web.WebSocketResponse(heartbeat=20.0, compress=False, max_msg_size=1 << 20)
         if not ws.can_prepare(request).ok:
             raise web.HTTPBadRequest(text="/twilio/media is a WebSocket (Twilio's Media Streams)\n")
-        https = self.url_of(request).startswith("https:")
-        if (refusal := self.refused(request, self.url_of(request, "wss" if https else "ws"))
+        if (refusal := self.refused(request, self.url_of(request, socket=True))
                 or self.draining()) is not None:
             return refusal
         await ws.prepare(request)
