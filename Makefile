@@ -10,7 +10,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 50051
 WEB_PORT ?= 8080
 PYTEST_ARGS ?=
-APT_PACKAGES := chromium haproxy libportaudio2 pulseaudio pulseaudio-utils libasound2-plugins
+APT_PACKAGES := chromium haproxy libportaudio2 pulseaudio pulseaudio-utils libasound2-plugins baresip-core
 
 .PHONY: setup serve test check lint lock loadtest-smoke proto clean
 
@@ -32,7 +32,8 @@ $(STAMP): pyproject.toml constraints.txt package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	# The browser tests drive Debian's chromium (Playwright uses it; no browser download); the
 	# proxy test puts Debian's haproxy in front of two replicas; `talk --mic` needs PortAudio, and
-	# its tests run it on PulseAudio's clocked null sink and pipe source through ALSA's pulse plugin.
+	# its tests run it on PulseAudio's clocked null sink and pipe source through ALSA's pulse plugin;
+	# the SIP door's tests call it with baresip.
 	dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q $(APT_PACKAGES); }
 	touch $(STAMP)

@@ -13,6 +13,7 @@ from rtmedia.clients import cli as client_cli
 from rtmedia.server.config import ASR_ENGINES, ServerConfig
 from rtmedia.server.doctor import add_doctor_parser, cmd_doctor
 from rtmedia.web.cli import add_web_parser
+from rtmedia.web.telephony.sip_cli import add_sip_parser
 
 SYNTHETIC_SIZES = ("tiny", "0.5b", "1b", "7b")  # engines/lm_synthetic.py SHAPES (not imported: no torch here)
 
@@ -26,6 +27,7 @@ rtmedia: a realtime media server over gRPC.
   rtmedia talk question.wav -o reply.wav a duplex voice session: turns, replies, barge-in
   rtmedia decode-video lat.npy -o a.mp4  chunked video decode of a latent, frames streamed as decoded
   rtmedia web                            the browser page and WebRTC bridge (http://127.0.0.1:8080/)
+  rtmedia sip                            answer phone calls over SIP (docs/telephony.md)
   rtmedia loadtest --sessions 50         many simulated sessions: latency percentiles, capacity
   rtmedia health                         grpc.health.v1 check: exit 0 when SERVING
   rtmedia doctor                         self-check: engines, device, CUDA graphs, Triton kernels
@@ -179,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
     client_cli.add_commands(sub)
     add_web_parser(sub)
+    add_sip_parser(sub)
     add_doctor_parser(sub)
     return parser
 

@@ -11,7 +11,7 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0
 RPC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 # Values of rtmedia_transport_sessions_active{transport}: what a client may say in the
 # rtmedia-transport metadata (anything else counts as "other"; none: "grpc").
-TRANSPORTS = ("grpc", "webrtc", "openai-ws", "openai-webrtc", "twilio", "other")
+TRANSPORTS = ("grpc", "webrtc", "openai-ws", "openai-webrtc", "twilio", "sip", "other")
 
 
 class Metrics:

@@ -52,24 +52,22 @@ from aiortc.jitterbuffer import JitterBuffer
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from rtmedia.clients.errors import RtmediaError
 from rtmedia.clients.session import RealtimeSession
-from rtmedia.engines.resample import Resampler, float_to_pcm16, make_resampler, pcm16_to_float
 from rtmedia.protocol.events import EventError, client_event, event_type, from_json, to_json
 from rtmedia.v1 import realtime_pb2, video_pb2
 from rtmedia.v1.video_pb2_grpc import VideoServiceStub
+from rtmedia.web.playout import ReplyPlayout
 from rtmedia.web.realtime_config import RealtimeError
 from rtmedia.web.realtime_events import Translator
 from rtmedia.web.tracks import (
     PLAYOUT_RATE,
     MicResampler,
     PacketAudioBuffer,
-    PlayoutBuffer,
     ReplyAudioTrack,
     VideoFrameTrack,
 )
 
 log = logging.getLogger("rtmedia.web")
 
-ACK_EVERY_MS = 200
 ACK_TICK_S = 0.05
 OPEN_TIMEOUT_S = 10.0  # for session.created
 MAX_PENDING_MESSAGES = 1000  # events queued for the page before its channel opens
@@ -103,19 +101,6 @@ class VideoDefaults:
 
 
 @dataclass
-class ReplyState:
-    rate: int
-    samples: int = 0  # at the server's rate, as it counts what it sent
-    acked_ms: int = 0
-    done: bool = False
-    resampler: Resampler | None = None
-
-    @property
-    def sent_ms(self) -> int:
-        return self.samples * 1000 // self.rate
-
-
-@dataclass
 class PeerStats:
     mic_frames: int = 0
     mic_bytes: int = 0
@@ -141,7 +126,8 @@ class Peer:
         self.input_rate = input_rate
         self.video_defaults = video
         self._on_closed = on_closed
-        self.buffer = PlayoutBuffer()
+        self.playout = ReplyPlayout(PLAYOUT_RATE)
+        self.buffer = self.playout.buffer
         self.mic_buffers: list[JitterBuffer] = []  # the microphone's receive buffers (set_audio_prefetch)
         self.audio_out = ReplyAudioTrack(self.buffer)
         self.video_out = VideoFrameTrack()
@@ -153,7 +139,6 @@ class Peer:
         self._closing = False
         self._connected = asyncio.Event()  # the peer connection (ICE and DTLS) has been up
         self._outgoing: asyncio.Queue[realtime_pb2.ConverseRequest | None] = asyncio.Queue(256)
-        self._replies: dict[str, ReplyState] = {}
         self._channel: Any = None  # the `events` RTCDataChannel
         self._pending: deque[str] = deque()
         self._session_open = asyncio.Event()
@@ -405,78 +390,40 @@ class Peer:
         self.schedule_close("session ended")
 
     def _on_server_event(self, msg: realtime_pb2.ConverseResponse) -> None:
+        cleared = self.playout.on_event(msg)
         name = event_type(msg)
         if name == "response.output_audio.delta":
-            self._on_audio(msg)
+            if self.translator is not None:
+                self.to_page_event(msg)
+                return
+            # The audio travels on the media track; the page gets the delta without its bytes.
+            light = realtime_pb2.ConverseResponse()
+            light.CopyFrom(msg)
+            light.response_output_audio_delta.audio = b""
+            obj = to_json(light)
+            obj["audio_bytes"] = len(msg.response_output_audio_delta.audio)
+            obj.pop("audio", None)
+            self.to_page(obj)
             return
-        if name == "output_audio_buffer.cleared":
-            # Barge-in: drop queued audio first, so not one more frame of it is played.
-            rid = msg.output_audio_buffer_cleared.response_id
-            dropped = self.buffer.clear()
-            self.buffer.paused = False
-            if rid in self._replies:
-                self._replies[rid].done = True
-            self.to_page_event(msg)
-            self.send_bridge("bridge.playback.cleared", response_id=rid,
-                             dropped_ms=round(dropped * 1000 / PLAYOUT_RATE),
-                             played_ms=self.buffer.played(rid) * 1000 // PLAYOUT_RATE)
-            return
-        if name == "input_audio_buffer.speech_tentative":
-            self.buffer.paused = True  # confirmed interruptions: hold the reply while the voice is judged
-        elif name in ("input_audio_buffer.backchannel", "input_audio_buffer.speech_started"):
-            self.buffer.paused = False  # judged: it goes on (a cancel's cleared follows an interruption)
-        elif name == "response.done":
-            reply = self._replies.get(msg.response_done.response_id)
-            if reply is not None:
-                reply.done = True
-        elif name == "session.closed":
+        if name == "session.closed":
             self.close_reason = msg.session_closed.reason
             self._server_closed = True
         self.to_page_event(msg)
-
-    def _on_audio(self, msg: realtime_pb2.ConverseResponse) -> None:
-        ev = msg.response_output_audio_delta
-        reply = self._replies.get(ev.response_id)
-        if reply is None:
-            reply = self._replies[ev.response_id] = ReplyState(ev.sample_rate or PLAYOUT_RATE)
-        channels = max(1, ev.channels)
-        samples = np.frombuffer(ev.audio[: len(ev.audio) // (2 * channels) * 2 * channels], "<i2")
-        if channels > 1:
-            samples = samples.reshape(-1, channels).mean(axis=1).astype(np.int16)
-        reply.samples += len(samples)
-        if reply.rate != PLAYOUT_RATE:
-            if reply.resampler is None:
-                reply.resampler = make_resampler(reply.rate, PLAYOUT_RATE)
-            samples = np.frombuffer(float_to_pcm16(reply.resampler.process(pcm16_to_float(samples.tobytes()))),
-                                    "<i2")
-        self.buffer.push(ev.response_id, samples.astype(np.int16))
-        if self.translator is not None:
-            self.to_page_event(msg)
-            return
-        # The audio travels on the media track; the page gets the delta without its bytes.
-        light = realtime_pb2.ConverseResponse()
-        light.CopyFrom(msg)
-        light.response_output_audio_delta.audio = b""
-        obj = to_json(light)
-        obj["audio_bytes"] = len(ev.audio)
-        obj.pop("audio", None)
-        self.to_page(obj)
+        if cleared is not None:
+            self.send_bridge("bridge.playback.cleared", response_id=cleared.response_id,
+                             dropped_ms=cleared.dropped_ms, played_ms=cleared.played_ms)
 
     async def _ack_loop(self) -> None:
         """playback.ack every ~200 ms of played audio, and once a reply has played out (or was cut)."""
         while True:
             await asyncio.sleep(ACK_TICK_S)
-            for rid, reply in list(self._replies.items()):
-                played = min(self.buffer.played(rid) * 1000 // PLAYOUT_RATE, reply.sent_ms)
-                finished = reply.done and not self.buffer.holds(rid)
-                if played - reply.acked_ms >= ACK_EVERY_MS or (finished and played > reply.acked_ms):
-                    reply.acked_ms = played
-                    self.stats.acks += 1
-                    await self._outgoing.put(client_event("playback.ack", response_id=rid, played_ms=played))
-                if finished and played >= reply.acked_ms:
-                    del self._replies[rid]
-                    if self.translator is not None:
-                        self.to_page(self.translator.stopped(rid))
+            due, finished = self.playout.acks()
+            for rid, played in due:
+                self.stats.acks += 1
+                await self._outgoing.put(client_event("playback.ack", response_id=rid, played_ms=played))
+            if self.translator is not None:
+                for rid in finished:
+                    self.to_page(self.translator.stopped(rid))
 
     def to_page_event(self, msg: realtime_pb2.ConverseResponse) -> None:
         """A server event to the page: as it is, or as the Realtime API's events."""

@@ -4,12 +4,8 @@ video it watches, and the microphone resampler that feeds the session.
 Media is pulled at the pace of a clock (aiortc calls `recv()`); nothing pushes into
 an unbounded queue:
 
-- `PlayoutBuffer`: reply audio, a bounded FIFO of 48 kHz mono samples tagged with
-  the response they belong to. The track takes one 20 ms frame per tick; an empty
-  buffer plays silence and counts an underrun; `clear()` (barge-in) drops everything
-  at once. It remembers how much of each response was played out, which is what
-  the bridge acknowledges to the server (`playback.ack`).
-- `ReplyAudioTrack`: 20 ms frames at 48 kHz from a `PlayoutBuffer`, paced by the clock;
+- `ReplyAudioTrack`: 20 ms frames at 48 kHz from a `PlayoutBuffer` (rtmedia.web.playout: the
+  reply audio, shared with the SIP door), paced by the clock;
   the first frame of a reply goes out as soon as its audio arrives, not on the next tick.
 - `VideoFrameTrack`: decoded RGB frames from a bounded queue, paced at the clip's fps.
 - `MicResampler`: browser audio frames (Opus decodes to 48 kHz stereo) to PCM16 mono
@@ -24,8 +20,6 @@ import asyncio
 import contextlib
 import fractions
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass
 
 import av
 import numpy as np
@@ -34,141 +28,11 @@ from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from aiortc.rtp import RtpPacket
 from aiortc.utils import uint16_add
+from rtmedia.web.playout import FRAME_MS, PlayoutBuffer
 
 PLAYOUT_RATE = 48000
-FRAME_MS = 20
 FRAME_SAMPLES = PLAYOUT_RATE * FRAME_MS // 1000  # 960
 VIDEO_CLOCK = 90000  # RTP video clock
-MAX_TRACKED_RESPONSES = 64  # playout positions remembered for acknowledgement
-
-
-@dataclass
-class PlayoutStats:
-    frames: int = 0  # frames pulled
-    audio_frames: int = 0  # frames that carried some reply audio
-    underruns: int = 0  # frames that ran dry in the middle of a reply
-    cleared: int = 0  # clear() calls that dropped audio
-    dropped_samples: int = 0  # samples dropped by clear() or by overflow
-    overflow_samples: int = 0  # samples dropped because the buffer was full
-
-
-class PlayoutBuffer:
-    """A bounded FIFO of reply audio at 48 kHz mono, with per-response playout positions.
-
-    `push()` appends a response's samples (int16); when more than `max_ms` would be
-    queued the oldest samples are dropped and counted. `pull()` takes one frame,
-    padding with silence; while `paused` it plays silence and keeps the queue (voice over a
-    reply being judged). `clear()` drops what is queued. `played(response_id)`:
-    samples of that response pulled so far; `received(response_id)`: samples pushed.
-    """
-
-    def __init__(self, max_ms: int = 3000, rate: int = PLAYOUT_RATE) -> None:
-        if max_ms <= 0:
-            raise ValueError(f"max_ms must be positive, got {max_ms}")
-        self.rate = rate
-        self.capacity = rate * max_ms // 1000
-        self._queue: deque[tuple[str, np.ndarray]] = deque()  # (response_id, samples), front partly played
-        self._offset = 0  # samples of the front segment already played
-        self._queued = 0
-        self._played: OrderedDict[str, int] = OrderedDict()
-        self._received: dict[str, int] = {}
-        self._in_reply = False  # the previous frame carried audio
-        self.paused = False
-        self.arrived = asyncio.Event()  # set by push(): audio is queued
-        self.stats = PlayoutStats()
-
-    @property
-    def queued_samples(self) -> int:
-        return self._queued
-
-    @property
-    def queued_ms(self) -> float:
-        return self._queued * 1000 / self.rate
-
-    def played(self, response_id: str) -> int:
-        return self._played.get(response_id, 0)
-
-    def received(self, response_id: str) -> int:
-        return self._received.get(response_id, 0)
-
-    def holds(self, response_id: str) -> bool:
-        """Some of the response's audio is still queued."""
-        return any(rid == response_id for rid, _ in self._queue)
-
-    def responses(self) -> list[str]:
-        """Responses with a playout position, oldest first."""
-        return list(self._played)
-
-    def push(self, response_id: str, samples: np.ndarray) -> None:
-        samples = np.asarray(samples)
-        if samples.dtype != np.int16 or samples.ndim != 1:
-            raise ValueError(f"expected mono int16 samples, got {samples.dtype} with shape {samples.shape}")
-        if not len(samples):
-            return
-        if response_id not in self._played:
-            self._played[response_id] = 0
-            while len(self._played) > MAX_TRACKED_RESPONSES:
-                old, _ = self._played.popitem(last=False)
-                self._received.pop(old, None)
-        self._received[response_id] = self._received.get(response_id, 0) + len(samples)
-        self._queue.append((response_id, samples))
-        self._queued += len(samples)
-        self.arrived.set()
-        excess = self._queued - self.capacity
-        if excess > 0:
-            self._drop(excess)
-            self.stats.overflow_samples += excess
-
-    def _drop(self, count: int) -> None:
-        """Drop `count` samples from the front (counted as dropped, not played)."""
-        self.stats.dropped_samples += count
-        while count > 0 and self._queue:
-            _, seg = self._queue[0]
-            left = len(seg) - self._offset
-            if left <= count:
-                self._queue.popleft()
-                self._offset = 0
-                self._queued -= left
-                count -= left
-            else:
-                self._offset += count
-                self._queued -= count
-                count = 0
-
-    def pull(self, n: int = FRAME_SAMPLES) -> np.ndarray:
-        """The next `n` samples: queued audio, then silence."""
-        out = np.zeros(n, np.int16)
-        filled = 0
-        while filled < n and self._queue and not self.paused:
-            rid, seg = self._queue[0]
-            take = min(n - filled, len(seg) - self._offset)
-            out[filled:filled + take] = seg[self._offset:self._offset + take]
-            filled += take
-            self._offset += take
-            self._queued -= take
-            if rid in self._played:
-                self._played[rid] += take
-            if self._offset == len(seg):
-                self._queue.popleft()
-                self._offset = 0
-        self.stats.frames += 1
-        if filled:
-            self.stats.audio_frames += 1
-        if self._in_reply and filled < n and not self.paused:
-            self.stats.underruns += 1
-        self._in_reply = filled == n and bool(self._queue)
-        return out
-
-    def clear(self) -> int:
-        """Drop everything queued at once (barge-in); returns the samples dropped."""
-        dropped = self._queued
-        if dropped:
-            self._drop(dropped)
-            self.stats.cleared += 1
-        self._queue.clear()
-        self._offset = self._queued = 0
-        self._in_reply = False
-        return dropped
 
 
 class ReplyAudioTrack(MediaStreamTrack):

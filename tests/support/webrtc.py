@@ -20,7 +20,8 @@ import av
 import numpy as np
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
-from rtmedia.web.tracks import FRAME_SAMPLES, PLAYOUT_RATE, PlayoutBuffer, ReplyAudioTrack, set_audio_prefetch
+from rtmedia.web.playout import PlayoutBuffer
+from rtmedia.web.tracks import FRAME_SAMPLES, PLAYOUT_RATE, ReplyAudioTrack, set_audio_prefetch
 
 from tests.support.serve import FEW_SPEAKERS, RTMEDIA, free_port, running_server
 
@@ -39,7 +40,7 @@ class SpeechTrack(ReplyAudioTrack):
     out (perf_counter)."""
 
     def __init__(self) -> None:
-        super().__init__(PlayoutBuffer(max_ms=600_000))
+        super().__init__(PlayoutBuffer(PLAYOUT_RATE, max_ms=600_000))
         self.voiced_sent: list[float] = []
 
     def say(self, samples: np.ndarray) -> float:

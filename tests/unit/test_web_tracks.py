@@ -11,11 +11,12 @@ import pytest
 from aiortc.mediastreams import MediaStreamError
 from aiortc.rtp import RtpPacket
 from rtmedia.web.bridge import OfferError, cap_sctp_chunk_size, ice_server, parse_udp_ports, validate_offer
+from rtmedia.web.playout import PlayoutBuffer
 from rtmedia.web.tracks import (
     FRAME_SAMPLES,
+    PLAYOUT_RATE,
     MicResampler,
     PacketAudioBuffer,
-    PlayoutBuffer,
     ReplyAudioTrack,
     VideoFrameTrack,
     set_audio_prefetch,
@@ -29,7 +30,7 @@ def ramp(n: int, start: int = 1) -> np.ndarray:
 # ---- PlayoutBuffer -------------------------------------------------------------------------------
 
 def test_playout_fifo_order_and_silence_padding():
-    buf = PlayoutBuffer()
+    buf = PlayoutBuffer(PLAYOUT_RATE)
     buf.push("r1", ramp(1000))
     buf.push("r1", ramp(500, 1001))
     first, second = buf.pull(), buf.pull()
@@ -41,7 +42,7 @@ def test_playout_fifo_order_and_silence_padding():
 
 
 def test_playout_counts_underruns_only_inside_a_reply():
-    buf = PlayoutBuffer()
+    buf = PlayoutBuffer(PLAYOUT_RATE)
     buf.pull()
     assert buf.stats.underruns == 0  # idle silence is not an underrun
     buf.push("r1", ramp(960 * 2 + 10))
@@ -52,7 +53,7 @@ def test_playout_counts_underruns_only_inside_a_reply():
 
 
 def test_playout_clear_drops_everything_at_once():
-    buf = PlayoutBuffer()
+    buf = PlayoutBuffer(PLAYOUT_RATE)
     buf.push("r1", ramp(4800))
     buf.pull()
     dropped = buf.clear()
@@ -63,7 +64,7 @@ def test_playout_clear_drops_everything_at_once():
 
 
 def test_a_paused_playout_plays_silence_and_keeps_its_place():
-    buf = PlayoutBuffer()
+    buf = PlayoutBuffer(PLAYOUT_RATE)
     buf.push("r1", ramp(4800))
     first = buf.pull()
     buf.paused = True
@@ -74,7 +75,7 @@ def test_a_paused_playout_plays_silence_and_keeps_its_place():
 
 
 def test_playout_tracks_responses_separately():
-    buf = PlayoutBuffer()
+    buf = PlayoutBuffer(PLAYOUT_RATE)
     buf.push("a", ramp(500))
     buf.push("b", ramp(800))
     buf.pull()
@@ -83,7 +84,7 @@ def test_playout_tracks_responses_separately():
 
 
 def test_playout_overflow_drops_the_oldest():
-    buf = PlayoutBuffer(max_ms=100)  # 4800 samples
+    buf = PlayoutBuffer(PLAYOUT_RATE, max_ms=100)  # 4800 samples
     buf.push("r", ramp(4000))
     buf.push("r", ramp(2000, 5000))
     assert buf.queued_samples == 4800 and buf.stats.overflow_samples == 1200
@@ -91,7 +92,7 @@ def test_playout_overflow_drops_the_oldest():
 
 
 def test_playout_rejects_bad_input():
-    buf = PlayoutBuffer()
+    buf = PlayoutBuffer(PLAYOUT_RATE)
     with pytest.raises(ValueError, match="mono int16"):
         buf.push("r", np.zeros(10, np.float32))
     with pytest.raises(ValueError, match="mono int16"):
@@ -99,7 +100,7 @@ def test_playout_rejects_bad_input():
     buf.push("r", np.zeros(0, np.int16))
     assert buf.responses() == []
     with pytest.raises(ValueError, match="positive"):
-        PlayoutBuffer(max_ms=0)
+        PlayoutBuffer(PLAYOUT_RATE, max_ms=0)
 
 
 # ---- microphone receive buffer ----------------------------------------------------------------------
@@ -143,7 +144,7 @@ async def test_set_audio_prefetch_installs_the_buffers():
 # ---- tracks -------------------------------------------------------------------------------------------
 
 async def test_reply_track_paces_20ms_frames():
-    buf = PlayoutBuffer()
+    buf = PlayoutBuffer(PLAYOUT_RATE)
     buf.push("r", ramp(960 * 3))
     track = ReplyAudioTrack(buf)
     started = time.perf_counter()
@@ -160,7 +161,7 @@ async def test_reply_track_paces_20ms_frames():
 
 
 async def test_reply_track_barge_in_is_immediate():
-    buf = PlayoutBuffer()
+    buf = PlayoutBuffer(PLAYOUT_RATE)
     buf.push("r", np.full(48000, 1000, np.int16))
     track = ReplyAudioTrack(buf)
     assert (await track.recv()).to_ndarray().any()
@@ -169,7 +170,7 @@ async def test_reply_track_barge_in_is_immediate():
 
 
 async def test_reply_track_sends_a_replys_first_frame_as_its_audio_arrives():
-    buf = PlayoutBuffer()
+    buf = PlayoutBuffer(PLAYOUT_RATE)
     track = ReplyAudioTrack(buf)
     assert not (await track.recv()).to_ndarray().any()  # silence: the next frame is due in 20 ms
     asyncio.get_running_loop().call_later(0.001, buf.push, "r", ramp(960))
