@@ -26,9 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import gc
 import json
 import logging
+import os
 import re
+import sys
 import time
 import uuid
 from collections import deque
@@ -52,7 +55,8 @@ TRANSPORT = "sip"
 POLL_S = 0.005  # how often the loop handles PJSIP's SIP events and moves the calls' audio
 ACK_EVERY_POLLS = 10
 STATS_EVERY_S = 1.0
-END_CALL_WAIT_S = 15.0  # end_call lets the reply being spoken play out, for at most this long
+END_CALL_WAIT_S = 15.0
+TRANSFER_WAIT_S = 30.0  # for the final status of the transferee's call to the target  # end_call lets the reply being spoken play out, for at most this long
 INBOUND_FRAMES = 250  # frames (5 s) a call may queue toward a server that does not read
 DTMF_DIGITS = re.compile(r"[0-9*#A-Da-d]{1,32}")
 BUSY, UNAVAILABLE, FORBIDDEN, SERVER_ERROR = 486, 503, 403, 500
@@ -153,7 +157,7 @@ class CallInfo:
     end_reason: str = ""
     codec: str = ""
     session_id: str = ""
-    dtmf: list[str] = field(default_factory=list)
+    dtmf: list[str] = field(default_factory=list)  # keys the session received
     transfers: list[dict[str, Any]] = field(default_factory=list)
     created_at: float = field(default_factory=time.time)
     answered_at: float | None = None
@@ -227,7 +231,6 @@ class SipCall(pj.Call):
     @callback
     def onDtmfDigit(self, prm: pj.OnDtmfDigitParam) -> None:
         digit = str(prm.digit)
-        self.info.dtmf.append(digit)
         method = "info" if prm.method == pj.PJSUA_DTMF_METHOD_SIP_INFO else "rfc4733"
         log.info("sip dtmf", extra={"call": self.info.id, "digit": digit, "method": method})
         self.door.metrics.dtmf.labels(method).inc()
@@ -238,9 +241,11 @@ class SipCall(pj.Call):
 
     @callback
     def onCallTransferStatus(self, prm: pj.OnCallTransferStatusParam) -> None:
+        # 100 while the transferee tries the target (REFER accepted, NOTIFY of its progress), then the
+        # final status of its call there.
         if self.transfer is not None and not self.transfer.done() and (prm.statusCode >= 200 or prm.finalNotify):
             self.transfer.set_result(prm.statusCode)
-        prm.cont = False
+            prm.cont = False
 
     # ---- media ----
     def connect_media(self, index: int) -> None:
@@ -330,12 +335,14 @@ class SipCall(pj.Call):
                 kind = msg.WhichOneof("event")
                 if kind == "response_done" and msg.response_done.function_calls:
                     self.start(self.run_tools(list(msg.response_done.function_calls)))
+                elif kind == "input_audio_buffer_dtmf_event_received":
+                    self.info.dtmf.append(msg.input_audio_buffer_dtmf_event_received.event)
                 elif kind == "session_closed":
                     self.hang_up(f"session closed: {msg.session_closed.reason}")
                     return
                 elif kind == "error" and not (self.tools_offered and msg.error.param == "tools"):
                     log.warning("sip call: session error", extra={"call": self.info.id, "code": msg.error.code,
-                                                                  "message": msg.error.message[:200]})
+                                                                  "error_message": msg.error.message[:200]})
         except RtmediaError as exc:
             if exc.code != grpc.StatusCode.CANCELLED:
                 log.warning("sip call: session failed", extra={"call": self.info.id, "details": exc.details})
@@ -395,7 +402,7 @@ class SipCall(pj.Call):
         self.transfer = asyncio.get_running_loop().create_future()
         try:
             self.xfer(uri, pj.CallOpParam(True))
-            status = await asyncio.wait_for(self.transfer, 10.0)
+            status = await asyncio.wait_for(self.transfer, TRANSFER_WAIT_S)
         except pj.Error as exc:
             status = exc.status
         except TimeoutError:
@@ -457,6 +464,23 @@ class Account(pj.Account):
             log.info("sip registered", extra={"trunk": self.trunk.name, "expires_s": prm.expiration})
 
 
+@contextlib.contextmanager
+def quiet_stdio() -> Any:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        for fd, copy in zip((1, 2), saved, strict=True):
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(devnull)
+
+
 class LogWriter(pj.LogWriter):
     def write(self, entry: pj.LogEntry) -> None:  # any thread
         log.debug("pjsip: %s", entry.msg.rstrip())
@@ -484,7 +508,8 @@ class SipDoor:
     def start(self) -> None:
         config = self.config
         ep = self.ep = pj.Endpoint()
-        ep.libCreate()
+        with quiet_stdio():  # (PJSIP's banner, written before its log settings apply)
+            ep.libCreate()
         cfg = pj.EpConfig()
         cfg.uaConfig.threadCnt, cfg.uaConfig.mainThreadOnly = 0, True
         cfg.uaConfig.maxCalls = config.max_calls + 8  # room to answer calls over the limit with 486
@@ -533,7 +558,11 @@ class SipDoor:
     def _transport(self, kind: int, tcfg: pj.TransportConfig) -> int:
         """Creates a transport; its bound port."""
         assert self.ep is not None
-        tid = self.ep.transportCreate(kind, tcfg)
+        try:
+            tid = self.ep.transportCreate(kind, tcfg)
+        except pj.Error as exc:
+            where = f"{tcfg.boundAddress or '0.0.0.0'}:{tcfg.port}"
+            raise OSError(f"cannot listen for SIP on {where}: {exc.reason}") from None
         return int(self.ep.transportGetInfo(tid).localName.rsplit(":", 1)[1])
 
     def _transport_config(self, host: str, port: int) -> pj.TransportConfig:
@@ -563,21 +592,25 @@ class SipDoor:
 
     async def poll(self) -> None:
         """PJSIP's SIP events, the calls' audio and acks, and their RTP checks, on the loop."""
-        assert self.ep is not None
         tick = 0
         stats_at = time.monotonic()
         while True:
-            self.ep.libHandleEvents(0)
             tick += 1
-            ack = tick % ACK_EVERY_POLLS == 0
-            for call in list(self.calls.values()):
-                call.pump(ack)
             now = time.monotonic()
-            if now - stats_at >= STATS_EVERY_S:
+            stats = now - stats_at >= STATS_EVERY_S
+            if stats:
                 stats_at = now
-                for call in list(self.calls.values()):
-                    call.check_rtp(now)
+            self._tick(tick % ACK_EVERY_POLLS == 0, now if stats else None)
             await asyncio.sleep(POLL_S)
+
+    def _tick(self, ack: bool, stats_at: float | None) -> None:
+        """(Not inlined in poll: this frame's references to calls go with it.)"""
+        assert self.ep is not None
+        self.ep.libHandleEvents(0)
+        for call in list(self.calls.values()):
+            call.pump(ack)
+            if stats_at is not None:
+                call.check_rtp(stats_at)
 
     async def drain(self, grace_s: float) -> None:
         """New calls get 503; live calls go on for at most `grace_s`, then are hung up."""
@@ -596,10 +629,14 @@ class SipDoor:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+            self._poller = None
         for call in list(self.calls.values()):
             await call.close()
             call.port = None  # (before PJSIP goes: a live port trips its conference bridge)
         self.calls.clear()
+        # Every Call object must go while PJSIP lives: its destructor calls into PJSIP (and
+        # asserts after libDestroy). Ended calls wait in reference cycles for the collector.
+        gc.collect()
         if self.ep is not None:
             for acc in self.accounts:
                 with contextlib.suppress(pj.Error):

@@ -340,7 +340,7 @@ class TwilioCall:
                     return
                 elif kind == "error":
                     log.warning("twilio call: session error", extra={"stream_sid": sid, "code": msg.error.code,
-                                                                     "message": msg.error.message[:200]})
+                                                                     "error_message": msg.error.message[:200]})
         except RtmediaError as exc:
             if exc.code != grpc.StatusCode.CANCELLED:
                 self.refuse(WSCloseCode.INTERNAL_ERROR, f"the rtmedia session failed: {exc.details}"[:120])

@@ -1,0 +1,283 @@
+"""The SIP door (`rtmedia sip`) against the real server, called by Debian's baresip: what the
+caller says is transcribed, the reply is heard in baresip's recording, DTMF arrives as events,
+a barge-in cuts the reply, the agent's end_call and transfer_call hang up and REFER (its
+`openai` responder pointed at a stand-in chat-completions server: the one fake), calls over
+--sip-max-calls are refused, outbound calls report their outcomes, and bad input is refused
+with other calls unaffected."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from tests.support.chat_upstream import Calls, ChatUpstream, tool_results
+from tests.support.serve import FEW_SPEAKERS, running_server
+from tests.support.sip import Baresip, baresip, running_door, write_wav
+from tests.support.speech import wer
+
+pytestmark = pytest.mark.e2e
+RATE = 8000
+SENTENCE = "Please remember to buy milk and bread on your way home."
+LONG = "Please tell me a long story about the weather in the mountains and the rivers and the sea."
+
+
+def script(body: dict) -> list:
+    """The agent: says goodbye and hangs up, transfers, or answers."""
+    if tool_results(body):
+        return ["Done."]
+    said = next((m["content"] for m in reversed(body["messages"]) if m["role"] == "user"), "").lower()
+    if "goodbye" in said:
+        return ["Goodbye, have a nice day. ", Calls([("end_call", {"reason": "the caller said goodbye"})])]
+    if "desk" in said:
+        return ["Transferring you now. ", Calls([("transfer_call", {"target": DESK["uri"]})])]
+    return ["I am not sure."]
+
+
+DESK: dict[str, str] = {}  # the transfer target (the door itself), known once it runs
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sip")
+    upstream = ChatUpstream(script)
+    (folder / "sip.yaml").write_text("transfer:\n  allow: ['sip:desk@*']\nnumbers:\n  agent: {responder: openai}\n")
+    with upstream.in_thread(), \
+            running_server("--no-llm", "--responder", "echo", "--openai-url", upstream.url,
+                           log=folder / "serve.log", asr_decoders=FEW_SPEAKERS) as (target, _), \
+            running_door(target, "--sip-config", str(folder / "sip.yaml"), log=folder / "sip.log") as door:
+        DESK["uri"] = f"sip:desk@127.0.0.1:{door.sip_port}"
+        yield SimpleNamespace(target=target, door=door, folder=folder, upstream=upstream)
+
+
+@pytest.fixture(scope="module")
+def words(served, speaker):
+    """The caller's WAV files, at 8 kHz."""
+    folder = served.folder
+
+    def wav(name: str, *parts: tuple[str, float]) -> Path:
+        audio = [speaker.silence(0.5, RATE)]
+        for text, pause in parts:
+            audio += [speaker.say(text, RATE), speaker.silence(pause, RATE)]
+        return write_wav(folder / f"{name}.wav", RATE, *audio)
+
+    return SimpleNamespace(
+        sentence=wav("sentence", (SENTENCE, 12.0)),
+        barge=wav("barge", (LONG, 2.2), ("Stop, that is enough.", 10.0)),
+        goodbye=wav("goodbye", ("Goodbye and thank you very much.", 15.0)),
+        desk=wav("desk", ("Please put me through to the front desk.", 15.0)),
+        silence=write_wav(folder / "silence.wav", RATE, speaker.silence(30.0, RATE)))
+
+
+def transcribe(target: str, samples: np.ndarray, rate: int) -> str:
+    from rtmedia.clients.client import SpeechClient
+
+    with SpeechClient(target) as client:
+        return " ".join(r.text for r in client.transcribe(samples.tobytes(), rate, partial_results=False)
+                        if r.is_final)
+
+
+def http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as res:
+            return res.status, json.loads(res.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def call(phone: Baresip, uri: str, seconds: float) -> None:
+    phone.command("dial", uri)
+    phone.wait("CALL_ESTABLISHED")
+    time.sleep(seconds)
+    phone.command("hangup")
+    phone.wait("CALL_CLOSED")
+
+
+def test_a_caller_is_heard_and_answered(served, words, tmp_path):
+    with baresip(tmp_path / "phone", words.sentence) as phone:
+        call(phone, served.door.uri, 9.0)
+        heard, rate = phone.heard()
+    assert rate == RATE
+    text = transcribe(served.target, heard, rate)
+    assert text.lower().startswith("you said"), text
+    assert wer(SENTENCE, text.split(":", 1)[-1].split(",", 1)[-1]) <= 0.2, text
+    (info,) = served.door.ended(1)[-1:]
+    assert info["codec"] == "PCMU/8000" and info["direction"] == "inbound" and info["caller"] == "caller"
+    assert info["outcome"] == "ended" and info["session_id"].startswith("sess_")
+
+
+def test_dtmf_reaches_the_session(served, words, tmp_path):
+    with baresip(tmp_path / "phone", words.silence) as phone:
+        phone.command("dial", served.door.uri)
+        phone.wait("CALL_ESTABLISHED")
+        time.sleep(0.5)
+        phone.command("sndcode", "42#")
+        time.sleep(1.5)
+        live = served.door.calls()["calls"]
+        phone.command("hangup")
+        phone.wait("CALL_CLOSED")
+    (info,) = [c for c in live if c["direction"] == "inbound"]
+    assert info["dtmf"] == ["4", "2", "#"]
+
+
+def test_a_barge_in_cuts_the_reply_at_once(served, words, tmp_path):
+    with baresip(tmp_path / "phone", words.barge) as phone:
+        call(phone, served.door.uri, 16.0)
+        heard, rate = phone.heard()
+    text = transcribe(served.target, heard, rate).lower()
+    # The long reply stops when the caller speaks over it; the next reply answers the interruption.
+    assert "sea" not in text and "enough" in text, text
+
+
+def test_the_agent_hangs_up_with_end_call(served, words, tmp_path):
+    with baresip(tmp_path / "phone", words.goodbye) as phone:
+        phone.command("dial", served.door.uri.replace("rtmedia@", "agent@"))
+        phone.wait("CALL_ESTABLISHED")
+        closed = phone.wait("CALL_CLOSED", timeout=30)  # hung up by the door, not by the phone
+        heard, rate = phone.heard()
+    assert "goodbye" in transcribe(served.target, heard, rate).lower()
+    info = served.door.ended(1)[-1]
+    assert info["end_reason"].startswith("end_call"), info
+    assert closed["type"] == "CALL_CLOSED"
+
+
+def test_transfer_call_sends_a_refer_and_ends_the_call(served, words, tmp_path):
+    with baresip(tmp_path / "phone", words.desk) as phone:
+        phone.command("dial", served.door.uri.replace("rtmedia@", "agent@"))
+        phone.wait("CALL_ESTABLISHED")
+        transfer = phone.wait("TRANSFER", timeout=30)
+        assert DESK["uri"] in transfer.get("param", ""), transfer
+        phone.wait("CALL_ESTABLISHED", timeout=20)  # baresip followed the REFER: the desk (the door) answered
+        phone.wait("CALL_CLOSED", timeout=20)  # the first leg, ended by the door
+        phone.command("hangup")
+    ended = [c for c in served.door.ended(2) if c["transfers"]]
+    assert ended and ended[-1]["transfers"][0]["target"] == DESK["uri"] and ended[-1]["transfers"][0]["status"] == 200
+    assert ended[-1]["end_reason"] == f"transferred to {DESK['uri']}"
+
+
+def test_outbound_calls_report_their_outcomes(served, tmp_path):
+    control = served.door.control
+    status, body = http("POST", f"{control}/v1/sip/calls", {"to": "not a uri"})
+    assert status == 400 and body["reason"] == "invalid_value"
+    status, body = http("POST", f"{control}/v1/sip/calls", {"to": "+15551234", "trunk": "nope"})
+    assert status == 404
+    with baresip(tmp_path / "answers", answer="auto") as callee, baresip(tmp_path / "rings") as ringer, \
+            baresip(tmp_path / "busy") as refuses:
+        status, answered = http("POST", f"{control}/v1/sip/calls", {"to": callee.uri})
+        assert status == 201 and answered["status"] == "dialing", answered
+        callee.wait("CALL_ESTABLISHED")
+        _, rung = http("POST", f"{control}/v1/sip/calls", {"to": ringer.uri, "ring_timeout_s": 2})
+        ringer.wait("CALL_INCOMING")
+        _, busy = http("POST", f"{control}/v1/sip/calls", {"to": refuses.uri})
+        refuses.wait("CALL_INCOMING")
+        refuses.command("hangup")  # baresip refuses the incoming call: 486 Busy Here
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            outcomes = {c["id"]: c for c in served.door.calls()["ended"]}
+            if busy["id"] in outcomes and rung["id"] in outcomes:
+                break
+            time.sleep(0.2)
+        assert outcomes[busy["id"]]["outcome"] == "busy", outcomes[busy["id"]]
+        assert outcomes[rung["id"]]["outcome"] == "no_answer", outcomes[rung["id"]]
+        status, live = http("GET", f"{control}/v1/sip/calls/{answered['id']}")
+        assert live["status"] == "active" and live["outcome"] == "answered"
+        assert http("POST", f"{control}/v1/sip/calls/{answered['id']}/hangup", {})[0] == 200
+        callee.wait("CALL_CLOSED")
+    dead = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    dead.bind(("127.0.0.1", 0))  # a port that never answers: the INVITE times out or is refused
+    port = dead.getsockname()[1]
+    dead.close()
+    _, failed = http("POST", f"{control}/v1/sip/calls", {"to": f"sip:nobody@127.0.0.1:{port}", "ring_timeout_s": 3})
+    deadline = time.monotonic() + 40
+    while (info := http("GET", f"{control}/v1/sip/calls/{failed['id']}")[1])["status"] != "ended":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert info["outcome"] in ("failed", "no_answer"), info
+
+
+def test_calls_over_max_calls_get_busy_here(served, words, tmp_path):
+    with running_door(served.target, "--max-calls", "1", log=tmp_path / "door.log") as door, \
+            baresip(tmp_path / "first", words.silence) as first, baresip(tmp_path / "second", words.silence) as second:
+        first.command("dial", door.uri)
+        first.wait("CALL_ESTABLISHED")
+        second.command("dial", door.uri)
+        closed = second.wait("CALL_CLOSED")
+        assert "486" in closed.get("param", ""), closed
+        first.command("hangup")
+        first.wait("CALL_CLOSED")
+        second.command("dial", door.uri)  # the caller who hung up freed the line at once
+        second.wait("CALL_ESTABLISHED")
+        second.command("hangup")
+
+
+def sip_request(port: int, payload: bytes, timeout: float = 3.0) -> bytes:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(timeout)
+        s.sendto(payload, ("127.0.0.1", port))
+        replies = []
+        try:
+            while True:
+                replies.append(s.recvfrom(65536)[0])
+                if not replies[-1].startswith(b"SIP/2.0 1"):
+                    return replies[-1]
+        except TimeoutError:
+            return replies[-1] if replies else b""
+
+
+def invite(port: int, sdp_codecs: str, rtpmap: str) -> bytes:
+    sdp = (f"v=0\r\no=- 1 1 IN IP4 127.0.0.1\r\ns=-\r\nc=IN IP4 127.0.0.1\r\nt=0 0\r\n"
+           f"m=audio 4000 RTP/AVP {sdp_codecs}\r\n{rtpmap}")
+    return (f"INVITE sip:rtmedia@127.0.0.1:{port} SIP/2.0\r\n"
+            "Via: SIP/2.0/UDP 127.0.0.1:5999;branch=z9hG4bK-test-1;rport\r\n"
+            "Max-Forwards: 70\r\nFrom: <sip:mallory@127.0.0.1>;tag=1\r\nTo: <sip:rtmedia@127.0.0.1>\r\n"
+            "Call-ID: bad-codecs-1\r\nCSeq: 1 INVITE\r\nContact: <sip:mallory@127.0.0.1:5999>\r\n"
+            f"Content-Type: application/sdp\r\nContent-Length: {len(sdp)}\r\n\r\n{sdp}").encode()
+
+
+def test_bad_input_is_refused_and_other_calls_go_on(served, words, tmp_path):
+    port = served.door.sip_port
+    # Only codecs the door does not speak: 488 Not Acceptable Here.
+    reply = sip_request(port, invite(port, "3 18", "a=rtpmap:3 GSM/8000\r\na=rtpmap:18 G729/8000\r\n"))
+    assert reply.startswith(b"SIP/2.0 488"), reply[:80]
+    # Malformed SIP: a clear 400, or nothing; never a crash.
+    reply = sip_request(port, b"INVITE nonsense\r\n\r\n", timeout=1.0)
+    assert reply == b"" or reply.startswith(b"SIP/2.0 400"), reply[:80]
+    sip_request(port, bytes(range(256)) * 4, timeout=0.5)
+    with baresip(tmp_path / "phone", words.sentence) as phone:
+        phone.command("dial", served.door.uri)
+        phone.wait("CALL_ESTABLISHED")
+        live = [c for c in served.door.calls()["calls"] if c["status"] == "active"]
+        assert live
+        # RTP from a wrong address at the door's media ports: dropped, the call goes on.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rogue:
+            for p in range(served.door.rtp_ports[0], served.door.rtp_ports[1] + 1):
+                for i in range(5):
+                    rogue.sendto(b"\x80\x00" + i.to_bytes(2, "big") + bytes(8) + bytes([0xFF]) * 160, ("127.0.0.1", p))
+        time.sleep(8.5)
+        phone.command("hangup")
+        phone.wait("CALL_CLOSED")
+        heard, rate = phone.heard()
+    text = transcribe(served.target, heard, rate)
+    assert wer(SENTENCE, text.split(":", 1)[-1].split(",", 1)[-1]) <= 0.2, text
+    status, _ = http("GET", f"{served.door.control}/healthz")
+    assert status == 200
+
+
+def test_the_door_metrics_count_the_calls(served):
+    with urllib.request.urlopen(f"{served.door.control}/metrics", timeout=5) as res:
+        text = res.read().decode()
+    answered = re.search(r'rtmedia_sip_calls_total\{direction="inbound",outcome="answered"\} (\S+)', text)
+    assert answered and float(answered.group(1)) >= 1
+    assert re.search(r'rtmedia_sip_codec_calls_total\{codec="PCMU"\} [1-9]', text)
+    assert re.search(r"rtmedia_sip_rtp_received_packets_total [1-9]", text)
+    assert "rtmedia_sip_call_setup_seconds_count" in text
