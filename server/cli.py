@@ -13,7 +13,7 @@ from rtmedia.clients import cli as client_cli
 from rtmedia.server.config import ASR_ENGINES, ServerConfig
 from rtmedia.server.doctor import add_doctor_parser, cmd_doctor
 from rtmedia.web.cli import add_web_parser
-from rtmedia.web.telephony.sip_cli import add_sip_parser
+from rtmedia.web.telephony.sip_cli import add_sip_flags, add_sip_parser, sip_argv, sip_config
 
 SYNTHETIC_SIZES = ("tiny", "0.5b", "1b", "7b")  # engines/lm_synthetic.py SHAPES (not imported: no torch here)
 
@@ -141,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept unsigned requests on /twilio/")
     p.add_argument("--web-twilio-public-url", default=None, metavar="URL",
                    help="the web port's URL as Twilio calls it, https://HOST[:PORT]")
+    p.add_argument("--sip", action="store_true", default=None,
+                   help="also answer phone calls over SIP: `rtmedia sip` as a process beside the server, taking "
+                        "the --sip-* flags below (see `rtmedia sip --help`); with --web its calls API is on the web "
+                        "port too")
+    add_sip_flags(p)
     p.add_argument("--video-vae", default=None, metavar="DIR",
                    help="a local diffusers AutoencoderKLWan directory (e.g. a Wan 2.1 vae/ folder); without it "
                         "a small Wan-style VAE with seeded random weights is built (real decode path and timing, "
@@ -224,7 +229,25 @@ def _sizes(text: str) -> list[int]:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Defaults, then the --config file, then the `serve` flags given (each named as its ServerConfig field)."""
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
-    return ServerConfig.load(args.config, **overrides)
+    if flags := sip_argv(args):
+        overrides["sip_flags"] = flags
+    config = ServerConfig.load(args.config, **overrides)
+    if config.sip_flags and not config.sip:
+        raise ValueError("the --sip-* flags (sip_flags) need --sip (sip)")
+    if config.sip:  # the door's own checks, before anything starts
+        sip_parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+        add_sip_flags(sip_parser)
+        try:
+            flags, unknown = sip_parser.parse_known_args(config.sip_flags)
+        except argparse.ArgumentError as exc:
+            raise ValueError(f"sip_flags: {exc}") from None
+        if unknown:
+            raise ValueError(f"sip_flags: not --sip-* flags: {' '.join(unknown)}")
+        sip_config(flags)
+        if config.auth_tokens and not os.environ.get("RTMEDIA_TOKEN"):
+            raise ValueError("sip with auth_tokens: the SIP door's sessions need a token of the table: set "
+                             "$RTMEDIA_TOKEN for it")
+    return config
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -240,15 +263,54 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"rtmedia serve: {exc}", file=sys.stderr)
         return 2
     logs.configure(config.log_level, config.log_format)
-    beside = None
-    if config.web:  # the web front beside the server, a gRPC client of it
-        from rtmedia.web.bridge import start_beside as beside
+    beside = besides if config.web or config.sip else None
     try:
         asyncio.run(serve(config, beside))
     except (OSError, ValueError) as exc:
         print(f"rtmedia serve: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+class Besides:
+    """What runs beside the server (`serve --web`, `serve --sip`): drained and stopped together."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+
+    def reload(self, tokens: Any) -> None:
+        for part in self.parts:
+            part.reload(tokens)
+
+    async def drain(self, grace_s: float) -> None:
+        await asyncio.gather(*(part.drain(grace_s) for part in self.parts))
+
+    async def stop(self) -> None:
+        for part in reversed(self.parts):
+            await part.stop()
+
+
+async def besides(config: ServerConfig, target: str, tokens: Any) -> Besides:
+    """The SIP door's process first (the web front forwards its calls API), then the web front;
+    each a client of the server's private socket `target`."""
+    parts: list[Any] = []
+    control = None
+    try:
+        if config.sip:
+            from rtmedia.web.telephony.sip_process import SipProcess
+
+            sip = SipProcess(config.sip_flags)
+            await sip.start(target, config.log_format)
+            parts.append(sip)
+            control = sip.control
+        if config.web:
+            from rtmedia.web.bridge import start_beside
+
+            parts.append(await start_beside(config, target, tokens, sip_calls=control))
+    except BaseException:
+        await Besides(parts).stop()
+        raise
+    return Besides(parts)
 
 
 def main(argv: list[str] | None = None) -> int:

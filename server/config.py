@@ -173,6 +173,10 @@ class ServerConfig:
     web_twilio_auth_token_file: str | None = None
     web_twilio_insecure: bool = False
     web_twilio_public_url: str | None = None
+    # The SIP door (docs/telephony.md) as a process beside the server, with `rtmedia sip`'s
+    # --sip-* flags (`serve --sip-listen ...` fills them in); its calls API on the web port too.
+    sip: bool = False
+    sip_flags: list[str] = field(default_factory=list)
     # A local diffusers AutoencoderKLWan directory (e.g. a Wan 2.1 `vae/` folder); without
     # one, a small Wan-style VAE with seeded random weights (real decode path, fake pictures).
     video_vae: str | None = None

@@ -53,6 +53,7 @@ import asyncio
 import codecs
 import json
 import logging
+import re
 import secrets
 import ssl
 import time
@@ -87,6 +88,7 @@ from rtmedia.web.openai_api import OpenAIConfig, OpenAIFront, Upstream, openai_e
 from rtmedia.web.peer import OfferError, Peer, VideoDefaults
 from rtmedia.web.realtime_calls import SECRET_KEY
 from rtmedia.web.realtime_events import Translator
+from rtmedia.web.telephony.sip_api import SipCallsApi
 from rtmedia.web.telephony.twilio import TwilioConfig, TwilioDoor
 from rtmedia.web.tracks import PLAYOUT_RATE, set_audio_prefetch
 
@@ -155,8 +157,12 @@ class BridgeConfig:
     openai: OpenAIConfig | None = field(default_factory=OpenAIConfig)
     # Twilio Media Streams under /twilio/ (rtmedia.web.telephony.twilio); None: not served.
     twilio: TwilioConfig | None = None
+    # The SIP door's calls API, forwarded from /v1/sip/calls to its control URL; None: not served.
+    sip_calls: str | None = None
 
     def __post_init__(self) -> None:
+        if self.sip_calls is not None and not re.match(r"https?://[^/\s]+/?$", self.sip_calls):
+            raise ValueError(f"--sip-calls must be the SIP door's control URL, http://HOST:PORT; got {self.sip_calls!r}")
         if not 0 <= self.audio_prefetch <= 16:
             raise ValueError(f"audio_prefetch must be 0..16 frames, got {self.audio_prefetch}")
         if not self.connect_timeout_s > 0:
@@ -298,6 +304,8 @@ class Bridge:
         if self.config.twilio is not None:
             self.twilio = TwilioDoor(self.config.twilio, upstream)
             self._signed_resources = self.twilio.add_routes(app)
+        if self.config.sip_calls is not None:
+            SipCallsApi(self.config.sip_calls).add_routes(app)
         return app
 
     async def start(self) -> int:
@@ -685,12 +693,13 @@ def presented_token(request: web.Request) -> tuple[str | None, str | None]:
     return None, None
 
 
-async def start_beside(server_config: Any, target: str, tokens: TokenTable) -> Bridge:
+async def start_beside(server_config: Any, target: str, tokens: TokenTable, sip_calls: str | None = None) -> Bridge:
     """`rtmedia serve --web`: the bridge on the server's host, bridging to `target` (the server's
     private plaintext address, e.g. `unix:/path`, that only this bridge dials) and checking the
     web port against `tokens`, the server's own table (the server calls `bridge.reload(tokens)`
     with the new one on SIGHUP, and `bridge.drain(grace_s)` on SIGTERM). The tokens browsers
-    present go on to the server with their sessions."""
+    present go on to the server with their sessions. `sip_calls`: the SIP door's control URL
+    (`serve --sip`), whose calls API the web port then serves."""
     bridge = Bridge(BridgeConfig(target=target, host=server_config.host, port=server_config.web_port,
                                  tls_cert=server_config.web_tls_cert, tls_key=server_config.web_tls_key,
                                  max_peers=server_config.web_max_peers,
@@ -698,6 +707,6 @@ async def start_beside(server_config: Any, target: str, tokens: TokenTable) -> B
                                  twilio=TwilioConfig.load(server_config.web_twilio_auth_token_file,
                                                           server_config.web_twilio_insecure,
                                                           server_config.web_twilio_public_url)
-                                 if server_config.web_twilio else None), tokens)
+                                 if server_config.web_twilio else None, sip_calls=sip_calls), tokens)
     await bridge.start()
     return bridge

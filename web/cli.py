@@ -88,6 +88,10 @@ def add_web_parser(sub: argparse._SubParsersAction) -> None:
                    help="accept unsigned requests on /twilio/ (no auth token: anyone may open calls)")
     g.add_argument("--twilio-public-url", default=None, metavar="URL",
                    help="the web port's URL as Twilio calls it, https://HOST[:PORT] (default: each request's)")
+    g = p.add_argument_group("the SIP door's calls API on the web port (/v1/sip/calls)")
+    g.add_argument("--sip-calls", default=None, metavar="URL",
+                   help="serve it, behind the web port's tokens, by forwarding to the door's --sip-control URL "
+                        "(e.g. http://127.0.0.1:5070)")
     g = p.add_argument_group("tokens on the web port")
     g.add_argument("--auth-tokens", default=None, metavar="FILE",
                    help="token file (TOKEN [NAME] [limits] per line; default $RTMEDIA_AUTH_TOKENS, else no "
@@ -131,7 +135,7 @@ def bridge_config(args: argparse.Namespace) -> object:
                                                                  ("max_requests", args.openai_max_requests),
                                                                  ("max_audio_seconds", args.openai_max_audio_seconds))
                                                if v is not None}) if args.openai_api else None,
-                        twilio=twilio)
+                        twilio=twilio, sip_calls=args.sip_calls)
 
 
 def cmd_web(args: argparse.Namespace) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from tests.support.chat_upstream import Calls, ChatUpstream, tool_results
-from tests.support.serve import FEW_SPEAKERS, running_server
+from tests.support.serve import FEW_SPEAKERS, free_port, running_server
 from tests.support.sip import Baresip, baresip, running_door, write_wav
 from tests.support.speech import wer
 
@@ -281,3 +281,33 @@ def test_the_door_metrics_count_the_calls(served):
     assert re.search(r'rtmedia_sip_codec_calls_total\{codec="PCMU"\} [1-9]', text)
     assert re.search(r"rtmedia_sip_rtp_received_packets_total [1-9]", text)
     assert "rtmedia_sip_call_setup_seconds_count" in text
+
+
+def test_serve_runs_the_door_beside_it_and_the_web_port_serves_its_calls_api(words, tmp_path):
+    from tests.support.sip import free_udp_port
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret-token-0123456789 ops\ndoor-token-0123456789 sip-door\n")
+    sip, control, web = free_udp_port(), free_port(), free_port()
+    with running_server("--no-llm", "--responder", "echo", "--metrics-port", "0", "--auth-tokens", str(tokens),
+                        "--grace", "3", "--web", "--web-port", str(web), "--sip", "--sip-listen", f"127.0.0.1:{sip}", "--sip-control",
+                        f"127.0.0.1:{control}", log=tmp_path / "serve.log", asr_decoders=FEW_SPEAKERS,
+                        env={"RTMEDIA_TOKEN": "door-token-0123456789"}) as (_, process):
+        calls = f"http://127.0.0.1:{web}/v1/sip/calls"
+        deadline = time.monotonic() + 30  # (the door and the web front start once the server serves)
+        while b"web bridge listening" not in (tmp_path / "serve.log").read_bytes():
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.1)
+        assert http("GET", calls)[0] == 401  # the web port's tokens guard the calls API
+        req = urllib.request.Request(calls, headers={"Authorization": "Bearer s3cret-token-0123456789"})
+        with urllib.request.urlopen(req, timeout=5) as res:
+            assert json.loads(res.read())["calls"] == []
+        with baresip(tmp_path / "phone", words.sentence) as phone:
+            phone.command("dial", f"sip:rtmedia@127.0.0.1:{sip}")
+            phone.wait("CALL_ESTABLISHED")  # the door's sessions carry $RTMEDIA_TOKEN
+            time.sleep(1.0)
+            process.terminate()  # draining: the live call goes on, then ends with the grace
+            phone.wait("CALL_CLOSED", timeout=30)
+        assert process.wait(timeout=30) == 0
+    log = (tmp_path / "serve.log").read_text()
+    assert "rtmedia sip: draining" in log and "Assertion" not in log
