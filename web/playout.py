@@ -36,7 +36,7 @@ ACK_EVERY_MS = 200
 class PlayoutStats:
     frames: int = 0  # frames pulled
     audio_frames: int = 0  # frames that carried some reply audio
-    underruns: int = 0  # frames that ran dry in the middle of a reply
+    underruns: int = 0  # times a reply ran dry before its end (counted when more of it came)
     cleared: int = 0  # clear() calls that dropped audio
     dropped_samples: int = 0  # samples dropped by clear() or by overflow
     overflow_samples: int = 0  # samples dropped because the buffer was full
@@ -62,7 +62,8 @@ class PlayoutBuffer:
         self._queued = 0
         self._played: OrderedDict[str, int] = OrderedDict()
         self._received: dict[str, int] = {}
-        self._in_reply = False  # the previous frame carried audio
+        self._last = ""  # the response of the last sample played
+        self._dry: str | None = None  # the response that ran dry mid-frame (its end, or an underrun)
         self.paused = False
         self.arrived = asyncio.Event()  # set by push(): audio is queued
         self.stats = PlayoutStats()
@@ -101,6 +102,9 @@ class PlayoutBuffer:
                 old, _ = self._played.popitem(last=False)
                 self._received.pop(old, None)
         self._received[response_id] = self._received.get(response_id, 0) + len(samples)
+        if self._dry == response_id:  # more of a response that had run dry: the listener heard a gap
+            self.stats.underruns += 1
+        self._dry = None
         self._queue.append((response_id, samples))
         self._queued += len(samples)
         self.arrived.set()
@@ -139,15 +143,15 @@ class PlayoutBuffer:
             self._queued -= take
             if rid in self._played:
                 self._played[rid] += take
+            self._last = rid
             if self._offset == len(seg):
                 self._queue.popleft()
                 self._offset = 0
         self.stats.frames += 1
         if filled:
             self.stats.audio_frames += 1
-        if self._in_reply and filled < n and not self.paused:
-            self.stats.underruns += 1
-        self._in_reply = filled == n and bool(self._queue)
+        if filled < n and not self.paused and self._last:
+            self._dry, self._last = self._last, ""  # ran dry: an underrun if more of this response comes
         return out
 
     def clear(self) -> int:
@@ -158,7 +162,7 @@ class PlayoutBuffer:
             self.stats.cleared += 1
         self._queue.clear()
         self._offset = self._queued = 0
-        self._in_reply = False
+        self._dry = None
         return dropped
 
 

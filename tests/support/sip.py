@@ -102,8 +102,8 @@ class Baresip:
     """One baresip process: a caller (or callee) with a WAV as its microphone."""
 
     def __init__(self, folder: Path, source: Path | None = None, answer: str = "manual",
-                 jitter: str = "5-10", codecs: tuple[str, ...] = ("g711",)) -> None:
-        self.folder = folder
+                 jitter: str = "5-10", codecs: tuple[str, ...] = ("g711",), user: str = "caller") -> None:
+        self.folder, self.user = folder, user
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "rec").mkdir(exist_ok=True)
         self.sip_port, self.ctrl_port = free_udp_port(), free_port()
@@ -124,7 +124,7 @@ module_app ctrl_tcp.so
 ctrl_tcp_listen 127.0.0.1:{self.ctrl_port}
 snd_path {folder / "rec"}
 """)
-        (folder / "accounts").write_text(f"<sip:caller@127.0.0.1:{self.sip_port}>;regint=0;answermode={answer}\n")
+        (folder / "accounts").write_text(f"<sip:{user}@127.0.0.1:{self.sip_port}>;regint=0;answermode={answer}\n")
         self.log = open(folder / "baresip.log", "wb")
         self.process = subprocess.Popen([BARESIP, "-f", str(folder)], stdout=self.log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL)
@@ -141,7 +141,7 @@ snd_path {folder / "rec"}
 
     @property
     def uri(self) -> str:
-        return f"sip:caller@127.0.0.1:{self.sip_port}"
+        return f"sip:{self.user}@127.0.0.1:{self.sip_port}"
 
     def command(self, name: str, params: str = "") -> None:
         body = json.dumps({"command": name, "params": params, "token": name}).encode()

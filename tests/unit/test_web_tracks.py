@@ -48,7 +48,15 @@ def test_playout_counts_underruns_only_inside_a_reply():
     buf.push("r1", ramp(960 * 2 + 10))
     buf.pull()
     buf.pull()  # a full frame, 10 samples left
-    buf.pull()  # ran dry mid-reply
+    buf.pull()  # ran dry: the reply's end, or a gap in it
+    assert buf.stats.underruns == 0
+    buf.push("r1", ramp(960))  # more of it: the listener heard a gap
+    assert buf.stats.underruns == 1
+    buf.pull()
+    buf.pull()
+    buf.push("r2", ramp(960))  # the next reply after r1's end is no underrun
+    buf.pull()
+    buf.pull()
     assert buf.stats.underruns == 1
 
 

@@ -56,7 +56,8 @@ POLL_S = 0.005  # how often the loop handles PJSIP's SIP events and moves the ca
 ACK_EVERY_POLLS = 10
 STATS_EVERY_S = 1.0
 END_CALL_WAIT_S = 15.0
-TRANSFER_WAIT_S = 30.0  # for the final status of the transferee's call to the target  # end_call lets the reply being spoken play out, for at most this long
+TRANSFER_WAIT_S = 30.0
+MAX_TRANSCRIPTS = 50  # for the final status of the transferee's call to the target  # end_call lets the reply being spoken play out, for at most this long
 INBOUND_FRAMES = 250  # frames (5 s) a call may queue toward a server that does not read
 DTMF_DIGITS = re.compile(r"[0-9*#A-Da-d]{1,32}")
 BUSY, UNAVAILABLE, FORBIDDEN, SERVER_ERROR = 486, 503, 403, 500
@@ -158,6 +159,8 @@ class CallInfo:
     codec: str = ""
     session_id: str = ""
     dtmf: list[str] = field(default_factory=list)  # keys the session received
+    transcript: list[str] = field(default_factory=list)  # the caller's last turns, as recognised
+    underruns: int = 0  # reply frames that ran dry at the door (a gap the caller heard)
     transfers: list[dict[str, Any]] = field(default_factory=list)
     created_at: float = field(default_factory=time.time)
     answered_at: float | None = None
@@ -284,8 +287,9 @@ class SipCall(pj.Call):
 
     def check_rtp(self, now: float) -> None:
         """Ends the call when no RTP came for rtp_timeout_s; feeds the loss and jitter metrics."""
-        if self.port is None:
+        if self.port is None or self.playout is None:
             return
+        self.info.underruns = self.playout.buffer.stats.underruns
         try:
             rx = self.getStreamStat(0).rtcp.rxStat
         except pj.Error:
@@ -335,6 +339,9 @@ class SipCall(pj.Call):
                 kind = msg.WhichOneof("event")
                 if kind == "response_done" and msg.response_done.function_calls:
                     self.start(self.run_tools(list(msg.response_done.function_calls)))
+                elif kind == "conversation_item_input_audio_transcription_completed":
+                    self.info.transcript = [*self.info.transcript[-(MAX_TRANSCRIPTS - 1):],
+                                            msg.conversation_item_input_audio_transcription_completed.transcript]
                 elif kind == "input_audio_buffer_dtmf_event_received":
                     self.info.dtmf.append(msg.input_audio_buffer_dtmf_event_received.event)
                 elif kind == "session_closed":
@@ -515,7 +522,9 @@ class SipDoor:
         cfg.uaConfig.maxCalls = config.max_calls + 8  # room to answer calls over the limit with 486
         cfg.uaConfig.userAgent = "rtmedia"
         med = cfg.medConfig
-        med.clockRate = med.sndClockRate = 16000
+        # The conference bridge runs at 16 kHz where G.722 may be negotiated, else at G.711's 8 kHz:
+        # each call's audio is then resampled by neither the bridge nor its port.
+        med.clockRate = med.sndClockRate = 16000 if "G722" in config.codecs else 8000
         med.audioFramePtime = med.ptime = FRAME_MS
         med.noVad, med.ecTailLen = True, 0
         med.maxMediaPorts = 4 * (config.max_calls + 8) + 4
@@ -847,6 +856,9 @@ class SipDoor:
                 f"{status} {reason}"
         info.status, info.ended_at = "ended", time.time()
         self.metrics.observe_rtp(call.rtp)
+        if call.playout is not None:
+            info.underruns = call.playout.buffer.stats.underruns
+            self.metrics.underruns.inc(info.underruns)
         log.info("sip call ended", extra={"call": info.id, "outcome": info.outcome, "reason": info.end_reason,
                                           "seconds": round(info.ended_at - info.created_at, 1)})
         asyncio.get_running_loop().create_task(self._forget(call))

@@ -6,7 +6,7 @@ to it.
 - `POST /v1/sip/calls` {"to": SIP URI or number, "trunk"?, "session"?, "ring_timeout_s"?}: dial
   out; 201 with the call (its `status` `dialing`; `outcome` once it ended: `answered`, `busy`,
   `no_answer`, `failed`).
-- `GET /v1/sip/calls`, `GET /v1/sip/calls/{id}`: the live calls (and the last ended ones).
+- `GET /v1/sip/calls`, `GET /v1/sip/calls/{id}`: the live calls (and the last 200 ended ones).
 - `POST /v1/sip/calls/{id}/hangup`, `.../refer` {"target"} (a blind transfer, to `transfer_allow`
   targets only), `.../dtmf` {"digits"}: control a live call.
 - `GET /metrics`: Prometheus.
@@ -70,7 +70,7 @@ class SipControl:
 
     async def list(self, request: web.Request) -> web.Response:
         live = [c.info.describe() for c in self.door.calls.values()]
-        return web.json_response({"calls": live, "ended": [i.describe() for i in list(self.door.history)[-20:]]})
+        return web.json_response({"calls": live, "ended": [i.describe() for i in self.door.history]})
 
     async def show(self, request: web.Request) -> web.Response:
         info = self.door.find(request.match_info["id"])

@@ -25,6 +25,8 @@ class SipMetrics:
         self.rtp_lost = Counter("rtmedia_sip_rtp_lost_packets_total", "RTP packets lost (sequence gaps)", registry=r)
         self.jitter = Histogram("rtmedia_sip_rtp_jitter_seconds", "each call's mean RTP interarrival jitter",
                                 buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), registry=r)
+        self.underruns = Counter("rtmedia_sip_playout_underruns_total", "reply frames that ran dry at the door "
+                                 "(the caller heard a gap)", registry=r)
         self.dropped_frames = Counter("rtmedia_sip_dropped_requests_total", "requests toward the server dropped "
                                       "because its stream did not keep up", registry=r)
         self.registered = Gauge("rtmedia_sip_trunk_registered", "1 while the trunk's registration holds",
