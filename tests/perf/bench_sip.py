@@ -169,7 +169,8 @@ def run(target: str, door, narrow, folder: Path, rounds: int, calls: int, wer_ca
                 into += call_figures(growth, phone_dir)[:1]
             clip = float_to_ulaw(np.concatenate([speaker.silence(0.3, RATE), speaker.say(text, RATE)])
                                  .astype(np.float32) / 32768)
-            grpc_v2v.append(asyncio.run(_grpc(target, clip)))
+            grpc_v2v.append(asyncio.run(asyncio.wait_for(_grpc(target, clip), 60)))
+            print(f"round {n}: sip {sip_v2v[-1:]} g711 {narrow_v2v[-1:]} grpc {grpc_v2v[-1]:.0f} ms", file=sys.stderr)
         concurrent = wer_result = None
         if calls:
             concurrent = concurrent_calls(door, folder, growth, speaker, calls, rounds)

@@ -622,13 +622,41 @@ def test_prometheus_scrapes_the_metrics_port(variant):
     mounts = bind_mounts(model["services"]["prometheus"])
     scrape = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
     targets = [t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
-    assert targets == [f"{server_name}:{config.metrics_port}"]
+    sip = parse(model["services"]["sip"]["command"])
+    assert targets == [f"{server_name}:{config.metrics_port}", f"sip:{sip.sip_control.rsplit(':', 1)[1]}"]
     assert not is_loopback(config.metrics_host)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_compose_sip_door_reaches_the_server(variant, monkeypatch):
+    from rtmedia.web.telephony.sip_cli import sip_config
+
+    monkeypatch.delenv("RTMEDIA_SIP_PUBLIC_ADDRESS", raising=False)
+    model = merged(variant)
+    server_name, _, _, config = server_of(model)
+    service = model["services"]["sip"]
+    assert service["profiles"] == ["sip"]  # only with `--profile sip`
+    args = parse([a.replace("${RTMEDIA_SIP_PUBLIC_ADDRESS:-127.0.0.1}", "127.0.0.1") for a in service["command"]])
+    assert args.command == "sip"
+    sip = sip_config(args)  # the door's own checks of its flags
+    assert target_host(args.target) == server_name and int(args.target.rsplit(":", 1)[1]) == config.port
+    assert bool(args.ca) == bool(config.tls_cert)
+    if config.auth_tokens:  # its sessions carry a token of the table
+        assert "RTMEDIA_TOKEN" in service["environment"]
+    ports = published(service)
+    assert ("udp", (sip.listen[1],) * 2) in ports and ("tcp", (sip.listen[1],) * 2) in ports
+    assert ("udp", sip.rtp_ports) in ports and sip.rtp_ports[1] - sip.rtp_ports[0] + 1 >= 2 * sip.max_calls
+    control = [p for p in service["ports"] if str(p).endswith(f":{sip.control[1]}")]
+    assert control == [f"127.0.0.1:{sip.control[1]}:{sip.control[1]}"]  # the calls API: loopback only
+    assert seconds(service["stop_grace_period"]) > args.grace
+    assert service["depends_on"][server_name]["condition"] == "service_healthy"
 
 
 @cache
 def registered_metrics() -> set[str]:
-    names = {m.name for m in Metrics().registry.collect()}
+    from rtmedia.web.telephony.sip_metrics import SipMetrics
+
+    names = {m.name for m in Metrics().registry.collect()} | {m.name for m in SipMetrics().registry.collect()}
     return names | {f"{n}_total" for n in names}  # prometheus_client names counters without _total
 
 
@@ -657,7 +685,7 @@ def test_grafana_provisions_the_dashboard_and_its_data_source(variant):
     assert source["type"] == "prometheus" and source["isDefault"]
     assert url.hostname == "prometheus" and url.hostname in model["services"] and url.port == 9090
     assert ("tcp", (9090, 9090)) in published(model["services"]["prometheus"])
-    # the dashboard queries only what the server registers, occupancy included
+    # the dashboard queries only what the server (and the SIP door) registers, occupancy included
     dashboard = json.loads(dashboards[0].read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert all(t["datasource"]["type"] == source["type"] for p in dashboard["panels"] for t in p.get("targets", []))

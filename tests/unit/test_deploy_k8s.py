@@ -44,13 +44,15 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "cpu+webrtc-media": ("overlays/cpu", ("components/webrtc-media",)),
     "gpu+webrtc-media+webrtc-hostnetwork": ("overlays/gpu", ("components/webrtc-media",
                                                              "components/webrtc-hostnetwork")),
+    "cpu+webrtc-media+sip": ("overlays/cpu", ("components/webrtc-media", "components/sip")),
 }
-WEBRTC = [name for name, (_, components) in VARIANTS.items() if components]
+WEBRTC = [name for name, (_, components) in VARIANTS.items() if "components/webrtc-media" in components]
 KINDS = {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "ServiceMonitor", "Gateway", "GRPCRoute",
          "HTTPRoute", "BackendTrafficPolicy", "ClientTrafficPolicy", "ScaledObject"}
 # What the downward API and the Secrets give the containers' $(VAR)s, for parsing their args.
 FIELD_VALUES = {"metadata.name": "rtmedia-6d9c7b8f5-x2x7k", "status.podIP": "192.0.2.10"}
-SECRET_VALUES = {("rtmedia-ice", "ice-server"): "turn:user:secret@turn.example.com:3478"}
+SECRET_VALUES = {("rtmedia-ice", "ice-server"): "turn:user:secret@turn.example.com:3478",
+                 ("rtmedia-sip", "token"): "door-token-0123456789", ("rtmedia-sip", "public-address"): "203.0.113.7"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -667,7 +669,7 @@ def test_webrtc_bridge_takes_its_media_settings(rendered, variant, tmp_path):
     docs = rendered[variant]
     _, config = server_config(docs, tmp_path)
     spec = pod_spec(docs)
-    assert [c["name"] for c in spec["containers"]] == ["rtmedia", "web"]
+    assert [c["name"] for c in spec["containers"]] == ["rtmedia", *(["sip"] if "sip" in variant else []), "web"]
     web = container(docs, "web")
     assert web["image"] == container(docs)["image"]
     args = parse(expand(web))
@@ -683,7 +685,29 @@ def test_webrtc_bridge_takes_its_media_settings(rendered, variant, tmp_path):
     assert port_number(web, web["readinessProbe"]["httpGet"]["port"]) == bridge.port
     volume, key = mounted_file(docs, web, args.auth_tokens)
     assert (volume["secret"]["secretName"], key) == ("rtmedia-tokens", "tokens")
-    host_network = "webrtc-hostnetwork" in variant
+    host_network = "webrtc-hostnetwork" in variant or "sip" in variant
     assert spec.get("hostNetwork", False) is host_network
     if host_network:
         assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+
+
+def test_sip_door_takes_the_nodes_network_and_the_servers_port(rendered, tmp_path):
+    from rtmedia.web.telephony.sip_cli import sip_config
+
+    docs = rendered["cpu+webrtc-media+sip"]
+    _, config = server_config(docs, tmp_path)
+    spec = pod_spec(docs)
+    door = container(docs, "sip")
+    assert door["image"] == container(docs)["image"]
+    args = parse(expand(door))
+    assert args.command == "sip"
+    sip = sip_config(args)  # the door's own checks of its flags
+    host, _, port = args.target.rpartition(":")
+    assert host == "127.0.0.1" and int(port) == config.port
+    assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert sip.control is not None and sip.control[0] == "127.0.0.1"  # the calls API: loopback only
+    assert {(p["containerPort"], p["protocol"]) for p in door["ports"]} == {(sip.listen[1], "UDP"), (sip.listen[1], "TCP")}
+    assert door["readinessProbe"]["httpGet"]["port"] == sip.control[1]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in door["env"] if "valueFrom" in e}
+    assert env["RTMEDIA_TOKEN"] == {"name": "rtmedia-sip", "key": "token"}  # the server checks tokens
+    assert sip.rtp_ports[1] - sip.rtp_ports[0] + 1 >= 2 * sip.max_calls

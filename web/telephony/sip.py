@@ -190,6 +190,20 @@ def invite_headers(message: str, patterns: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def fill(instructions: str, info: CallInfo) -> str:
+    """`{caller}`, `{called}` and `{header:X-Name}` in a call's instructions, from its INVITE
+    (an unknown header is empty; other braces stay as they are)."""
+    headers = {k.lower(): v for k, v in info.headers.items()}
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name.startswith("header:"):
+            return headers.get(name[7:].lower(), "")
+        return {"caller": info.caller, "called": info.called}.get(name, match.group(0))
+
+    return re.sub(r"\{(caller|called|header:[A-Za-z0-9-]+)\}", value, instructions)
+
+
 class SipCall(pj.Call):
     """One SIP call and its Converse session."""
 
@@ -261,7 +275,10 @@ class SipCall(pj.Call):
         audio = self.getAudioMedia(index)
         audio.startTransmit(self.port)
         self.port.startTransmit(audio)
-        config = {**self.settings, "input_audio_format": {"encoding": "pcm16", "sample_rate": rate, "channels": 1},
+        settings = dict(self.settings)
+        if isinstance(settings.get("instructions"), str):
+            settings["instructions"] = fill(settings["instructions"], self.info)
+        config = {**settings, "input_audio_format": {"encoding": "pcm16", "sample_rate": rate, "channels": 1},
                   "output_sample_rate": rate}
         self.send(client_event("session.update", event_id="sip-config", session=config))
         # The call-control tools on their own: a responder that cannot call tools refuses them
