@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.support.chat_upstream import Calls, ChatUpstream, tool_results
+from tests.support.pulse import running_pulse
 from tests.support.serve import FEW_SPEAKERS, free_port, running_server
 from tests.support.sip import Baresip, baresip, running_door, write_wav
 from tests.support.speech import wer
@@ -50,12 +51,12 @@ def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sip")
     upstream = ChatUpstream(script)
     (folder / "sip.yaml").write_text("transfer:\n  allow: ['sip:desk@*']\nnumbers:\n  agent: {responder: openai}\n")
-    with upstream.in_thread(), \
+    with upstream.in_thread(), running_pulse(folder / "pulse") as pulse, \
             running_server("--no-llm", "--responder", "echo", "--openai-url", upstream.url,
                            log=folder / "serve.log", asr_decoders=FEW_SPEAKERS) as (target, _), \
             running_door(target, "--sip-config", str(folder / "sip.yaml"), log=folder / "sip.log") as door:
         DESK["uri"] = f"sip:desk@127.0.0.1:{door.sip_port}"
-        yield SimpleNamespace(target=target, door=door, folder=folder, upstream=upstream)
+        yield SimpleNamespace(target=target, door=door, folder=folder, upstream=upstream, env=pulse.env)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def call(phone: Baresip, uri: str, seconds: float) -> None:
 
 
 def test_a_caller_is_heard_and_answered(served, words, tmp_path):
-    with baresip(tmp_path / "phone", words.sentence) as phone:
+    with baresip(tmp_path / "phone", words.sentence, env=served.env) as phone:
         call(phone, served.door.uri, 9.0)
         heard, rate = phone.heard()
     assert rate == RATE
@@ -117,7 +118,7 @@ def test_a_caller_is_heard_and_answered(served, words, tmp_path):
 
 
 def test_dtmf_reaches_the_session(served, words, tmp_path):
-    with baresip(tmp_path / "phone", words.silence) as phone:
+    with baresip(tmp_path / "phone", words.silence, env=served.env) as phone:
         phone.command("dial", served.door.uri)
         phone.wait("CALL_ESTABLISHED")
         time.sleep(0.5)
@@ -131,7 +132,7 @@ def test_dtmf_reaches_the_session(served, words, tmp_path):
 
 
 def test_a_barge_in_cuts_the_reply_at_once(served, words, tmp_path):
-    with baresip(tmp_path / "phone", words.barge) as phone:
+    with baresip(tmp_path / "phone", words.barge, env=served.env) as phone:
         call(phone, served.door.uri, 16.0)
         heard, rate = phone.heard()
     text = transcribe(served.target, heard, rate).lower()
@@ -140,7 +141,7 @@ def test_a_barge_in_cuts_the_reply_at_once(served, words, tmp_path):
 
 
 def test_the_agent_hangs_up_with_end_call(served, words, tmp_path):
-    with baresip(tmp_path / "phone", words.goodbye) as phone:
+    with baresip(tmp_path / "phone", words.goodbye, env=served.env) as phone:
         phone.command("dial", served.door.uri.replace("rtmedia@", "agent@"))
         phone.wait("CALL_ESTABLISHED")
         closed = phone.wait("CALL_CLOSED", timeout=30)  # hung up by the door, not by the phone
@@ -152,7 +153,7 @@ def test_the_agent_hangs_up_with_end_call(served, words, tmp_path):
 
 
 def test_transfer_call_sends_a_refer_and_ends_the_call(served, words, tmp_path):
-    with baresip(tmp_path / "phone", words.desk) as phone:
+    with baresip(tmp_path / "phone", words.desk, env=served.env) as phone:
         phone.command("dial", served.door.uri.replace("rtmedia@", "agent@"))
         phone.wait("CALL_ESTABLISHED")
         transfer = phone.wait("TRANSFER", timeout=30)
@@ -171,8 +172,8 @@ def test_outbound_calls_report_their_outcomes(served, tmp_path):
     assert status == 400 and body["reason"] == "invalid_value"
     status, body = http("POST", f"{control}/v1/sip/calls", {"to": "+15551234", "trunk": "nope"})
     assert status == 404
-    with baresip(tmp_path / "answers", answer="auto") as callee, baresip(tmp_path / "rings") as ringer, \
-            baresip(tmp_path / "busy") as refuses:
+    with baresip(tmp_path / "answers", answer="auto", env=served.env) as callee, \
+            baresip(tmp_path / "rings", env=served.env) as ringer, baresip(tmp_path / "busy", env=served.env) as refuses:
         status, answered = http("POST", f"{control}/v1/sip/calls", {"to": callee.uri})
         assert status == 201 and answered["status"] == "dialing", answered
         callee.wait("CALL_ESTABLISHED")
@@ -207,7 +208,8 @@ def test_outbound_calls_report_their_outcomes(served, tmp_path):
 
 def test_calls_over_max_calls_get_busy_here(served, words, tmp_path):
     with running_door(served.target, "--max-calls", "1", log=tmp_path / "door.log") as door, \
-            baresip(tmp_path / "first", words.silence) as first, baresip(tmp_path / "second", words.silence) as second:
+            baresip(tmp_path / "first", words.silence, env=served.env) as first, \
+            baresip(tmp_path / "second", words.silence, env=served.env) as second:
         first.command("dial", door.uri)
         first.wait("CALL_ESTABLISHED")
         second.command("dial", door.uri)
@@ -253,7 +255,7 @@ def test_bad_input_is_refused_and_other_calls_go_on(served, words, tmp_path):
     reply = sip_request(port, b"INVITE nonsense\r\n\r\n", timeout=1.0)
     assert reply == b"" or reply.startswith(b"SIP/2.0 400"), reply[:80]
     sip_request(port, bytes(range(256)) * 4, timeout=0.5)
-    with baresip(tmp_path / "phone", words.sentence) as phone:
+    with baresip(tmp_path / "phone", words.sentence, env=served.env) as phone:
         phone.command("dial", served.door.uri)
         phone.wait("CALL_ESTABLISHED")
         live = [c for c in served.door.calls()["calls"] if c["status"] == "active"]
@@ -283,7 +285,7 @@ def test_the_door_metrics_count_the_calls(served):
     assert "rtmedia_sip_call_setup_seconds_count" in text
 
 
-def test_serve_runs_the_door_beside_it_and_the_web_port_serves_its_calls_api(words, tmp_path):
+def test_serve_runs_the_door_beside_it_and_the_web_port_serves_its_calls_api(served, words, tmp_path):
     from tests.support.sip import free_udp_port
 
     tokens = tmp_path / "tokens"
@@ -302,7 +304,7 @@ def test_serve_runs_the_door_beside_it_and_the_web_port_serves_its_calls_api(wor
         req = urllib.request.Request(calls, headers={"Authorization": "Bearer s3cret-token-0123456789"})
         with urllib.request.urlopen(req, timeout=5) as res:
             assert json.loads(res.read())["calls"] == []
-        with baresip(tmp_path / "phone", words.sentence) as phone:
+        with baresip(tmp_path / "phone", words.sentence, env=served.env) as phone:
             phone.command("dial", f"sip:rtmedia@127.0.0.1:{sip}")
             phone.wait("CALL_ESTABLISHED")  # the door's sessions carry $RTMEDIA_TOKEN
             time.sleep(1.0)
@@ -311,3 +313,27 @@ def test_serve_runs_the_door_beside_it_and_the_web_port_serves_its_calls_api(wor
         assert process.wait(timeout=30) == 0
     log = (tmp_path / "serve.log").read_text()
     assert "rtmedia sip: draining" in log and "Assertion" not in log
+
+
+def test_dtmf_as_sip_info_reaches_the_session(served):
+    import subprocess
+    import sys
+
+    before = len(served.door.calls()["ended"])
+    caller = Path(__file__).resolve().parents[1] / "support" / "sip_caller.py"
+    done = subprocess.run([sys.executable, str(caller), served.door.uri, "7*", "1.5"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    info = served.door.ended(before + 1)[-1]
+    assert info["caller"] == "pjsua" and info["dtmf"] == ["7", "*"], info
+
+
+def test_a_g722_call_is_wideband(served, words, tmp_path):
+    with baresip(tmp_path / "phone", words.sentence, codecs=("g722",), env=served.env) as phone:
+        call(phone, served.door.uri, 9.0)
+        heard, rate = phone.heard()
+    info = served.door.ended(1)[-1]
+    assert info["codec"] == "G722/16000", info
+    assert wer(SENTENCE, info["transcript"][0]) <= 0.2, info["transcript"]
+    text = transcribe(served.target, heard, rate)
+    assert text.lower().startswith("you said"), text

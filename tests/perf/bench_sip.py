@@ -6,7 +6,8 @@ gRPC, in one sitting.
 One `rtmedia serve --no-llm --responder echo` and one `rtmedia sip` in front of it; the callers
 are Debian's baresip (G.711 μ-law, its jitter buffer at its minimum, 1-2 frames), each with a
 WAV as its microphone. baresip writes what it encodes and what it decodes to two WAV files as
-it goes (`sndfile`); a thread watching them grow timestamps every sample.
+it goes (`sndfile`); a thread watching them grow timestamps every sample. Their player is a
+PulseAudio null sink (clocked, as a sound card is).
 
 - Voice-to-voice: a Piper sentence, from the last voiced sample baresip encoded for its RTP to
   the first voiced reply sample it decoded, through a door with the default codecs (G.722 too:
@@ -14,9 +15,10 @@ it goes (`sndfile`); a thread watching them grow timestamps every sample.
   straight, the same sentence as 8 kHz μ-law at real time, from the chunk with its last voiced
   sample to the reply's first voiced sample as heard (its first delta's arrival plus that
   sample's offset: TTS audio starts quietly); rounds alternating.
-- `--calls` concurrent calls (echo), three sentences each: voice-to-voice and response (the
-  same less the 500 ms end-of-turn silence) p50/p95, the door's playout underruns, and the
-  door process's CPU per call-second.
+- `--calls` concurrent calls (echo), three sentences each, over as many doors as they need
+  (one PJSIP process holds 4 calls): voice-to-voice and response (the same less the 500 ms
+  end-of-turn silence) p50/p95, the doors' playout underruns, and the door processes' CPU per
+  call-second.
 - Caller WER at 8 kHz G.711: the 46 sentences of tests/perf/asr_sentences.txt over
   `--wer-calls` calls (turns transcribed, no replies), as the session recognised them.
 
@@ -28,7 +30,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -42,11 +46,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rtmedia.engines.resample import float_to_ulaw
+from rtmedia.web.telephony.sip_config import PJSIP_MAX_CALLS
 
 from tests.perf.bench_asr import wer
 from tests.perf.bench_speech import machine
-from tests.perf.bench_twilio import CHUNK, SENTENCES, last_voiced_chunk, paced, pct
+from tests.perf.bench_twilio import CHUNK, SENTENCES, last_voiced_chunk, paced
+from tests.perf.bench_twilio import pct as _pct
 from tests.support.converse import Conversation
+from tests.support.pulse import running_pulse
 from tests.support.serve import running_server
 from tests.support.sip import Baresip, running_door, write_wav
 from tests.support.speech import Speaker
@@ -56,6 +63,12 @@ RATE = 8000
 LEVEL = 164  # a voiced sample, in int16: 0.005 of full scale, as bench_twilio.py counts one
 GAP_S = 6.0  # after each sentence: the echo's reply plays out before the next
 SILENCE_MS = 500  # the end-of-turn silence (turn_detection.silence_duration_ms)
+ENV: dict[str, dict[str, str]] = {}  # the PulseAudio server the callers play into ("pulse")
+STAGGER_S = 9.0  # the concurrent calls' starts spread over this (a sentence and its gap)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    return _pct(values, q) if values else None
 
 
 class Growth:
@@ -160,7 +173,7 @@ def run(target: str, door, narrow, folder: Path, rounds: int, calls: int, wer_ca
             wav = wav_of(folder, f"round{n}", speaker, [text], GAP_S)
             for which, into in ((door, sip_v2v), (narrow, narrow_v2v)):
                 phone_dir = folder / f"round{n}-{len(into)}-{id(which)}"
-                phone = Baresip(phone_dir, wav, jitter="1-2")
+                phone = Baresip(phone_dir, wav, jitter="1-2", env=ENV["pulse"])
                 growth.watch(phone_dir / "rec")
                 try:
                     place(phone, which.uri, 0.5 + 4.0 + GAP_S - 1.0)
@@ -173,42 +186,53 @@ def run(target: str, door, narrow, folder: Path, rounds: int, calls: int, wer_ca
             print(f"round {n}: sip {sip_v2v[-1:]} g711 {narrow_v2v[-1:]} grpc {grpc_v2v[-1]:.0f} ms", file=sys.stderr)
         concurrent = wer_result = None
         if calls:
-            concurrent = concurrent_calls(door, folder, growth, speaker, calls, rounds)
+            concurrent = concurrent_calls(target, folder, growth, speaker, calls)
         if wer_calls:
-            wer_result = dictation(door, folder, speaker, wer_calls, rounds + calls)
+            wer_result = dictation(door, folder, speaker, wer_calls, rounds)
     finally:
         growth.close()
     return {"rounds": rounds,
             "sip_v2v_ms": {"p50": pct(sip_v2v, 50), "p95": pct(sip_v2v, 95)},
             "grpc_v2v_ms": {"p50": pct(grpc_v2v, 50), "p95": pct(grpc_v2v, 95)},
-            "sip_added_p50_ms": round(pct(sip_v2v, 50) - pct(grpc_v2v, 50), 1),
+            "sip_added_p50_ms": round(pct(sip_v2v, 50) - pct(grpc_v2v, 50), 1) if rounds else None,
             "g711_only_v2v_ms": {"p50": pct(narrow_v2v, 50), "p95": pct(narrow_v2v, 95)},
-            "g711_only_added_p50_ms": round(pct(narrow_v2v, 50) - pct(grpc_v2v, 50), 1),
+            "g711_only_added_p50_ms": round(pct(narrow_v2v, 50) - pct(grpc_v2v, 50), 1) if rounds else None,
             "concurrent": concurrent, "wer_8k_g711": wer_result}
 
 
-def concurrent_calls(door, folder: Path, growth: Growth, speaker: Speaker, calls: int, before: int) -> dict:
+def concurrent_calls(target: str, folder: Path, growth: Growth, speaker: Speaker, calls: int) -> dict:
+    """`calls` at once over as many doors as they need (one PJSIP process holds PJSIP_MAX_CALLS)."""
+    with contextlib.ExitStack() as stack:
+        doors = [stack.enter_context(running_door(target, log=folder / f"door{n}.log"))
+                 for n in range(math.ceil(calls / PJSIP_MAX_CALLS))]
+        return _concurrent(doors, folder, growth, speaker, calls)
+
+
+def _concurrent(doors: list, folder: Path, growth: Growth, speaker: Speaker, calls: int) -> dict:
     wav = wav_of(folder, "three", speaker, SENTENCES, GAP_S)
     seconds = len(samples(wav)) / RATE
-    phones = [Baresip(folder / f"call{n}", wav, jitter="1-2") for n in range(calls)]
-    cpu0, t0 = cpu_seconds(door.process.pid), time.perf_counter()
+    phones = [Baresip(folder / f"call{n}", wav, jitter="1-2", env=ENV["pulse"]) for n in range(calls)]
+    cpu0, t0 = sum(cpu_seconds(d.process.pid) for d in doors), time.perf_counter()
     try:
         for phone in phones:
             growth.watch(phone.folder / "rec")
-        threads = [threading.Thread(target=place, args=(p, door.uri, seconds)) for p in phones]
-        for th in threads:
+        threads = [threading.Thread(target=place, args=(p, doors[n % len(doors)].uri, seconds))
+                   for n, p in enumerate(phones)]
+        for th in threads:  # (spread over one turn's cycle, as callers are: not all ending turns at once)
             th.start()
-            time.sleep(0.05)
+            time.sleep(STAGGER_S / calls)
         for th in threads:
             th.join()
     finally:
         for phone in phones:
             phone.close()
-    cpu = cpu_seconds(door.process.pid) - cpu0
+    cpu = sum(cpu_seconds(d.process.pid) for d in doors) - cpu0
     wall = time.perf_counter() - t0
-    together = [v for phone in phones for v in call_figures(growth, phone.folder)]
-    last = door.ended(calls + before)[-calls:]
-    return {"calls": calls, "replies": len(together), "expected_replies": calls * len(SENTENCES),
+    per_call = [call_figures(growth, phone.folder) for phone in phones]
+    print("per call voice-to-voice (ms):", [[round(v) for v in c] for c in per_call], file=sys.stderr)
+    together = [v for c in per_call for v in c]
+    last = [c for d in doors for c in d.calls()["ended"]]  # (each door is this phase's own)
+    return {"calls": calls, "doors": len(doors), "replies": len(together), "expected_replies": calls * len(SENTENCES),
             "v2v_p50_ms": pct(together, 50), "v2v_p95_ms": pct(together, 95),
             "response_p50_ms": round(pct(together, 50) - SILENCE_MS, 1),
             "response_p95_ms": round(pct(together, 95) - SILENCE_MS, 1),
@@ -219,8 +243,8 @@ def concurrent_calls(door, folder: Path, growth: Growth, speaker: Speaker, calls
 def dictation(door, folder: Path, speaker: Speaker, wer_calls: int, before: int) -> dict:
     sentences = [s.strip() for s in (HERE / "asr_sentences.txt").read_text().splitlines() if s.strip()]
     shares = [sentences[i::wer_calls] for i in range(wer_calls)]
-    wer_phones = [Baresip(folder / f"wer{n}", wav_of(folder, f"wer{n}", speaker, share, 1.5), user=f"wer{n}")
-                  for n, share in enumerate(shares)]
+    wer_phones = [Baresip(folder / f"wer{n}", wav_of(folder, f"wer{n}", speaker, share, 1.5), user=f"wer{n}",
+                          env=ENV["pulse"]) for n, share in enumerate(shares)]
     try:
         threads = [threading.Thread(target=place, args=(p, door.uri.replace("rtmedia@", "dictation@"),
                                                         len(samples(p.folder.parent / f"wer{n}.wav")) / RATE
@@ -271,7 +295,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--calls", type=int, default=12)
-    parser.add_argument("--wer-calls", type=int, default=4)
+    parser.add_argument("--wer-calls", type=int, default=PJSIP_MAX_CALLS)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as name:
@@ -279,11 +303,12 @@ def main() -> None:
         (folder / "sip.yaml").write_text(
             "numbers:\n  dictation: {turn_detection: {type: server_vad, create_response: false}}\n")
         (folder / "g711.yaml").write_text("codecs: [PCMU, PCMA]\n")
-        with running_server("--no-llm", "--responder", "echo", "--log-level", "WARNING",
+        with running_pulse(folder / "pulse") as pulse, \
+                running_server("--no-llm", "--responder", "echo", "--log-level", "WARNING",
                             "--metrics-port", "0") as (target, _), \
-                running_door(target, "--sip-config", str(folder / "sip.yaml"), "--sip-max-calls",
-                             str(max(args.calls, args.wer_calls) + 2), log=folder / "sip.log") as door, \
+                running_door(target, "--sip-config", str(folder / "sip.yaml"), log=folder / "sip.log") as door, \
                 running_door(target, "--sip-config", str(folder / "g711.yaml"), log=folder / "g711.log") as narrow:
+            ENV["pulse"] = pulse.env
             result = {"benchmark": "sip", "machine": machine(),
                       **run(target, door, narrow, folder, args.rounds, args.calls, args.wer_calls)}
     text = json.dumps(result)

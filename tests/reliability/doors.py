@@ -4,7 +4,7 @@ shared by the quick tests (tests/reliability/test_fuzz.py) and the long run
 (tests/reliability/fuzz.py).
 
 A door is registered with `@door(name, cases, needs=...)` on its runner; `needs` names what
-the server must offer for it ("riva", "web", "auth", "openai", "twilio"). A new door (a service, a method, an HTTP
+the server must offer for it ("riva", "web", "auth", "openai", "twilio", "sip"). A new door (a service, a method, an HTTP
 route) is one strategy and one runner here, and both the quick tests and the long run pick it
 up. Request messages come from `strategies.message`, which fuzzes every field of a request
 type, so a field added to a request later is covered without a change here.
@@ -201,6 +201,22 @@ async def ended(call: Any, outcome: Outcome, cancelled: bool = False, where: str
 
 
 @dataclass
+class SipTarget:
+    """The SIP door's process: its SIP port (UDP), its control URL and its log."""
+
+    port: int
+    control: str
+    log: Any  # a Path
+    alive: Callable[[], bool]
+    read: int = 0  # how much of its log has been judged
+
+    def errors(self) -> list[str]:
+        text = self.log.read_text(errors="replace")
+        new, self.read = text[self.read:], len(text)
+        return [line for line in new.splitlines() if " ERROR " in line or "Traceback" in line or "Assertion" in line]
+
+
+@dataclass
 class Target:
     """A running server (and bridge) the doors are fuzzed against, and how to see its state."""
 
@@ -222,6 +238,7 @@ class Target:
     # The web front's Realtime limits (rtmedia.web.realtime_ws.RealtimeLimits; these are serve's defaults).
     max_event_bytes: int = 2 * 1024 * 1024
     max_frame_bytes: int = 8 * 1024 * 1024
+    sip: SipTarget | None = None  # the SIP door (`rtmedia sip`) in front of the server, when fuzzed
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # Hypothesis's reports
         printer.text(f"Target({self.channel!r}, web {self.web_url})")
@@ -299,6 +316,11 @@ async def run_case(target: Target, door_: Door, case: Any, settle_s: float = SET
     if crashed:
         problems.append("the server stopped answering health (or exited)")
     problems += [f"the server logged an error: {line[:300]}" for line in target.errors_logged()]
+    if target.sip is not None:
+        problems += [f"the SIP door logged an error: {line[:300]}" for line in target.sip.errors()]
+        if not target.sip.alive():
+            crashed = True
+            problems.append("the SIP door exited")
     return Verdict(door_.name, outcome, problems, leaked, peers, crashed, seconds)
 
 
@@ -2040,4 +2062,116 @@ async def twilio_media(target: Target, case: tuple[list[str | bytes], bool]) -> 
             outcome.problems.append(f"the handshake got HTTP {exc.status}")
     except TimeoutError:
         outcome.problems.append(f"the socket did not close within {END_S:g} s of the client's close")
+    return outcome
+
+
+# ---- the SIP door (web/telephony/sip.py) -----------------------------------------------------------
+
+SIP_METHODS = ["OPTIONS", "BYE", "CANCEL", "INFO", "REGISTER", "MESSAGE", "SUBSCRIBE", "NOTIFY", "REFER", "ACK",
+               "PRACK", "UPDATE", "INVITE", "FOO"]
+# An offer the door can never take (no codec it speaks), so a fuzzed INVITE never becomes a call.
+UNKNOWN_CODECS_SDP = ("v=0\r\no=- 1 1 IN IP4 127.0.0.1\r\ns=-\r\nc=IN IP4 127.0.0.1\r\nt=0 0\r\n"
+                      "m=audio 4000 RTP/AVP 3 18\r\na=rtpmap:3 GSM/8000\r\na=rtpmap:18 G729/8000\r\n")
+
+
+def _sip_requests() -> st.SearchStrategy[bytes]:
+    """A SIP request, well-formed or with fuzzed lines and body, or any datagram at all."""
+    header = st.tuples(weighted([st.sampled_from(["Via", "From", "To", "Call-ID", "CSeq", "Contact", "Max-Forwards",
+                                                  "Content-Type", "Content-Length", "Event", "Refer-To", "X-Fuzz",
+                                                  "v", "f", "t", "i", "m", "l"]), strings(16)]),
+                       weighted([header_values(), strings(80)]))
+
+    def request(method: str, uri: str, extra: list[tuple[str, str]], body: str, n: int) -> bytes:
+        lines = [f"{method} {uri} SIP/2.0", f"Via: SIP/2.0/UDP 127.0.0.1:5999;branch=z9hG4bK-fuzz-{n};rport",
+                 "Max-Forwards: 70", f"From: <sip:fuzz@127.0.0.1>;tag=f{n}", "To: <sip:rtmedia@127.0.0.1>",
+                 f"Call-ID: fuzz-{n}", f"CSeq: 1 {method}", "Contact: <sip:fuzz@127.0.0.1:5999>",
+                 *(f"{k}: {v}" for k, v in extra)]
+        if method == "INVITE":  # (never a codec the door speaks: a fuzzed INVITE is never a call)
+            body, extra = UNKNOWN_CODECS_SDP, [*extra, ("Content-Type", "application/sdp")]
+            lines.append("Content-Type: application/sdp")
+        lines.append(f"Content-Length: {len(body.encode())}")
+        return ("\r\n".join(lines) + "\r\n\r\n" + body).encode("utf-8", "surrogatepass")
+
+    well = st.builds(request, st.sampled_from(SIP_METHODS),
+                     weighted([st.just("sip:rtmedia@127.0.0.1"), strings(60)]),
+                     st.lists(header, max_size=4), weighted([st.just(""), strings(200)]),
+                     st.integers(0, 1 << 30))
+    return weighted([well] * 6 + [blobs(512), strings(300).map(lambda t: t.encode("utf-8", "surrogatepass"))])
+
+
+SIP_CASES = st.lists(_sip_requests(), min_size=1, max_size=6)
+
+
+@door("sip_signalling", SIP_CASES, needs=["sip"])
+async def sip_signalling(target: Target, case: list[bytes]) -> Outcome:
+    """Datagrams to the door's SIP port: whatever comes back is a SIP response (a status line
+    with a code); no call comes of it; the door goes on (judged by run_case)."""
+    import socket
+
+    assert target.sip is not None
+    outcome = Outcome()
+    loop = asyncio.get_running_loop()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.setblocking(False)
+        sock.bind(("127.0.0.1", 0))
+        for datagram in case:
+            with contextlib.suppress(OSError):
+                await loop.sock_sendto(sock, datagram[:65000], ("127.0.0.1", target.sip.port))
+        deadline = time.monotonic() + 0.3
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                reply = await asyncio.wait_for(loop.sock_recv(sock, 65536), left)
+            except TimeoutError:
+                break
+            line = reply.split(b"\r\n", 1)[0]
+            if not (line.startswith(b"SIP/2.0 ") and line[8:11].isdigit() and 100 <= int(line[8:11]) < 700):
+                outcome.problems.append(f"a reply that is not a SIP response: {reply[:120]!r}")
+                continue
+            outcome.status(f"SIP {int(line[8:11])}")
+            if line[8:11] in (b"200", b"180") and b"INVITE" in reply.split(b"CSeq:", 1)[-1][:40]:
+                outcome.problems.append("a fuzzed INVITE was answered as a call")
+    live = await _sip_calls(target)
+    if live:
+        outcome.problems.append(f"{len(live)} SIP call(s) live after the case")
+    return outcome
+
+
+async def _sip_calls(target: Target) -> list[dict[str, Any]]:
+    assert target.sip is not None
+    async with target.http.get(f"{target.sip.control}/v1/sip/calls") as res:
+        return [c for c in (await res.json())["calls"] if c["status"] != "ended" and c["direction"] == "inbound"]
+
+
+SIP_API_CASES = st.lists(st.tuples(
+    st.sampled_from(["POST /v1/sip/calls", "GET /v1/sip/calls", "GET /v1/sip/calls/{id}",
+                     "POST /v1/sip/calls/{id}/hangup", "POST /v1/sip/calls/{id}/refer", "POST /v1/sip/calls/{id}/dtmf",
+                     "POST /v1/sip/calls/{id}/nonsense"]),
+    weighted([st.just("0123456789abcdef"), strings(40)]),
+    weighted([json_values().map(json.dumps), strings(200), st.just('{"to": "sip:nobody@127.0.0.1:9"}'),
+              st.fixed_dictionaries({"to": strings(60), "ring_timeout_s": json_values()}).map(json.dumps)])),
+    min_size=1, max_size=5)
+
+
+@door("sip_calls_api", SIP_API_CASES, needs=["sip"])
+async def sip_calls_api(target: Target, case: list[tuple[str, str, str]]) -> Outcome:
+    """The door's calls API: every answer below 500 in the `{"error", "reason"}` shape; a call
+    it dials is hung up (through the API) by the end of the case."""
+    assert target.sip is not None
+    outcome = Outcome()
+    for route, call_id, body in case:
+        method, path = route.split(" ")
+        url = target.sip.control + path.replace("{id}", quote(call_id, safe=""))
+        async with target.http.request(method, url, data=body.encode("utf-8", "surrogatepass"),
+                                       headers={"Content-Type": "application/json"}) as res:
+            outcome.status(f"HTTP {res.status}")
+            text = await res.text()
+            if res.status >= 500:
+                outcome.problems.append(f"{route}: HTTP {res.status}: {text[:200]}")
+            elif res.status >= 400 and res.content_type == "application/json" and "error" not in json.loads(text):
+                outcome.problems.append(f"{route}: an error without the error shape: {text[:200]}")
+    async with target.http.get(f"{target.sip.control}/v1/sip/calls") as res:
+        calls = (await res.json())["calls"]
+    for call in calls:  # (a well-formed dial: end it, as a client would)
+        async with target.http.post(f"{target.sip.control}/v1/sip/calls/{call['id']}/hangup") as res:
+            await res.read()
     return outcome

@@ -34,6 +34,7 @@ from yarl import URL
 from tests.reliability.doors import (
     DOORS,
     METHODS,
+    SipTarget,
     Target,
     case_repr,
     offer_sdp,
@@ -101,7 +102,18 @@ def error_log():
 
 
 @pytest.fixture(scope="module")
-async def target(fuzz_server, fuzz_bridge, error_log):
+def fuzz_sip(fuzz_server, tmp_path_factory):
+    """The SIP door (`rtmedia sip`, a process: PJSIP is one per process) in front of the server."""
+    from tests.support.sip import running_door
+
+    log = tmp_path_factory.mktemp("sip") / "sip.log"
+    with running_door(f"127.0.0.1:{fuzz_server.port}", "--token", GOOD, "--sip-rtp-timeout", "2",
+                      log=log) as door:
+        yield SipTarget(door.sip_port, door.control, log, lambda: door.process.poll() is None)
+
+
+@pytest.fixture(scope="module")
+async def target(fuzz_server, fuzz_bridge, fuzz_sip, error_log):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{fuzz_server.port}") as channel, \
             aiohttp.ClientSession() as http:
         health = health_pb2_grpc.HealthStub(channel)
@@ -121,7 +133,7 @@ async def target(fuzz_server, fuzz_bridge, error_log):
                      errors_logged=error_log.take,
                      latent_channels=await probe_latent_channels(channel, metadata),
                      max_receive_bytes=fuzz_server.config.max_receive_bytes,
-                     features=frozenset({"riva", "web", "auth", "openai", "twilio"}),
+                     features=frozenset({"riva", "web", "auth", "openai", "twilio", "sip"}), sip=fuzz_sip,
                      web_url=f"http://127.0.0.1:{fuzz_bridge.port}", http=http, web_peers=peers,
                      offer_sdp=await offer_sdp(), max_upload_bytes=UPLOAD_LIMIT,
                      max_event_bytes=REALTIME_LIMITS.max_event_bytes, max_frame_bytes=REALTIME_LIMITS.max_frame_bytes)

@@ -1,7 +1,9 @@
 """The SIP door's tests and benchmark: the door as a process (`rtmedia sip`), and Debian's
 baresip as the caller (a real SIP user agent no one here wrote): its `aufile` module plays a WAV
 as the microphone, its `sndfile` module records what the caller hears, `ctrl_tcp` takes its
-commands and reports its events (netstring JSON)."""
+commands and reports its events (netstring JSON). Its player is ALSA's `pulse` device on a
+PulseAudio null sink (tests/support/pulse.py: clocked, so baresip's playback thread waits as on a
+sound card; ALSA's `null` device takes frames as fast as they come and the thread spins a core)."""
 
 from __future__ import annotations
 
@@ -102,8 +104,11 @@ class Baresip:
     """One baresip process: a caller (or callee) with a WAV as its microphone."""
 
     def __init__(self, folder: Path, source: Path | None = None, answer: str = "manual",
-                 jitter: str = "5-10", codecs: tuple[str, ...] = ("g711",), user: str = "caller") -> None:
+                 jitter: str = "5-10", codecs: tuple[str, ...] = ("g711",), user: str = "caller",
+                 env: dict[str, str] | None = None) -> None:
+        """`env`: a PulseAudio server's (Pulse.env), for a clocked player."""
         self.folder, self.user = folder, user
+        player = "alsa,pulse" if env and "PULSE_SERVER" in env else "alsa,null"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "rec").mkdir(exist_ok=True)
         self.sip_port, self.ctrl_port = free_udp_port(), free_port()
@@ -112,7 +117,7 @@ class Baresip:
         modules = "\n".join(f"module {m}.so" for m in (*codecs, "aufile", "alsa", "sndfile"))
         (folder / "config").write_text(f"""poll_method epoll
 sip_listen 127.0.0.1:{self.sip_port}
-audio_player alsa,null
+audio_player {player}
 audio_source aufile,{source}
 audio_alert alsa,null
 jitter_buffer_delay {jitter}
@@ -127,7 +132,7 @@ snd_path {folder / "rec"}
         (folder / "accounts").write_text(f"<sip:{user}@127.0.0.1:{self.sip_port}>;regint=0;answermode={answer}\n")
         self.log = open(folder / "baresip.log", "wb")
         self.process = subprocess.Popen([BARESIP, "-f", str(folder)], stdout=self.log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
+                                        stdin=subprocess.DEVNULL, env=env)
         self.events: list[dict[str, Any]] = []
         self._buffer = b""
         deadline = time.monotonic() + 10

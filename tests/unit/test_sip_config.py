@@ -18,20 +18,21 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_flags_make_a_config_and_round_trip_for_serve():
-    args = parse("--sip-listen", "0.0.0.0:5080", "--rtp-ports", "30000-30099", "--max-calls", "7",
+    args = parse("--sip-listen", "0.0.0.0:5080", "--rtp-ports", "30000-30099", "--max-calls", "3",
                  "--sip-public-address", "203.0.113.7", "--sip-control", "off")
     config = sip_config(args)
-    assert config.listen == ("0.0.0.0", 5080) and config.rtp_ports == (30000, 30099) and config.max_calls == 7
+    assert config.listen == ("0.0.0.0", 5080) and config.rtp_ports == (30000, 30099) and config.max_calls == 3
     assert config.public_address == "203.0.113.7" and config.control is None
     assert sip_argv(args) == ["--sip-listen", "0.0.0.0:5080", "--sip-public-address", "203.0.113.7",
-                              "--sip-rtp-ports", "30000-30099", "--sip-max-calls", "7", "--sip-control", "off"]
+                              "--sip-rtp-ports", "30000-30099", "--sip-max-calls", "3", "--sip-control", "off"]
 
 
 @pytest.mark.parametrize("argv, message", [
     (("--sip-listen", "nope:port"), "--sip-listen must be HOST:PORT"),
     (("--rtp-ports", "5-3"), "--sip-rtp-ports must be LOW-HIGH"),
-    (("--rtp-ports", "40000-40009", "--max-calls", "20"), "holds 5 calls"),
-    (("--max-calls", "0"), "at least 1"),
+    (("--rtp-ports", "40000-40005", "--max-calls", "4"), "holds 3 calls"),
+    (("--max-calls", "0"), "within 1..4"),
+    (("--max-calls", "5"), "holds 4 calls a process"),
     (("--sip-tls-listen", "127.0.0.1:5061"), "needs --sip-tls-cert"),
     (("--sip-register", "not-a-uri"), "must be a SIP URI"),
     (("--sip-register", "sip:host.example"), "names no user"),

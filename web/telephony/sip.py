@@ -47,7 +47,7 @@ from rtmedia.clients.session import RealtimeSession
 from rtmedia.clients.tools import declare
 from rtmedia.protocol.events import client_event
 from rtmedia.web.playout import FRAME_MS, ReplyPlayout
-from rtmedia.web.telephony.sip_config import SipConfig, Trunk
+from rtmedia.web.telephony.sip_config import PJSIP_MAX_CALLS, SipConfig, Trunk
 from rtmedia.web.telephony.sip_metrics import SipMetrics, sample
 
 log = logging.getLogger("rtmedia.sip")
@@ -536,7 +536,7 @@ class SipDoor:
             ep.libCreate()
         cfg = pj.EpConfig()
         cfg.uaConfig.threadCnt, cfg.uaConfig.mainThreadOnly = 0, True
-        cfg.uaConfig.maxCalls = config.max_calls + 8  # room to answer calls over the limit with 486
+        cfg.uaConfig.maxCalls = PJSIP_MAX_CALLS  # (over it, pjsua answers 486 itself)
         cfg.uaConfig.userAgent = "rtmedia"
         med = cfg.medConfig
         # The conference bridge runs at 16 kHz where G.722 may be negotiated, else at G.711's 8 kHz:
@@ -544,7 +544,7 @@ class SipDoor:
         med.clockRate = med.sndClockRate = 16000 if "G722" in config.codecs else 8000
         med.audioFramePtime = med.ptime = FRAME_MS
         med.noVad, med.ecTailLen = True, 0
-        med.maxMediaPorts = 4 * (config.max_calls + 8) + 4
+        med.maxMediaPorts = 4 * PJSIP_MAX_CALLS + 4
         cfg.logConfig.level = cfg.logConfig.consoleLevel = config.log_level
         cfg.logConfig.writer = self._log_writer
         cfg.logConfig.decor = 0

@@ -43,7 +43,8 @@ def add_sip_flags(p: argparse.ArgumentParser, aliases: bool = False) -> None:
     g.add_argument(*(["--sip-rtp-ports", "--rtp-ports"] if aliases else ["--sip-rtp-ports"]), dest="sip_rtp_ports",
                    default=None, metavar="LOW-HIGH", help="UDP ports of the calls' RTP and RTCP (default 40000-40999)")
     g.add_argument(*(["--sip-max-calls", "--max-calls"] if aliases else ["--sip-max-calls"]), dest="sip_max_calls",
-                   type=int, default=None, metavar="N", help="calls at once (default 20); one more gets 486 Busy Here")
+                   type=int, default=None, metavar="N",
+                   help="calls at once, 1..4 (default 4: what one PJSIP process holds); one more gets 486 Busy Here")
     g.add_argument("--sip-rtp-timeout", type=float, default=None, metavar="S",
                    help="end a call whose RTP stopped for S seconds (default 30)")
     g.add_argument("--sip-config", default=None, metavar="FILE",

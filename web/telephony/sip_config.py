@@ -18,6 +18,10 @@ from urllib.parse import urlsplit
 import yaml
 
 PASSWORD_ENV = "RTMEDIA_SIP_PASSWORD"
+# The calls one PJSIP process holds at once: PJSUA_MAX_CALLS, a compile-time constant, is 4 in
+# the pjsua2-python wheel (PJSIP's default); beyond it pjsua itself answers 486 ("Unable to
+# accept incoming call (too many calls)"). More calls at once take more doors.
+PJSIP_MAX_CALLS = 4
 SRTP_MODES = ("off", "optional", "mandatory")
 # Session settings a call's config may set (the door owns the audio formats and the tools).
 SESSION_KEYS = ("responder", "voice", "instructions", "turn_detection", "noise_reduction", "input_audio_transcription",
@@ -125,7 +129,7 @@ class SipConfig:
     srtp: str = "optional"
     public_address: str | None = None  # advertised in SDP and Contact (NAT, Kubernetes)
     rtp_ports: tuple[int, int] = (40000, 40999)
-    max_calls: int = 20
+    max_calls: int = PJSIP_MAX_CALLS
     rtp_timeout_s: float = 30.0
     ring_timeout_s: float = 30.0  # an outbound call nobody answers
     control: tuple[str, int] | None = ("127.0.0.1", 5070)  # the calls API and /metrics
@@ -141,8 +145,10 @@ class SipConfig:
     def __post_init__(self) -> None:
         if self.srtp not in SRTP_MODES:
             raise ValueError(f"--sip-srtp must be one of {', '.join(SRTP_MODES)}, got {self.srtp!r}")
-        if self.max_calls < 1:
-            raise ValueError(f"--sip-max-calls must be at least 1, got {self.max_calls}")
+        if not 1 <= self.max_calls <= PJSIP_MAX_CALLS:
+            raise ValueError(f"--sip-max-calls must be within 1..{PJSIP_MAX_CALLS}, got {self.max_calls}: this "
+                             f"PJSIP build holds {PJSIP_MAX_CALLS} calls a process (run more doors for more: "
+                             "docs/telephony.md#sip)")
         if self.rtp_timeout_s <= 0 or self.ring_timeout_s <= 0:
             raise ValueError("--sip-rtp-timeout and ring_timeout_s must be positive")
         if self.tls_listen is not None and not (self.tls_cert and self.tls_key):
