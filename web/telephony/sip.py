@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fnmatch
 import gc
 import json
 import logging
@@ -153,21 +154,21 @@ class CallInfo:
     sip_call_id: str = ""
     trunk: str = ""
     headers: dict[str, str] = field(default_factory=dict)
-    status: str = "new"  # ringing | dialing | active | ended
+    status: str = "new"  # ringing | dialing | answering | active | ended
     outcome: str = ""  # answered | busy | no_answer | rejected | failed | ... once ended
     end_reason: str = ""
     codec: str = ""
     session_id: str = ""
     dtmf: list[str] = field(default_factory=list)  # keys the session received
     transcript: list[str] = field(default_factory=list)  # the caller's last turns, as recognised
-    underruns: int = 0  # reply frames that ran dry at the door (a gap the caller heard)
+    underruns: int = 0  # gaps in replies at the door (web/playout.py), which the caller heard
     transfers: list[dict[str, Any]] = field(default_factory=list)
     created_at: float = field(default_factory=time.time)
     answered_at: float | None = None
     ended_at: float | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items()}
+        return dict(vars(self))
 
 
 def uri_user(uri: str) -> str:
@@ -178,8 +179,6 @@ def uri_user(uri: str) -> str:
 
 def invite_headers(message: str, patterns: tuple[str, ...]) -> dict[str, str]:
     """The INVITE's headers whose names match `patterns` (shell wildcards, case-insensitive)."""
-    import fnmatch
-
     out: dict[str, str] = {}
     for line in message.split("\r\n\r\n", 1)[0].split("\r\n")[1:]:
         name, sep, value = line.partition(":")
