@@ -189,6 +189,11 @@ def invite_headers(message: str, patterns: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def output_item(call_id: str, output: dict[str, Any]) -> Any:
+    return client_event("conversation.item.create", item={"type": "function_call_output", "call_id": call_id,
+                                                          "output": json.dumps(output)})
+
+
 def fill(instructions: str, info: CallInfo) -> str:
     """`{caller}`, `{called}` and `{header:X-Name}` in a call's instructions, from its INVITE
     (an unknown header is empty; other braces stay as they are)."""
@@ -372,23 +377,25 @@ class SipCall(pj.Call):
         self.hang_up("the session ended")
 
     async def run_tools(self, calls: list[Any]) -> None:
-        outputs = []
+        """A response's calls, in order; their outputs, then a response that uses them (none
+        after end_call, whose output goes first: the server's filler must not start)."""
+        answered = 0
         for call in calls:
             try:
                 arguments = json.loads(call.arguments or "{}")
                 if not isinstance(arguments, dict):
                     raise ValueError("the arguments are not a JSON object")
+                if call.name == "end_call":
+                    self.send(output_item(call.call_id, {"ending": True}))
                 output = await self.run_tool(call.name, arguments)
             except (ValueError, TypeError) as exc:
                 output = {"error": str(exc)}
             log.info("sip tool", extra={"call": self.info.id, "tool": call.name, "output": json.dumps(output)[:200]})
             if output is None:  # the call is ending: nothing to answer
                 return
-            outputs.append(client_event("conversation.item.create", item={
-                "type": "function_call_output", "call_id": call.call_id, "output": json.dumps(output)}))
-        for request in outputs:
-            self.send(request)
-        if outputs:
+            self.send(output_item(call.call_id, output))
+            answered += 1
+        if answered:
             self.send(client_event("response.create"))
 
     async def run_tool(self, name: str, arguments: dict[str, Any]) -> dict[str, Any] | None:

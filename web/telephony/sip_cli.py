@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import signal
 import sys
 from typing import Any
@@ -145,6 +146,7 @@ async def run_sip(config: Any, open_channel: Any, grace_s: float, target: str) -
     from rtmedia.web.telephony.sip_control import SipControl
 
     channel = open_channel()  # (on this loop)
+    faulthandler.enable()  # (a crash in PJSIP's threads leaves its Python stacks in the log)
     door = SipDoor(config, channel)
     drain, stop = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
