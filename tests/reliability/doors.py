@@ -32,6 +32,7 @@ import contextlib
 import functools
 import json
 import math
+import re
 import time
 import wave
 from collections import Counter
@@ -2128,7 +2129,8 @@ async def sip_signalling(target: Target, case: list[bytes]) -> Outcome:
                 outcome.problems.append(f"a reply that is not a SIP response: {reply[:120]!r}")
                 continue
             outcome.status(f"SIP {int(line[8:11])}")
-            if line[8:11] in (b"200", b"180") and b"INVITE" in reply.split(b"CSeq:", 1)[-1][:40]:
+            cseq = re.search(rb"\r\nCSeq:[ \t]*\d+[ \t]+(\S+)", reply)
+            if line[8:11] in (b"200", b"180") and cseq is not None and cseq.group(1) == b"INVITE":
                 outcome.problems.append("a fuzzed INVITE was answered as a call")
     live = await _sip_calls(target)
     if live:

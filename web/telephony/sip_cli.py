@@ -142,6 +142,7 @@ async def run_sip(config: Any, open_channel: Any, grace_s: float, target: str) -
     """Serve calls until a signal: SIGTERM drains (`grace_s`), SIGINT or a second SIGTERM stops."""
     import pjsua2 as pj
     from aiohttp import web
+    from rtmedia.web.http_errors import ServerLog
     from rtmedia.web.telephony.sip import SipDoor
     from rtmedia.web.telephony.sip_control import SipControl
 
@@ -159,7 +160,7 @@ async def run_sip(config: Any, open_channel: Any, grace_s: float, target: str) -
         except pj.Error as exc:
             raise OSError(f"PJSIP could not start: {exc.title or exc.reason}: {exc.reason}") from None
         if config.control is not None:
-            runner = web.AppRunner(SipControl(door).app(), access_log=None)
+            runner = web.AppRunner(SipControl(door).app(), access_log=None, logger=ServerLog())
             await runner.setup()
             site = web.TCPSite(runner, *config.control)
             await site.start()
