@@ -1,4 +1,4 @@
-"""Streaming audio encoders for the OpenAI speech API (rtmedia.web.openai_speech): PCM16 mono
+"""Streaming audio encoders for the OpenAI speech API (rtmedia.web.openai.openai_speech): PCM16 mono
 clauses in, the bytes of one growing file out, clause by clause, so a client can play the
 first sentence while later ones are still being synthesised.
 

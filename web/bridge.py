@@ -21,13 +21,13 @@ answer has that shape, aiohttp's own 404/405/413 included: rtmedia.web.http_erro
 keeps requests aiohttp cannot parse from flooding the log); the request body is bounded
 (`max_body_bytes`, aiohttp's `client_max_size`) and so are an offer's media sections
 (`max_media_sections`). An offer is checked before anything is spent on it
-(rtmedia.web.offers): one that could never connect is refused with 400 at once. A full bridge
+(rtmedia.web.webrtc.offers): one that could never connect is refused with 400 at once. A full bridge
 (`max_peers`) answers 503 and says so; a server that refuses the session answers 401, 429, 502
 or 503 with its gRPC status (below). An answered peer holds its slot and its session only until
 the connect deadline (`connect_timeout_s`) unless its connection is up by then.
 
 ICE binds only where the operator said (`media_host`, default the page's `host`): see
-rtmedia.web.ice_binding.
+rtmedia.web.webrtc.ice_binding.
 
 Tokens (`auth_tokens`, rtmedia.protocol.tokens): while the table has tokens, the `authenticate`
 middleware wants `Authorization: Bearer TOKEN` on every route but the page (`GET /`,
@@ -76,21 +76,21 @@ from rtmedia.protocol.tokens import (
     target_host,
 )
 from rtmedia.web.http_errors import ServerLog, error_response, json_errors, refusal
-from rtmedia.web.ice_binding import IceBinding, binding_in_force, ice_binding, install_ice_binding
-from rtmedia.web.offers import (
+from rtmedia.web.openai.openai_api import OpenAIConfig, OpenAIFront, Upstream, openai_errors
+from rtmedia.web.openai.realtime_calls import SECRET_KEY
+from rtmedia.web.openai.realtime_events import Translator
+from rtmedia.web.telephony.sip_api import SipCallsApi
+from rtmedia.web.telephony.twilio import TwilioConfig, TwilioDoor
+from rtmedia.web.webrtc.ice_binding import IceBinding, binding_in_force, ice_binding, install_ice_binding
+from rtmedia.web.webrtc.offers import (
     MAX_BODY_BYTES,
     MAX_MEDIA_SECTIONS,
     NEGOTIATION_ERRORS,
     negotiation_failure,
     validate_offer,
 )
-from rtmedia.web.openai_api import OpenAIConfig, OpenAIFront, Upstream, openai_errors
-from rtmedia.web.peer import OfferError, Peer, VideoDefaults
-from rtmedia.web.realtime_calls import SECRET_KEY
-from rtmedia.web.realtime_events import Translator
-from rtmedia.web.telephony.sip_api import SipCallsApi
-from rtmedia.web.telephony.twilio import TwilioConfig, TwilioDoor
-from rtmedia.web.tracks import PLAYOUT_RATE, set_audio_prefetch
+from rtmedia.web.webrtc.peer import OfferError, Peer, VideoDefaults
+from rtmedia.web.webrtc.tracks import PLAYOUT_RATE, set_audio_prefetch
 
 log = logging.getLogger("rtmedia.web")
 
@@ -153,7 +153,7 @@ class BridgeConfig:
     server_cert: str | None = None
     server_key: str | None = None
     server_token: str | None = None
-    # OpenAI's audio HTTP APIs under /v1/ (rtmedia.web.openai_api); None: not served.
+    # OpenAI's audio HTTP APIs under /v1/ (rtmedia.web.openai.openai_api); None: not served.
     openai: OpenAIConfig | None = field(default_factory=OpenAIConfig)
     # Twilio Media Streams under /twilio/ (rtmedia.web.telephony.twilio); None: not served.
     twilio: TwilioConfig | None = None
@@ -571,7 +571,7 @@ class Bridge:
                      ) -> tuple[Peer, str]:
         """Validate the offer, open a session, answer; raises OfferError. `request`: the offer's
         (its token goes on the session's calls, its token's name to the peer's logs); `translator`:
-        a call of the Realtime API (rtmedia.web.realtime_calls)."""
+        a call of the Realtime API (rtmedia.web.openai.realtime_calls)."""
         if self.draining:
             self.refused += 1
             raise OfferError(503, "the bridge is shutting down (draining); connect again shortly",

@@ -112,7 +112,7 @@ def add_web_parser(sub: argparse._SubParsersAction) -> None:
 
 def bridge_config(args: argparse.Namespace) -> object:
     from rtmedia.web.bridge import BridgeConfig, parse_udp_ports
-    from rtmedia.web.openai_api import OpenAIConfig
+    from rtmedia.web.openai.openai_api import OpenAIConfig
     from rtmedia.web.telephony.twilio import TwilioConfig
 
     twilio_flags = args.twilio_auth_token_file or args.twilio_insecure or args.twilio_public_url

@@ -1,7 +1,7 @@
 """The web port's error answers, and the log of requests aiohttp cannot parse.
 
 Every error answer has one shape: the bridge's `{"error": "...", "reason": "..."}`, or OpenAI's
-error object under /v1/ (rtmedia.web.openai_errors); `json_errors` gives aiohttp's own
+error object under /v1/ (rtmedia.web.openai.openai_errors); `json_errors` gives aiohttp's own
 answers (no such route, method not allowed, body too large) that shape.
 
 A request aiohttp cannot parse (a request line or header over its limit, a malformed header)
@@ -23,8 +23,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.log import server_logger
-from rtmedia.web.openai_api import is_openai_path
-from rtmedia.web.openai_errors import http_error
+from rtmedia.web.openai.openai_api import is_openai_path
+from rtmedia.web.openai.openai_errors import http_error
 
 log = logging.getLogger("rtmedia.web")
 

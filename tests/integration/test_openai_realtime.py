@@ -19,8 +19,8 @@ import pytest
 import websockets
 from aiortc import RTCPeerConnection
 from rtmedia.web.audio_encode import G711Encoder
-from rtmedia.web.openai_api import OpenAIConfig
-from rtmedia.web.realtime_ws import RealtimeLimits
+from rtmedia.web.openai.openai_api import OpenAIConfig
+from rtmedia.web.openai.realtime_ws import RealtimeLimits
 
 from tests.support.speech import normalise, wer
 

@@ -1,4 +1,4 @@
-"""POST /v1/audio/transcriptions (rtmedia.web.openai_transcription), driven by the official
+"""POST /v1/audio/transcriptions (rtmedia.web.openai.openai_transcription), driven by the official
 `openai` SDK against the web front beside an in-process server: Piper speech in the containers
 clients upload, every response format, streaming, downmixing and resampling, and each kind of
 bad request in OpenAI's error shape.
@@ -20,9 +20,9 @@ import openai
 import pytest
 from openai.types.audio import TranscriptionTextDeltaEvent, TranscriptionTextDoneEvent
 from rtmedia.v1 import speech_pb2
-from rtmedia.web import openai_transcription
-from rtmedia.web.openai_api import OpenAIConfig
-from rtmedia.web.openai_errors import SERVER_ERROR, OpenAIError
+from rtmedia.web.openai import openai_transcription
+from rtmedia.web.openai.openai_api import OpenAIConfig
+from rtmedia.web.openai.openai_errors import SERVER_ERROR, OpenAIError
 
 from tests.support.audio_files import encode, recording, video_only
 from tests.support.speech import Speaker, normalise, wer

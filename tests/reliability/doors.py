@@ -236,7 +236,7 @@ class Target:
     offer_sdp: str = field(default="", repr=False)  # a real offer (audio, video, data channel), for the web doors to mutate
     baseline_sessions: int = 0  # sessions open that are not the fuzz's (the well-behaved session)
     max_upload_bytes: int = 25 * 1024 * 1024  # the web front's bound on a transcription upload
-    # The web front's Realtime limits (rtmedia.web.realtime_ws.RealtimeLimits; these are serve's defaults).
+    # The web front's Realtime limits (rtmedia.web.openai.realtime_ws.RealtimeLimits; these are serve's defaults).
     max_event_bytes: int = 2 * 1024 * 1024
     max_frame_bytes: int = 8 * 1024 * 1024
     sip: SipTarget | None = None  # the SIP door (`rtmedia sip`) in front of the server, when fuzzed
@@ -1280,7 +1280,7 @@ async def openai_transcription(target: Target, call: WebCall) -> Outcome:
     return await _web(target, call)
 
 
-# ---- OpenAI's Realtime API on the web port (web/realtime_ws.py) --------------------------------------------
+# ---- OpenAI's Realtime API on the web port (web/openai/realtime_ws.py) --------------------------------------------
 
 RT_PATH = "/v1/realtime"
 # A valid key in three cases of four (in the header, or as a browser's subprotocol), else a wrong or no key.
@@ -1671,7 +1671,7 @@ def _rt_handshake(target: Target, case: RealtimeCase) -> tuple[dict[str, str], l
 
 def _rt_expected(target: Target, case: RealtimeCase) -> int:
     """The handshake's answer the case must get: 101, or the status of its refusal."""
-    from rtmedia.web.realtime_config import REALTIME_MODELS
+    from rtmedia.web.openai.realtime_config import REALTIME_MODELS
 
     query = dict(case.query)
     if target.token and case.credential not in ("bearer", "protocol", "rtmedia_protocol"):

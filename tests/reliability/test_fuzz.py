@@ -26,8 +26,8 @@ from rtmedia.server.app import RtmediaServer
 from rtmedia.server.config import ServerConfig
 from rtmedia.v1 import speech_pb2
 from rtmedia.web.bridge import Bridge, BridgeConfig
-from rtmedia.web.openai_api import OpenAIConfig
-from rtmedia.web.realtime_ws import RealtimeLimits
+from rtmedia.web.openai.openai_api import OpenAIConfig
+from rtmedia.web.openai.realtime_ws import RealtimeLimits
 from rtmedia.web.telephony.twilio import TwilioConfig
 from yarl import URL
 

@@ -21,7 +21,7 @@ import numpy as np
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from rtmedia.web.playout import PlayoutBuffer
-from rtmedia.web.tracks import FRAME_SAMPLES, PLAYOUT_RATE, ReplyAudioTrack, set_audio_prefetch
+from rtmedia.web.webrtc.tracks import FRAME_SAMPLES, PLAYOUT_RATE, ReplyAudioTrack, set_audio_prefetch
 
 from tests.support.serve import FEW_SPEAKERS, RTMEDIA, free_port, running_server
 

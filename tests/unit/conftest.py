@@ -13,6 +13,6 @@ async def _no_session(self, settings: dict) -> None:
 @pytest.fixture
 def sessionless(monkeypatch):
     """Browser peers of the web bridge open no gRPC session (only the HTTP front is under test)."""
-    from rtmedia.web.peer import Peer
+    from rtmedia.web.webrtc.peer import Peer
 
     monkeypatch.setattr(Peer, "open_session", _no_session)

@@ -1,4 +1,5 @@
-"""The Grafana dashboard queries only metrics the server registers (docs/operations.md#metrics)."""
+"""The Grafana dashboard queries only metrics the server (and the SIP door) registers
+(docs/operations.md#metrics, docs/telephony.md#sip)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 from pathlib import Path
 
 from rtmedia.server.metrics import Metrics
+from rtmedia.web.telephony.sip_metrics import SipMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "rtmedia-dashboard.json"
 
@@ -16,7 +18,7 @@ def test_dashboard_metrics_exist():
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 15
     used = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\b(?:rtmedia|grpc_server)_\w+", e)}
-    registered = {m.name for m in Metrics().registry.collect()}
+    registered = {m.name for r in (Metrics().registry, SipMetrics().registry) for m in r.collect()}
     # prometheus_client names counters without the _total suffix
     registered |= {f"{name}_total" for name in registered}
     assert used <= registered, used - registered

@@ -35,7 +35,7 @@ from rtmedia.clients.loadtest import (
 from rtmedia.clients.loadtest_openai import SocketPerson, api_session, append_event, socket_clips, ws_url
 from rtmedia.clients.loadtest_speech import Clip, audio_files, load_clips
 from rtmedia.server.cli import build_parser
-from rtmedia.web.realtime_config import RealtimeConfig
+from rtmedia.web.openai.realtime_config import RealtimeConfig
 
 CLIENT_EVENT = pydantic.TypeAdapter(RealtimeClientEvent)
 SERVER_EVENT = pydantic.TypeAdapter(RealtimeServerEvent)

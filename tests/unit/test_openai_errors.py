@@ -1,4 +1,4 @@
-"""The OpenAI front's error mapping (rtmedia.web.openai_errors): the server's gRPC statuses and
+"""The OpenAI front's error mapping (rtmedia.web.openai.openai_errors): the server's gRPC statuses and
 the web port's own refusals in OpenAI's shape and HTTP statuses."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import grpc
 import pytest
 from rtmedia.protocol.errors import rich_status
-from rtmedia.web.openai_errors import from_rpc, http_error
+from rtmedia.web.openai.openai_errors import from_rpc, http_error
 
 
 def rpc_error(code: grpc.StatusCode, reason: str = "", message: str = "it went wrong", **metadata: str):

@@ -1,4 +1,4 @@
-"""The `/v1/realtime` socket's pumps (web/realtime_ws.py) against a client that stops reading:
+"""The `/v1/realtime` socket's pumps (web/openai/realtime_ws.py) against a client that stops reading:
 the send that waits `send_timeout_s` ends the socket (close 1008) and the Converse call, so
 nothing piles up in the front."""
 
@@ -9,9 +9,9 @@ import asyncio
 import grpc
 from rtmedia.clients.session import RealtimeSession
 from rtmedia.protocol.events import server_event
-from rtmedia.web.realtime_config import new_config
-from rtmedia.web.realtime_events import Translator
-from rtmedia.web.realtime_ws import RealtimeLimits, RealtimeSocket
+from rtmedia.web.openai.realtime_config import new_config
+from rtmedia.web.openai.realtime_events import Translator
+from rtmedia.web.openai.realtime_ws import RealtimeLimits, RealtimeSocket
 
 
 class StuckSocket:

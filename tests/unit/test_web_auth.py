@@ -576,7 +576,7 @@ async def test_reload_rereads_the_credentials_toward_the_server(tmp_path, caplog
 
 
 def test_openai_flags_reach_the_config():
-    from rtmedia.web.openai_api import OpenAIConfig
+    from rtmedia.web.openai.openai_api import OpenAIConfig
 
     parser = argparse.ArgumentParser()
     add_web_parser(parser.add_subparsers())

@@ -23,10 +23,10 @@ import aiohttp
 import pytest
 from aiortc import RTCPeerConnection
 from rtmedia.web import bridge as bridge_module
-from rtmedia.web import ice_binding as ice_module
 from rtmedia.web.bridge import Bridge, BridgeConfig, OfferError, validate_offer
 from rtmedia.web.cli import add_web_parser, bridge_config
-from rtmedia.web.peer import Peer
+from rtmedia.web.webrtc import ice_binding as ice_module
+from rtmedia.web.webrtc.peer import Peer
 
 from tests.support.webrtc import BridgePeer, hostile_requests, repeat_audio
 

@@ -12,7 +12,7 @@ from aiortc.mediastreams import MediaStreamError
 from aiortc.rtp import RtpPacket
 from rtmedia.web.bridge import OfferError, cap_sctp_chunk_size, ice_server, parse_udp_ports, validate_offer
 from rtmedia.web.playout import PlayoutBuffer
-from rtmedia.web.tracks import (
+from rtmedia.web.webrtc.tracks import (
     FRAME_SAMPLES,
     PLAYOUT_RATE,
     MicResampler,

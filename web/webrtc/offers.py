@@ -24,7 +24,7 @@ from aiortc.exceptions import InternalError, InvalidAccessError, InvalidStateErr
 from aiortc.rtcdtlstransport import X509_DIGEST_ALGORITHMS
 from aiortc.rtcrtpsender import RTCRtpSender
 from aiortc.sdp import SessionDescription
-from rtmedia.web.peer import OfferError
+from rtmedia.web.webrtc.peer import OfferError
 
 # A browser's offer (audio, video, data channel) is 4-12 KB of SDP; JSON adds a little.
 MAX_BODY_BYTES = 64 * 1024

@@ -5,7 +5,7 @@ The JSON body is OpenAI's (`model`, `input`, `voice`, `instructions`, `response_
 offers, else the API's own rate (OUTPUT_RATE). OpenAI's voice names speak with the server's
 default voice; rtmedia's voice names choose that voice; `instructions` is accepted and
 ignored. Unknown fields are ignored; a missing, mistyped or out-of-range field is a 400
-naming it, in OpenAI's words and shape (rtmedia.web.openai_errors).
+naming it, in OpenAI's words and shape (rtmedia.web.openai.openai_errors).
 
 The answer streams: the server synthesises clause by clause, each clause is encoded as it
 arrives (rtmedia.web.audio_encode, on a worker thread) and its bytes are written at once, as
@@ -36,9 +36,9 @@ import grpc
 from aiohttp import web
 from rtmedia.v1 import speech_pb2, speech_pb2_grpc
 from rtmedia.web.audio_encode import FORMATS, StreamEncoder, rate_problem
-from rtmedia.web.openai_api import SPEECH_MODELS, OpenAIFront, check_model
-from rtmedia.web.openai_api import sse as sse_event
-from rtmedia.web.openai_errors import SERVER_ERROR, OpenAIError, from_rpc
+from rtmedia.web.openai.openai_api import SPEECH_MODELS, OpenAIFront, check_model
+from rtmedia.web.openai.openai_api import sse as sse_event
+from rtmedia.web.openai.openai_errors import SERVER_ERROR, OpenAIError, from_rpc
 
 log = logging.getLogger("rtmedia.web")
 

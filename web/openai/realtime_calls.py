@@ -1,5 +1,5 @@
 """OpenAI's Realtime API over WebRTC (docs/openai.md#realtime-over-webrtc): a call is a peer of the
-bridge (rtmedia.web.peer) whose `oai-events` data channel speaks the API's events.
+bridge (rtmedia.web.webrtc.peer) whose `oai-events` data channel speaks the API's events.
 
 - `POST /v1/realtime/calls`: an SDP offer, as `application/sdp` (OpenAI's browser example) or as
   multipart `sdp` + `session` JSON (the SDK's `realtime.calls.create`); answers 201 with the SDP
@@ -27,9 +27,9 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 from rtmedia.protocol.tokens import Token
-from rtmedia.web.openai_errors import OpenAIError
-from rtmedia.web.realtime_config import RealtimeConfig, RealtimeError, new_config
-from rtmedia.web.realtime_events import Translator
+from rtmedia.web.openai.openai_errors import OpenAIError
+from rtmedia.web.openai.realtime_config import RealtimeConfig, RealtimeError, new_config
+from rtmedia.web.openai.realtime_events import Translator
 
 CALL_PREFIX = "rtc_"
 SECRET_PREFIX = "ek_"
@@ -96,7 +96,7 @@ async def create_client_secret(request: web.Request, front: Any) -> web.Response
 
 async def create_call(request: web.Request, front: Any) -> web.Response:
     """An SDP offer in, the call's SDP answer out."""
-    from rtmedia.web.peer import OfferError
+    from rtmedia.web.webrtc.peer import OfferError
 
     calls = front.upstream.calls
     if calls is None:

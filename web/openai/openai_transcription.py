@@ -63,8 +63,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.multipart import BodyPartReader
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 from rtmedia.web.audio_decode import RATE, SAMPLE_BYTES, AudioDecodeError, PcmDecoder
-from rtmedia.web.openai_api import TRANSCRIPTION_MODELS, OpenAIFront, check_model, sse
-from rtmedia.web.openai_errors import OpenAIError, from_rpc
+from rtmedia.web.openai.openai_api import TRANSCRIPTION_MODELS, OpenAIFront, check_model, sse
+from rtmedia.web.openai.openai_errors import OpenAIError, from_rpc
 from rtmedia.web.subtitles import Cue, srt, vtt
 
 log = logging.getLogger("rtmedia.web")

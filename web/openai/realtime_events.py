@@ -1,6 +1,6 @@
 """OpenAI Realtime API events <-> rtmedia `Converse` events (docs/openai.md#realtime).
 
-`Translator` holds one API session's state: its config (rtmedia.web.realtime_config), the
+`Translator` holds one API session's state: its config (rtmedia.web.openai.realtime_config), the
 conversation's item order (`previous_item_id`), and each response's item, modality and
 text. `from_client` turns a client event of the API into the `ConverseRequest`s it means
 (and any event the front answers itself); `from_server` turns each `ConverseResponse` into
@@ -32,7 +32,7 @@ from typing import Any
 from rtmedia.protocol.events import EventError, client_event, to_json
 from rtmedia.v1 import realtime_pb2
 from rtmedia.web.audio_encode import G711Encoder
-from rtmedia.web.realtime_config import (
+from rtmedia.web.openai.realtime_config import (
     RealtimeConfig,
     RealtimeError,
     check_response_tools,

@@ -9,7 +9,7 @@ tokens and quotas: the session counts against `--max-sessions` like any other, a
 Bearer KEY` or, from a browser, the subprotocols `realtime` and `openai-insecure-api-key.KEY`
 (the bridge's `authenticate`).
 
-Once open, two pumps run: client text frames -> rtmedia.web.realtime_events -> the call, and
+Once open, two pumps run: client text frames -> rtmedia.web.openai.realtime_events -> the call, and
 the call -> the API's events -> the socket. Every client mistake (malformed JSON, an unknown
 event, a refused field, bad base64, an event over `max_event_bytes`, a binary frame) is an
 `error` event and the session goes on. A client that stops reading blocks the writer (aiohttp
@@ -33,16 +33,16 @@ from rtmedia.clients import events
 from rtmedia.clients.errors import RtmediaError
 from rtmedia.clients.session import RealtimeSession
 from rtmedia.v1 import realtime_pb2
-from rtmedia.web.openai_errors import SERVER_ERROR, OpenAIError, from_rpc
-from rtmedia.web.realtime_calls import attach
-from rtmedia.web.realtime_config import (
+from rtmedia.web.openai.openai_errors import SERVER_ERROR, OpenAIError, from_rpc
+from rtmedia.web.openai.realtime_calls import attach
+from rtmedia.web.openai.realtime_config import (
     DEFAULT_MODEL,
     REALTIME_MODELS,
     RealtimeConfig,
     RealtimeError,
     new_config,
 )
-from rtmedia.web.realtime_events import Translator
+from rtmedia.web.openai.realtime_events import Translator
 
 log = logging.getLogger(__name__)
 TRANSPORT = "openai-ws"
@@ -172,7 +172,7 @@ class RealtimeSocket:
 
 
 async def realtime_socket(request: web.Request, front: Any) -> web.StreamResponse:
-    """The `/v1/realtime` route of the OpenAI front (rtmedia.web.openai_api.OpenAIFront)."""
+    """The `/v1/realtime` route of the OpenAI front (rtmedia.web.openai.openai_api.OpenAIFront)."""
     from rtmedia.web.bridge import WS_PROTOCOL_KEY
 
     ws = web.WebSocketResponse(protocols=tuple(p for p in (SUBPROTOCOL, request.get(WS_PROTOCOL_KEY)) if p),

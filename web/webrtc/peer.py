@@ -25,8 +25,8 @@ type starts with `bridge.` are the bridge's own (docs/protocol.md#events):
 `bridge.video.request` from the page; `bridge.peer`, `bridge.playback.cleared`,
 `bridge.video.*` and `bridge.error` to it.
 
-A call of OpenAI's Realtime API (`POST /v1/realtime/calls`, rtmedia.web.realtime_calls) is a
-peer with a `translator` (rtmedia.web.realtime_events): its `oai-events` channel speaks the
+A call of OpenAI's Realtime API (`POST /v1/realtime/calls`, rtmedia.web.openai.realtime_calls) is a
+peer with a `translator` (rtmedia.web.openai.realtime_events): its `oai-events` channel speaks the
 API's events, the same media path carries the audio, and `output_audio_buffer.stopped` comes
 when the outgoing track has played a reply out. Control sockets (`realtime.connect(call_id=...)`)
 attached to the call (`attach`) see the same events and may send the same.
@@ -55,10 +55,10 @@ from rtmedia.clients.session import RealtimeSession
 from rtmedia.protocol.events import EventError, client_event, event_type, from_json, to_json
 from rtmedia.v1 import realtime_pb2, video_pb2
 from rtmedia.v1.video_pb2_grpc import VideoServiceStub
+from rtmedia.web.openai.realtime_config import RealtimeError
+from rtmedia.web.openai.realtime_events import Translator
 from rtmedia.web.playout import ReplyPlayout
-from rtmedia.web.realtime_config import RealtimeError
-from rtmedia.web.realtime_events import Translator
-from rtmedia.web.tracks import (
+from rtmedia.web.webrtc.tracks import (
     PLAYOUT_RATE,
     MicResampler,
     PacketAudioBuffer,

@@ -1,18 +1,18 @@
 """OpenAI's audio HTTP APIs on the web front, so the official `openai` SDK (and anything else
 that speaks them) works against rtmedia by changing its base URL (docs/openai.md):
 
-- `POST /v1/audio/speech` (rtmedia.web.openai_speech): text to audio in wav, pcm, mp3, opus,
+- `POST /v1/audio/speech` (rtmedia.web.openai.openai_speech): text to audio in wav, pcm, mp3, opus,
   aac or flac, streamed as it is synthesised, or as SSE events;
-- `POST /v1/audio/transcriptions` (rtmedia.web.openai_transcription): an uploaded file of any
+- `POST /v1/audio/transcriptions` (rtmedia.web.openai.openai_transcription): an uploaded file of any
   container PyAV reads to text, in json, text, verbose_json, srt or vtt, or streamed as SSE;
-- `GET /v1/realtime` (rtmedia.web.realtime_ws): the Realtime API over a WebSocket, one
+- `GET /v1/realtime` (rtmedia.web.openai.realtime_ws): the Realtime API over a WebSocket, one
   `Converse` session per socket;
 - `GET /v1/models`, `GET /v1/models/{id}`: the model names these accept.
 
 Like the WebRTC bridge beside it, the front is a gRPC client of the rtmedia server
 (SpeechService): the same engines, scheduler, limits and metrics. Keys are the web port's
 tokens (the bridge's `authenticate` middleware); the presented token goes on to the server
-as the bridge forwards it. Errors are in OpenAI's shape (rtmedia.web.openai_errors), aiohttp's
+as the bridge forwards it. Errors are in OpenAI's shape (rtmedia.web.openai.openai_errors), aiohttp's
 own 404/405/413 and the front's 401 included.
 """
 
@@ -27,10 +27,10 @@ from typing import Any
 
 import grpc
 from aiohttp import web
-from rtmedia.web.openai_errors import RETRY_AFTER_S, SERVER_ERROR, OpenAIError
-from rtmedia.web.realtime_calls import ClientSecrets
-from rtmedia.web.realtime_config import REALTIME_MODELS, unknown_model
-from rtmedia.web.realtime_ws import RealtimeLimits
+from rtmedia.web.openai.openai_errors import RETRY_AFTER_S, SERVER_ERROR, OpenAIError
+from rtmedia.web.openai.realtime_calls import ClientSecrets
+from rtmedia.web.openai.realtime_config import REALTIME_MODELS, unknown_model
+from rtmedia.web.openai.realtime_ws import RealtimeLimits
 
 PREFIX = "/v1/"
 OWNER = "rtmedia"
@@ -109,10 +109,10 @@ class OpenAIFront:
         self.secrets = ClientSecrets()
 
     def add_routes(self, app: web.Application) -> None:
-        from rtmedia.web.openai_speech import create_speech
-        from rtmedia.web.openai_transcription import create_transcription
-        from rtmedia.web.realtime_calls import create_call, create_client_secret, hangup
-        from rtmedia.web.realtime_ws import realtime_socket
+        from rtmedia.web.openai.openai_speech import create_speech
+        from rtmedia.web.openai.openai_transcription import create_transcription
+        from rtmedia.web.openai.realtime_calls import create_call, create_client_secret, hangup
+        from rtmedia.web.openai.realtime_ws import realtime_socket
 
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
