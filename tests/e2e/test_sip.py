@@ -22,8 +22,8 @@ import pytest
 from tests.support.chat_upstream import Calls, ChatUpstream, tool_results
 from tests.support.pulse import running_pulse
 from tests.support.serve import FEW_SPEAKERS, free_port, running_server
-from tests.support.sip import Baresip, baresip, running_door, write_wav
-from tests.support.speech import wer
+from tests.support.sip import Baresip, baresip, running_door
+from tests.support.speech import wer, write_wav
 
 pytestmark = pytest.mark.e2e
 RATE = 8000

@@ -55,8 +55,8 @@ from tests.perf.bench_twilio import pct as _pct
 from tests.support.converse import Conversation
 from tests.support.pulse import running_pulse
 from tests.support.serve import running_server
-from tests.support.sip import Baresip, running_door, write_wav
-from tests.support.speech import Speaker
+from tests.support.sip import Baresip, running_door
+from tests.support.speech import Speaker, write_wav
 
 HERE = Path(__file__).resolve().parent
 RATE = 8000

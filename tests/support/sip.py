@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from tests.support.serve import RTMEDIA, free_port
+from tests.support.speech import write_wav
 
 BARESIP = "/usr/bin/baresip"
 MODULES = "/usr/lib/baresip/modules"
@@ -89,15 +90,6 @@ def running_door(target: str, *args: str, log: Path) -> Iterator[Door]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def write_wav(path: Path, rate: int, *parts: np.ndarray) -> Path:
-    with wave.open(str(path), "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes(np.concatenate(parts).astype("<i2").tobytes())
-    return path
 
 
 class Baresip:
