@@ -340,3 +340,27 @@ def test_a_g722_call_is_wideband(served, speaker, tmp_path):
     assert wer(SENTENCE, info["transcript"][0]) <= 0.2, info["transcript"]
     text = transcribe(served.target, heard, rate)
     assert text.lower().startswith("you said"), text
+
+
+@pytest.mark.parametrize("password, registered", [("s3cret", 1), ("wrong", 0)])
+def test_the_door_registers_with_a_trunk(served, tmp_path, password, registered):
+    from tests.support.registrar import Registrar
+
+    trunk = Registrar("15551230000", "s3cret")
+    (tmp_path / "pw").write_text(password + "\n")
+    try:
+        with running_door(served.target, "--sip-register", f"sip:15551230000@127.0.0.1:{trunk.port}",
+                          "--sip-password-file", str(tmp_path / "pw"), log=tmp_path / "door.log") as door:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and not (trunk.accepted or trunk.refused):
+                time.sleep(0.1)
+            time.sleep(0.3)
+            with urllib.request.urlopen(f"{door.control}/metrics", timeout=5) as res:
+                metrics = res.read().decode()
+    finally:
+        trunk.close()
+    assert trunk.registers and "Authorization: Digest" in trunk.registers[-1]
+    assert f'rtmedia_sip_trunk_registered{{trunk="register"}} {registered}.0' in metrics
+    if not registered:
+        assert re.search(r'rtmedia_sip_registration_failures_total\{trunk="register"\} [1-9]', metrics)
+        assert "sip registration failed" in (tmp_path / "door.log").read_text()
