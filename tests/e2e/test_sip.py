@@ -364,3 +364,22 @@ def test_the_door_registers_with_a_trunk(served, tmp_path, password, registered)
     if not registered:
         assert re.search(r'rtmedia_sip_registration_failures_total\{trunk="register"\} [1-9]', metrics)
         assert "sip registration failed" in (tmp_path / "door.log").read_text()
+
+
+def test_sip_over_tls_with_srtp_media(served, words, tmp_path):
+    from tests.support.certs import make_certs
+    from tests.support.sip import free_udp_port
+
+    certs, tls = make_certs(tmp_path / "certs"), free_udp_port()
+    with running_door(served.target, "--sip-tls-listen", f"127.0.0.1:{tls}", "--sip-tls-cert", str(certs.server_cert),
+                      "--sip-tls-key", str(certs.server_key), log=tmp_path / "door.log") as door, \
+            baresip(tmp_path / "phone", words.sentence, env=served.env, account=";mediaenc=srtp-mand",
+                    config=f"sip_cafile {certs.ca}\nmodule srtp.so") as phone:
+        call(phone, f"sip:rtmedia@127.0.0.1:{tls};transport=tls", 9.0)
+        heard, rate = phone.heard()
+        (info,) = door.ended(1)
+    assert wer(SENTENCE, info["transcript"][0]) <= 0.2, info
+    text = transcribe(served.target, heard, rate)
+    assert text.lower().startswith("you said"), text
+    log = (tmp_path / "phone" / "baresip.log").read_text(errors="replace")
+    assert "starting mediaenc 'srtp-mand'" in log, log[-2000:]  # (mandatory: no SRTP, no call)

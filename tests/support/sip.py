@@ -97,8 +97,9 @@ class Baresip:
 
     def __init__(self, folder: Path, source: Path | None = None, answer: str = "manual",
                  jitter: str = "5-10", codecs: tuple[str, ...] = ("g711",), user: str = "caller",
-                 env: dict[str, str] | None = None) -> None:
-        """`env`: a PulseAudio server's (Pulse.env), for a clocked player."""
+                 env: dict[str, str] | None = None, config: str = "", account: str = "") -> None:
+        """`env`: a PulseAudio server's (Pulse.env), for a clocked player; `config`: more config
+        lines (and `module X.so` lines); `account`: more parameters of its account line."""
         self.folder, self.user = folder, user
         player = "alsa,pulse" if env and "PULSE_SERVER" in env else "alsa,null"
         folder.mkdir(parents=True, exist_ok=True)
@@ -120,8 +121,9 @@ module_app menu.so
 module_app ctrl_tcp.so
 ctrl_tcp_listen 127.0.0.1:{self.ctrl_port}
 snd_path {folder / "rec"}
+{config}
 """)
-        (folder / "accounts").write_text(f"<sip:{user}@127.0.0.1:{self.sip_port}>;regint=0;answermode={answer}\n")
+        (folder / "accounts").write_text(f"<sip:{user}@127.0.0.1:{self.sip_port}>;regint=0;answermode={answer}{account}\n")
         self.log = open(folder / "baresip.log", "wb")
         self.process = subprocess.Popen([BARESIP, "-f", str(folder)], stdout=self.log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env)
