@@ -383,3 +383,66 @@ def test_sip_over_tls_with_srtp_media(served, words, tmp_path):
     assert text.lower().startswith("you said"), text
     log = (tmp_path / "phone" / "baresip.log").read_text(errors="replace")
     assert "starting mediaenc 'srtp-mand'" in log, log[-2000:]  # (mandatory: no SRTP, no call)
+
+
+def test_the_accept_rules_and_hook_decide_before_answering(served, words, tmp_path):
+    """The operator's hook (a stand-in for their service) sees the call ringing and refuses it or
+    answers it with settings of its own; the deny rules refuse before the hook is asked."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    asked: list[dict] = []
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            asked.append(body)
+            answer = {"accept": False, "status": 486} if body["caller"] == "blocked" else \
+                {"accept": True, "session": {"instructions": "Hook for {caller}."}}
+            data = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    (tmp_path / "sip.yaml").write_text(
+        f"accept:\n  deny: ['spam*']\n  webhook: http://127.0.0.1:{server.server_port}/incoming\n")
+    try:
+        with running_door(served.target, "--sip-config", str(tmp_path / "sip.yaml"), log=tmp_path / "door.log") as door:
+            for user, outcome in (("spammer", "403"), ("blocked", "486")):
+                with baresip(tmp_path / user, words.silence, env=served.env, user=user) as phone:
+                    phone.command("dial", door.uri)
+                    closed = phone.wait("CALL_CLOSED")
+                    assert outcome in closed.get("param", ""), closed
+            with baresip(tmp_path / "welcome", words.silence, env=served.env, user="welcome") as phone:
+                phone.command("dial", door.uri)
+                phone.wait("CALL_ESTABLISHED")
+                phone.command("hangup")
+                phone.wait("CALL_CLOSED")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [a["caller"] for a in asked] == ["blocked", "welcome"]  # the deny rule decided "spammer" alone
+    assert asked[1]["called"] == "rtmedia" and asked[1]["sip_call_id"]
+
+
+def test_a_call_whose_rtp_stopped_is_ended(served, words, tmp_path):
+    import signal
+
+    with running_door(served.target, "--sip-rtp-timeout", "2", log=tmp_path / "door.log") as door, \
+            baresip(tmp_path / "phone", words.silence, env=served.env) as phone:
+        phone.command("dial", door.uri)
+        phone.wait("CALL_ESTABLISHED")
+        time.sleep(1.0)
+        phone.process.send_signal(signal.SIGSTOP)  # the caller's side goes silent: no RTP, no BYE
+        try:
+            (info,) = door.ended(1, timeout=15)
+        finally:
+            phone.process.send_signal(signal.SIGCONT)
+    assert info["end_reason"] == "no RTP for 2 s", info
