@@ -101,12 +101,19 @@ read_vector = _vector_reader()
 
 
 class CallPort(pj.AudioMediaPort):
-    """A call's end of PJSIP's conference bridge: 20 ms PCM16 mono at `rate` both ways."""
+    """A call's end of PJSIP's conference bridge: 20 ms PCM16 mono at `rate` both ways.
 
-    def __init__(self, rate: int, playout: ReplyPlayout) -> None:
+    Ports outlive their calls: the door keeps an ended call's port (`attach(None)`: silence out,
+    nothing in) for the next call at its rate, and deletes ports only once the media clock has
+    stopped. Deleting one while the clock runs lets the clock's thread call into a Python object
+    being freed (its destructor releases the GIL to leave the bridge): the door crashed so."""
+
+    def __init__(self, rate: int) -> None:
         super().__init__()
-        self.rate, self.playout = rate, playout
+        self.rate = rate
+        self.playout: ReplyPlayout | None = None
         self.frame_samples = rate * FRAME_MS // 1000
+        self.silence = bytes(2 * self.frame_samples)
         self.inbound: deque[bytes] = deque(maxlen=INBOUND_FRAMES)
         self.frames_in = self.frames_out = 0
         fmt = pj.MediaFormatAudio()
@@ -115,13 +122,19 @@ class CallPort(pj.AudioMediaPort):
         fmt.avgBps = fmt.maxBps = rate * 16
         self.createPort(f"rtmedia-{id(self):x}", fmt)
 
+    def attach(self, playout: ReplyPlayout | None) -> None:
+        """Serve a call's playout (None: no call)."""
+        self.inbound.clear()
+        self.playout = playout
+
     def onFrameReceived(self, frame: pj.MediaFrame) -> None:  # the media clock's thread
-        if frame.type == pj.PJMEDIA_FRAME_TYPE_AUDIO and frame.size:
+        if self.playout is not None and frame.type == pj.PJMEDIA_FRAME_TYPE_AUDIO and frame.size:
             self.inbound.append(read_vector(frame.buf))
             self.frames_in += 1
 
     def onFrameRequested(self, frame: pj.MediaFrame) -> None:  # the media clock's thread
-        data = self.playout.pull(self.frame_samples).tobytes()
+        playout = self.playout
+        data = playout.pull(self.frame_samples).tobytes() if playout is not None else self.silence
         frame.type = pj.PJMEDIA_FRAME_TYPE_AUDIO
         frame.buf = pj.ByteVector(data)
         frame.size = len(data)
@@ -275,7 +288,8 @@ class SipCall(pj.Call):
         self.info.codec = f"{stream.codecName}/{rate}"
         self.door.metrics.codecs.labels(stream.codecName).inc()
         self.playout = ReplyPlayout(rate)
-        self.port = CallPort(rate, self.playout)
+        self.port = self.door.port_for(rate)
+        self.port.attach(self.playout)
         audio = self.getAudioMedia(index)
         audio.startTransmit(self.port)
         self.port.startTransmit(audio)
@@ -530,6 +544,7 @@ class SipDoor:
         self.no_calls.set()
         self.ep: pj.Endpoint | None = None
         self.accounts: list[Account] = []
+        self.spare_ports: dict[int, list[CallPort]] = {}  # by rate: ports of ended calls (CallPort)
         self.ports: dict[str, int] = {}  # transport -> the bound port
         self._poller: asyncio.Task[None] | None = None
         self._log_writer = LogWriter()
@@ -664,12 +679,15 @@ class SipDoor:
             self._poller = None
         for call in list(self.calls.values()):
             await call.close()
-            call.port = None  # (before PJSIP goes: a live port trips its conference bridge)
+            self.retire(call)
         self.calls.clear()
         # Every Call object must go while PJSIP lives: its destructor calls into PJSIP (and
         # asserts after libDestroy). Ended calls wait in reference cycles for the collector.
         gc.collect()
         if self.ep is not None:
+            self.ep.audDevManager().setNoDev()  # the media clock stops: now ports may go
+            self.spare_ports.clear()
+            gc.collect()
             for acc in self.accounts:
                 with contextlib.suppress(pj.Error):
                     acc.shutdown()
@@ -703,6 +721,19 @@ class SipDoor:
     def add(self, call: SipCall) -> None:
         self.calls[call.info.id] = call
         self.no_calls.clear()
+
+    def port_for(self, rate: int) -> CallPort:
+        """A spare port at `rate`, else a new one (see CallPort: ports are kept, not deleted)."""
+        spares = self.spare_ports.setdefault(rate, [])
+        return spares.pop() if spares else CallPort(rate)
+
+    def retire(self, call: SipCall) -> None:
+        """An ended call's port goes back to the spares, detached (PJSIP dropped its connections
+        with the call's stream)."""
+        if call.port is not None:
+            call.port.attach(None)
+            self.spare_ports.setdefault(call.port.rate, []).append(call.port)
+            call.port = None
 
     def remove(self, call: SipCall) -> None:
         self.calls.pop(call.info.id, None)
@@ -888,7 +919,7 @@ class SipDoor:
 
     async def _forget(self, call: SipCall) -> None:
         await call.close()
-        call.port = None  # (its media went with the call)
+        self.retire(call)
         self.remove(call)
         self.history.append(call.info)
 
