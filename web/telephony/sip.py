@@ -115,7 +115,6 @@ class CallPort(pj.AudioMediaPort):
         self.frame_samples = rate * FRAME_MS // 1000
         self.silence = bytes(2 * self.frame_samples)
         self.inbound: deque[bytes] = deque(maxlen=INBOUND_FRAMES)
-        self.frames_in = self.frames_out = 0
         fmt = pj.MediaFormatAudio()
         fmt.type, fmt.clockRate, fmt.channelCount = pj.PJMEDIA_TYPE_AUDIO, rate, 1
         fmt.bitsPerSample, fmt.frameTimeUsec = 16, FRAME_MS * 1000
@@ -130,7 +129,6 @@ class CallPort(pj.AudioMediaPort):
     def onFrameReceived(self, frame: pj.MediaFrame) -> None:  # the media clock's thread
         if self.playout is not None and frame.type == pj.PJMEDIA_FRAME_TYPE_AUDIO and frame.size:
             self.inbound.append(read_vector(frame.buf))
-            self.frames_in += 1
 
     def onFrameRequested(self, frame: pj.MediaFrame) -> None:  # the media clock's thread
         playout = self.playout
@@ -138,7 +136,6 @@ class CallPort(pj.AudioMediaPort):
         frame.type = pj.PJMEDIA_FRAME_TYPE_AUDIO
         frame.buf = pj.ByteVector(data)
         frame.size = len(data)
-        self.frames_out += 1
 
 
 def callback(method: Callable[..., None]) -> Callable[..., None]:
