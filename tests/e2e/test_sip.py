@@ -50,7 +50,8 @@ DESK: dict[str, str] = {}  # the transfer target (the door itself), known once i
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sip")
     upstream = ChatUpstream(script)
-    (folder / "sip.yaml").write_text("transfer:\n  allow: ['sip:desk@*']\nnumbers:\n  agent: {responder: openai}\n")
+    (folder / "sip.yaml").write_text("transfer:\n  allow: ['sip:desk@*']\nnumbers:\n  agent: {responder: openai}\n"
+                                     "  no-aec: {echo_cancellation: false}\n")
     with upstream.in_thread(), running_pulse(folder / "pulse") as pulse, \
             running_server("--no-llm", "--responder", "echo", "--openai-url", upstream.url,
                            log=folder / "serve.log", asr_decoders=FEW_SPEAKERS) as (target, _), \
@@ -317,16 +318,42 @@ def test_serve_runs_the_door_beside_it_and_the_web_port_serves_its_calls_api(ser
 
 
 def test_dtmf_as_sip_info_reaches_the_session(served):
+    before = len(served.door.calls()["ended"])
+    pjsua_call(served.door.uri, "--digits", "7*", "--seconds", "1.5")
+    info = served.door.ended(before + 1)[-1]
+    assert info["caller"] == "pjsua" and info["dtmf"] == ["7", "*"], info
+
+
+def pjsua_call(uri: str, *args: str) -> None:
+    """A call from tests/support/sip_caller.py (a PJSIP caller: SIP INFO, a speakerphone's echo)."""
     import subprocess
     import sys
 
-    before = len(served.door.calls()["ended"])
     caller = Path(__file__).resolve().parents[1] / "support" / "sip_caller.py"
-    done = subprocess.run([sys.executable, str(caller), served.door.uri, "7*", "1.5"], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([sys.executable, str(caller), uri, *args], capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stdout + done.stderr
-    info = served.door.ended(before + 1)[-1]
-    assert info["caller"] == "pjsua" and info["dtmf"] == ["7", "*"], info
+
+
+def test_a_speakerphone_does_not_interrupt_the_agent_with_its_echo(served, words, tmp_path):
+    """The caller's phone sends back what it plays at -6 dB. With echo cancellation (the
+    default) the reply is heard whole and the echo is no turn; without it (the number no-aec)
+    the agent's own voice barges in on it and becomes the caller's next turns."""
+    import soundfile
+
+    def speakerphone(number: str) -> tuple[list[str], str]:
+        before = len(served.door.calls()["ended"])
+        heard = tmp_path / f"{number}.wav"
+        pjsua_call(served.door.uri.replace("rtmedia@", f"{number}@"), "--play", str(words.sentence), "--echo", "0.5",
+                   "--record", str(heard), "--seconds", "9")
+        info = served.door.ended(before + 1)[-1]
+        audio, rate = soundfile.read(heard, dtype="int16")
+        return info["transcript"], transcribe(served.target, audio, rate).lower()
+
+    turns, heard = speakerphone("rtmedia")
+    assert len(turns) == 1 and wer(SENTENCE, turns[0]) < 0.2, turns
+    assert "home" in heard, heard  # the reply's last word: it was not cut
+    turns, _ = speakerphone("no-aec")
+    assert len(turns) >= 2, turns
 
 
 def test_a_g722_call_is_wideband(served, speaker, tmp_path):

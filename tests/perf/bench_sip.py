@@ -19,6 +19,11 @@ PulseAudio null sink (clocked, as a sound card is).
   (one PJSIP process holds 4 calls): voice-to-voice and response (the same less the 500 ms
   end-of-turn silence) p50/p95, the doors' playout underruns, and the door processes' CPU per
   call-second.
+- Speakerphones: `--echo-calls` calls at once by PJSIP callers (tests/support/sip_caller.py)
+  that send what they hear back at `--echo-gain` (-6 dB: a loud speakerphone), three sentences
+  each, to a number with the door's echo cancellation and to one without: turns that were the
+  agent's own echo (turns recognised beyond the three said), the replies' words the callers
+  heard (WER of their recordings against the three replies), the door's CPU per call-second.
 - Caller WER at 8 kHz G.711: the 46 sentences of tests/perf/asr_sentences.txt over
   `--wer-calls` calls (turns transcribed, no replies), as the session recognised them.
 
@@ -34,6 +39,7 @@ import contextlib
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -161,7 +167,8 @@ def wav_of(folder: Path, name: str, speaker: Speaker, texts: list[str], gap_s: f
     return write_wav(folder / f"{name}.wav", RATE, *parts)
 
 
-def run(target: str, door, narrow, folder: Path, rounds: int, calls: int, wer_calls: int) -> dict:
+def run(target: str, door, narrow, folder: Path, rounds: int, calls: int, wer_calls: int, echo_calls: int,
+        echo_gain: float) -> dict:
     """`door`: the default codecs (G.722 too: a 16 kHz bridge); `narrow`: G.711 only (8 kHz)."""
     speaker = Speaker()
     growth = Growth()
@@ -184,11 +191,14 @@ def run(target: str, door, narrow, folder: Path, rounds: int, calls: int, wer_ca
                                  .astype(np.float32) / 32768)
             grpc_v2v.append(asyncio.run(asyncio.wait_for(_grpc(target, clip), 60)))
             print(f"round {n}: sip {sip_v2v[-1:]} g711 {narrow_v2v[-1:]} grpc {grpc_v2v[-1]:.0f} ms", file=sys.stderr)
-        concurrent = wer_result = None
+        concurrent = wer_result = echo = None
         if calls:
             concurrent = concurrent_calls(target, folder, growth, speaker, calls)
         if wer_calls:
             wer_result = dictation(door, folder, speaker, wer_calls, rounds)
+        if echo_calls:
+            echo = {number: speakerphones(target, door, folder, speaker, echo_calls, echo_gain, number)
+                    for number in ("rtmedia", "no-aec")}
     finally:
         growth.close()
     return {"rounds": rounds,
@@ -197,7 +207,7 @@ def run(target: str, door, narrow, folder: Path, rounds: int, calls: int, wer_ca
             "sip_added_p50_ms": round(pct(sip_v2v, 50) - pct(grpc_v2v, 50), 1) if rounds else None,
             "g711_only_v2v_ms": {"p50": pct(narrow_v2v, 50), "p95": pct(narrow_v2v, 95)},
             "g711_only_added_p50_ms": round(pct(narrow_v2v, 50) - pct(grpc_v2v, 50), 1) if rounds else None,
-            "concurrent": concurrent, "wer_8k_g711": wer_result}
+            "concurrent": concurrent, "wer_8k_g711": wer_result, "speakerphones": echo}
 
 
 def concurrent_calls(target: str, folder: Path, growth: Growth, speaker: Speaker, calls: int) -> dict:
@@ -268,6 +278,38 @@ def dictation(door, folder: Path, speaker: Speaker, wer_calls: int, before: int)
     return {"calls": wer_calls, "sentences": len(sentences), "wer": wer(pairs)}
 
 
+def speakerphones(target: str, door, folder: Path, speaker: Speaker, calls: int, gain: float, number: str) -> dict:
+    """`calls` speakerphones at once, to `number` (no-aec: echo cancellation off)."""
+    import soundfile
+
+    from rtmedia.clients.client import SpeechClient
+
+    wav = wav_of(folder, "three", speaker, SENTENCES, GAP_S)
+    seconds = len(samples(wav)) / RATE + 2.0
+    caller = HERE.parent / "support" / "sip_caller.py"
+    before = len(door.calls()["ended"])
+    uri = door.uri.replace("rtmedia@", f"{number}@")
+    heard = [folder / f"{number}-heard{n}.wav" for n in range(calls)]
+    cpu0, t0 = cpu_seconds(door.process.pid), time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, str(caller), uri, "--play", str(wav), "--echo", str(gain), "--record",
+                               str(path), "--seconds", str(seconds)], stdout=subprocess.DEVNULL) for path in heard]
+    for proc in procs:
+        proc.wait(timeout=seconds + 60)
+    cpu, wall = cpu_seconds(door.process.pid) - cpu0, time.perf_counter() - t0
+    ended = door.ended(before + calls)[-calls:]
+    replies = " ".join(f"you said, {s}" for s in SENTENCES)
+    pairs = []
+    with SpeechClient(target) as client:
+        for path in heard:
+            audio, rate = soundfile.read(path, dtype="int16")
+            pairs.append((replies, " ".join(r.text for r in client.transcribe(audio.tobytes(), rate,
+                                                                               partial_results=False) if r.is_final)))
+    return {"calls": calls, "echo_gain": gain,
+            "echo_turns": sum(max(0, len(c["transcript"]) - len(SENTENCES)) for c in ended),
+            "replies_heard_wer": wer(pairs),
+            "door_cpu_ms_per_call_second": round(cpu * 1000 / (calls * wall), 2)}
+
+
 async def _grpc(target: str, clip: bytes) -> float:
     """Voice-to-voice over gRPC as the caller hears it: the reply plays from its first delta's
     arrival, so its first voiced sample is heard that much later (TTS audio starts quietly)."""
@@ -296,12 +338,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--calls", type=int, default=12)
     parser.add_argument("--wer-calls", type=int, default=PJSIP_MAX_CALLS)
+    parser.add_argument("--echo-calls", type=int, default=PJSIP_MAX_CALLS)
+    parser.add_argument("--echo-gain", type=float, default=0.5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as name:
         folder = Path(name)
         (folder / "sip.yaml").write_text(
-            "numbers:\n  dictation: {turn_detection: {type: server_vad, create_response: false}}\n")
+            "numbers:\n  dictation: {turn_detection: {type: server_vad, create_response: false}}\n"
+            "  no-aec: {echo_cancellation: false}\n")
         (folder / "g711.yaml").write_text("codecs: [PCMU, PCMA]\n")
         with running_pulse(folder / "pulse") as pulse, \
                 running_server("--no-llm", "--responder", "echo", "--log-level", "WARNING",
@@ -310,7 +355,8 @@ def main() -> None:
                 running_door(target, "--sip-config", str(folder / "g711.yaml"), log=folder / "g711.log") as narrow:
             ENV["pulse"] = pulse.env
             result = {"benchmark": "sip", "machine": machine(),
-                      **run(target, door, narrow, folder, args.rounds, args.calls, args.wer_calls)}
+                      **run(target, door, narrow, folder, args.rounds, args.calls, args.wer_calls,
+                            args.echo_calls, args.echo_gain)}
     text = json.dumps(result)
     if args.out:
         args.out.write_text(text)

@@ -63,6 +63,7 @@ def test_the_config_file_sets_trunks_numbers_rules_and_codecs(tmp_path):
 session: {{responder: echo, instructions: "Hi {{caller}}"}}
 numbers:
   "+15551230000": {{voice: en_US-joe-medium}}
+  conference-room: {{echo_cancellation: false}}
 trunks:
   - {{name: carrier, register: "sip:alice@sip.example", password_file: {tmp_path / 'pw'}, max_calls: 2,
       session: {{responder: openai}}}}
@@ -81,12 +82,15 @@ codecs: [pcmu]
     assert config.accept.decide("bob", "sip:bob@pbx.example") and not config.accept.decide("bob", "sip:bob@else")
     assert config.may_transfer_to("sip:desk@10.0.0.1") and not config.may_transfer_to("sip:other@10.0.0.1")
     assert config.codecs == ("PCMU",) and config.headers == ("X-Customer",)
+    assert config.echo_cancellation and config.for_call("conference-room", None)["echo_cancellation"] is False
+    assert not sip_config(parse("--sip-echo-cancellation", "off")).echo_cancellation
 
 
 @pytest.mark.parametrize("text, message", [
     ("[1, 2]", "a mapping at the top"),
     ("nonsense: 1", "unknown keys nonsense"),
     ("session: {temperature: 2}", "unknown session settings temperature"),
+    ("numbers: {room: {echo_cancellation: maybe}}", "echo_cancellation must be true or false"),
     ("trunks: [{name: x}]", "needs `register"),
     ("accept: {webhook: ftp://x}", "http\\(s\\) URL"),
     ("codecs: [opus]", "some of G722, PCMU, PCMA"),

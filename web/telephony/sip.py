@@ -48,6 +48,7 @@ from rtmedia.clients.session import RealtimeSession
 from rtmedia.clients.tools import declare
 from rtmedia.protocol.events import client_event
 from rtmedia.web.playout import FRAME_MS, ReplyPlayout
+from rtmedia.web.telephony.echo import EchoCanceller
 from rtmedia.web.telephony.sip_config import PJSIP_MAX_CALLS, SipConfig, Trunk
 from rtmedia.web.telephony.sip_metrics import SipMetrics, sample
 
@@ -112,6 +113,7 @@ class CallPort(pj.AudioMediaPort):
         super().__init__()
         self.rate = rate
         self.playout: ReplyPlayout | None = None
+        self.echo: EchoCanceller | None = None
         self.frame_samples = rate * FRAME_MS // 1000
         self.silence = bytes(2 * self.frame_samples)
         self.inbound: deque[bytes] = deque(maxlen=INBOUND_FRAMES)
@@ -121,18 +123,22 @@ class CallPort(pj.AudioMediaPort):
         fmt.avgBps = fmt.maxBps = rate * 16
         self.createPort(f"rtmedia-{id(self):x}", fmt)
 
-    def attach(self, playout: ReplyPlayout | None) -> None:
-        """Serve a call's playout (None: no call)."""
+    def attach(self, playout: ReplyPlayout | None, echo: EchoCanceller | None = None) -> None:
+        """Serve a call's playout (None: no call), cancelling its echo with `echo`."""
         self.inbound.clear()
-        self.playout = playout
+        self.playout, self.echo = playout, echo
 
     def onFrameReceived(self, frame: pj.MediaFrame) -> None:  # the media clock's thread
         if self.playout is not None and frame.type == pj.PJMEDIA_FRAME_TYPE_AUDIO and frame.size:
-            self.inbound.append(read_vector(frame.buf))
+            data = read_vector(frame.buf)
+            echo = self.echo
+            self.inbound.append(echo.heard(data) if echo is not None else data)
 
     def onFrameRequested(self, frame: pj.MediaFrame) -> None:  # the media clock's thread
-        playout = self.playout
+        playout, echo = self.playout, self.echo
         data = playout.pull(self.frame_samples).tobytes() if playout is not None else self.silence
+        if echo is not None:
+            echo.played(data)
         frame.type = pj.PJMEDIA_FRAME_TYPE_AUDIO
         frame.buf = pj.ByteVector(data)
         frame.size = len(data)
@@ -168,6 +174,7 @@ class CallInfo:
     outcome: str = ""  # answered | busy | no_answer | rejected | failed | ... once ended
     end_reason: str = ""
     codec: str = ""
+    echo_cancellation: bool = False
     session_id: str = ""
     dtmf: list[str] = field(default_factory=list)  # keys the session received
     transcript: list[str] = field(default_factory=list)  # the caller's last turns, as recognised
@@ -284,13 +291,15 @@ class SipCall(pj.Call):
         rate = int(stream.codecClockRate) or 8000
         self.info.codec = f"{stream.codecName}/{rate}"
         self.door.metrics.codecs.labels(stream.codecName).inc()
+        settings = dict(self.settings)
+        echo = settings.pop("echo_cancellation", self.door.config.echo_cancellation)
+        self.info.echo_cancellation = echo if isinstance(echo, bool) else self.door.config.echo_cancellation
         self.playout = ReplyPlayout(rate)
         self.port = self.door.port_for(rate)
-        self.port.attach(self.playout)
+        self.port.attach(self.playout, EchoCanceller(rate) if self.info.echo_cancellation else None)
         audio = self.getAudioMedia(index)
         audio.startTransmit(self.port)
         self.port.startTransmit(audio)
-        settings = dict(self.settings)
         if isinstance(settings.get("instructions"), str):
             settings["instructions"] = fill(settings["instructions"], self.info)
         config = {**settings, "input_audio_format": {"encoding": "pcm16", "sample_rate": rate, "channels": 1},

@@ -53,11 +53,13 @@ def add_sip_flags(p: argparse.ArgumentParser, aliases: bool = False) -> None:
     g.add_argument("--sip-control", default=None, metavar="HOST:PORT",
                    help="the calls API and /metrics (default 127.0.0.1:5070; 'off': none)")
     g.add_argument("--sip-responder", default=None, help="responder of the calls' sessions (default: the server's)")
+    g.add_argument("--sip-echo-cancellation", default=None, choices=["on", "off"],
+                   help="remove the reply's echo from the caller's audio (default on; per number in --sip-config)")
 
 
 SIP_FLAGS = ("sip_listen", "sip_tls_listen", "sip_tls_cert", "sip_tls_key", "sip_srtp", "sip_register",
              "sip_password_file", "sip_public_address", "sip_rtp_ports", "sip_max_calls", "sip_rtp_timeout",
-             "sip_config", "sip_control", "sip_responder")
+             "sip_config", "sip_control", "sip_responder", "sip_echo_cancellation")
 
 
 def sip_argv(args: argparse.Namespace) -> list[str]:
@@ -98,6 +100,8 @@ def sip_config(args: argparse.Namespace) -> Any:
         kwargs["rtp_timeout_s"] = args.sip_rtp_timeout
     if args.sip_control:
         kwargs["control"] = None if args.sip_control == "off" else host_port(args.sip_control, "--sip-control")
+    if args.sip_echo_cancellation is not None:
+        kwargs["echo_cancellation"] = args.sip_echo_cancellation == "on"
     if args.sip_responder:
         kwargs["session"] = {**kwargs.get("session", {}), "responder": args.sip_responder}
     if args.sip_register:

@@ -26,6 +26,8 @@ SRTP_MODES = ("off", "optional", "mandatory")
 # Session settings a call's config may set (the door owns the audio formats and the tools).
 SESSION_KEYS = ("responder", "voice", "instructions", "turn_detection", "noise_reduction", "input_audio_transcription",
                 "max_output_tokens", "speed", "max_session_s", "idle_timeout_s")
+# A call's settings the door itself applies (beside the session's).
+CALL_KEYS = ("echo_cancellation",)
 
 
 def host_port(text: str, flag: str, default_port: int | None = None) -> tuple[str, int]:
@@ -71,9 +73,12 @@ def session_settings(value: Any, where: str) -> dict[str, Any]:
         return {}
     if not isinstance(value, dict):
         raise ValueError(f"{where}: expected a mapping of session settings")
-    unknown = sorted(set(value) - set(SESSION_KEYS))
+    unknown = sorted(set(value) - set(SESSION_KEYS) - set(CALL_KEYS))
     if unknown:
-        raise ValueError(f"{where}: unknown session settings {', '.join(unknown)} (known: {', '.join(SESSION_KEYS)})")
+        raise ValueError(f"{where}: unknown session settings {', '.join(unknown)} "
+                         f"(known: {', '.join(SESSION_KEYS + CALL_KEYS)})")
+    if not isinstance(value.get("echo_cancellation", True), bool):
+        raise ValueError(f"{where}: echo_cancellation must be true or false")
     return dict(value)
 
 
@@ -140,6 +145,7 @@ class SipConfig:
     transfer_allow: tuple[str, ...] = ()  # targets transfer_call may use (none: no transfer_call tool)
     headers: tuple[str, ...] = ("X-*",)  # INVITE headers passed to the session (patterns)
     codecs: tuple[str, ...] = ("G722", "PCMU", "PCMA")  # in order of preference
+    echo_cancellation: bool = True  # a call's default (web/telephony/echo.py); its settings may say otherwise
     log_level: int = 1  # PJSIP's own log level (0-6) written to the door's log
 
     def __post_init__(self) -> None:
