@@ -577,6 +577,10 @@ class ResponseDoneEvent(ServerEvent):
     def function_calls(self) -> Sequence[realtime_pb2.ConversationItem]:
         return self.proto.response_done.function_calls
 
+    @property
+    def timings(self) -> realtime_pb2.ResponseTimings:
+        return self.proto.response_done.timings
+
 
 class ResponseOutputItemAddedEvent(ServerEvent):
     """`response.output_item.added`."""

@@ -167,6 +167,8 @@ def add_loadtest_parser(sub: argparse._SubParsersAction) -> None:
                    help="barge-in: the share of replies interrupted (default 0.5)")
     p.add_argument("--interruption", choices=["immediate", "confirmed"], default=None,
                    help="turn_detection.interruption.mode (default: the server's, immediate)")
+    p.add_argument("--preemptive", choices=["on", "off"], default=None,
+                   help="turn_detection.preemptive: replies prepared at pauses (default: the server's, on)")
     p.add_argument("--backchannel-share", type=float, default=0.0,
                    help="barge-in: the share of the voices over replies that are backchannels (default 0)")
     p.add_argument("--noise", type=float, default=0.0, metavar="SHARE",
@@ -248,6 +250,8 @@ def session_config(profile: str, args: argparse.Namespace) -> dict[str, Any]:
         turn["eagerness"] = args.eagerness
     if args.interruption:
         turn["interruption"] = {"mode": args.interruption}
+    if args.preemptive is not None and args.turn_detection != "none":
+        turn["preemptive"] = args.preemptive == "on"
     if profile in ("listen", "transcribe") and args.turn_detection != "none":
         turn["create_response"] = False
     config: dict[str, Any] = {"input_audio_format": {"sample_rate": input_rate(args)},
@@ -559,6 +563,7 @@ class Person:
         elif kind == "response_created":
             self.on_response_created(ev.response_id, now)
         elif kind == "response_done":
+            self.stats.record_timings({f.name: v for f, v in ev.timings.ListFields()})
             self.on_response_done(ev.response_id, ev.status in (realtime_pb2.RESPONSE_STATUS_COMPLETED,
                                                                 realtime_pb2.RESPONSE_STATUS_CANCELLED))
         elif kind == "output_audio_buffer_cleared":

@@ -104,6 +104,8 @@ def api_session(profile: str, args: argparse.Namespace) -> dict[str, Any]:
             turn["eagerness"] = args.eagerness or "auto"
         if args.interruption:
             turn["interruption"] = {"mode": args.interruption}  # an rtmedia extension
+        if args.preemptive is not None:
+            turn["preemptive"] = args.preemptive == "on"  # an rtmedia extension
         if profile in ("listen", "transcribe"):
             turn["create_response"] = False
     pcm = {"type": "audio/pcm", "rate": API_INPUT_RATE}
@@ -338,6 +340,7 @@ class SocketPerson(Person):
             self.on_response_created(event["response"]["id"], now)
         elif kind == "response.done":
             response = event["response"]
+            self.stats.record_timings(response.get("timings") or {})
             if response.get("status") == "cancelled":
                 self.on_cleared(response["id"], now)
             self.on_response_done(response["id"], response.get("status") in ("completed", "cancelled"))

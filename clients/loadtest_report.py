@@ -18,6 +18,8 @@ import numpy as np
 # Every report has these, each with p50/p95/p99/max/count (ms).
 LATENCIES = ("response_latency_ms", "voice_to_voice_ms", "barge_in_ms", "vad_start_ms", "transcript_final_ms",
              "jitter_ms")
+# The server's response.timings (docs/protocol.md#response-timings), from each response.done.
+SERVER_STAGES = ("turn_detection_ms", "transcription_ms", "first_text_ms", "first_audio_ms", "voice_to_voice_ms")
 VOICE_KINDS = ("speech", "backchannel", "noise")  # what a barge-in session says over replies
 TIMELINE_WINDOW_S = 5.0  # the chart's latency percentiles are over the last 5 s
 
@@ -54,9 +56,20 @@ class Stats:
     over: Counter[str] = field(default_factory=Counter)  # voices said over a reply, by kind (barge-in)
     cancelled: Counter[str] = field(default_factory=Counter)  # of them, those whose reply was cancelled
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    stages: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in SERVER_STAGES})
+    preemptive: int = 0  # responses whose timings say they were prepared at a pause (committed)
 
     def record(self, metric: str, value_s: float, now: float) -> None:
         self.samples[metric].append((now - self.origin, value_s * 1000))
+
+    def record_timings(self, timings: dict[str, Any]) -> None:
+        """A response.done's timings (only responses that reached their first audio)."""
+        if "voice_to_voice_ms" not in timings:
+            return
+        for name in SERVER_STAGES:
+            if name in timings:
+                self.stages[name].append(float(timings[name]))
+        self.preemptive += timings.get("preemptive") == "committed"
 
     def error(self, code: str) -> None:
         self.errors[code] += 1
@@ -110,6 +123,8 @@ def build_report(stats: Stats, settings: dict[str, Any], wall_s: float, cpu_s: f
     }
     for metric in LATENCIES:
         report[metric] = latency_summary(v for _, v in stats.samples[metric])
+    report["server_stages_ms"] = {name: latency_summary(stats.stages[name]) for name in SERVER_STAGES}
+    report["preemptive_committed"] = stats.preemptive
     report["timeline"] = stats.timeline
     report["per_session"] = per_session
     return report
@@ -208,6 +223,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if any(over.values()):
         lines.append("over replies: " + ", ".join(f"{cancelled[k]} of {over[k]} {k} cancelled" for k in VOICE_KINDS
                                                   if over[k]) + f"; false cancels: {report['false_cancels']}")
+    stages = report.get("server_stages_ms") or {}
+    if stages.get("voice_to_voice_ms", {}).get("count"):
+        lines.append("server stages p50 / p95 (ms): " + ", ".join(
+            f"{name.removesuffix('_ms')} {_ms(stages[name]['p50'])} / {_ms(stages[name]['p95'])}" for name in SERVER_STAGES)
+            + f"; {report['preemptive_committed']} of {stages['voice_to_voice_ms']['count']} prepared at a pause")
     if "slo" in report:
         lines.append(f"SLO ({report['slo']['metric']} p95 <= {report['slo']['p95_ms']:g} ms, no underruns, "
                      f"no errors): {report['slo']['verdict']}")

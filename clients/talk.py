@@ -122,6 +122,9 @@ def add_talk_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--interruption", choices=["immediate", "confirmed"], default=None,
                    help="voice over a reply: immediate (it cancels the reply; the server's default) or confirmed "
                         "(the reply pauses, and a backchannel such as \"yeah okay\" lets it go on)")
+    p.add_argument("--preemptive", choices=["on", "off"], default=None,
+                   help="server_vad, semantic_vad: the server prepares the reply at your pauses and sends it the "
+                        "moment your turn ends (default on)")
     p.add_argument("--noise-reduction", choices=["off", "near_field", "far_field"], default=None,
                    help="noise suppression of your voice for the server's VAD: near_field (a headset), far_field "
                         "(a laptop or room microphone) or off (default: the server's)")
@@ -203,6 +206,17 @@ def load_input(path: Path, chunk_ms: int, tail_ms: int = 0, raw_rate: int | None
 
 
 # ---- session state --------------------------------------------------------------------------------
+
+STAGES = (("turn_detection_ms", "turn detection"), ("transcription_ms", "transcript"),
+          ("first_text_ms", "first text"), ("first_audio_ms", "first audio"))
+
+
+def stages(timings: realtime_pb2.ResponseTimings) -> str:
+    """A response's timings (the server's clock) as one line."""
+    parts = [f"{label} {getattr(timings, name)} ms" for name, label in STAGES if timings.HasField(name)]
+    preemptive = ", prepared at the pause" if timings.preemptive == "committed" else ""
+    return f"{', '.join(parts)}; voice-to-voice {timings.voice_to_voice_ms} ms (server){preemptive}"
+
 
 @dataclass
 class Reply:
@@ -345,7 +359,8 @@ class Talk:
         session: dict[str, Any] = {
             "input_audio_format": {"encoding": "pcm16", "sample_rate": input_rate, "channels": 1},
             "turn_detection": {"type": mode, "eagerness": args.eagerness,
-                               "interruption": {"mode": args.interruption} if args.interruption else None},
+                               "interruption": {"mode": args.interruption} if args.interruption else None,
+                               "preemptive": None if args.preemptive is None else args.preemptive == "on"},
             "responder": args.responder, "instructions": args.instructions, "voice": args.voice,
             "output_sample_rate": output_rate,
         }
@@ -540,6 +555,8 @@ class Talk:
                 self.say(now, f"rtmedia (cut at max_output_tokens): {reply.text}…")
             elif reply.status != "completed":
                 self.say(now, f"! response {ev.response_id} {reply.status}: {ev.status_reason}")
+            if ev.timings.HasField("voice_to_voice_ms"):
+                self.say(now, f"  stages: {stages(ev.timings)}")
         elif name == "output_audio_buffer.cleared":
             self.on_cleared(ev, now)
         elif name == "session.closed":
@@ -700,6 +717,8 @@ def cmd_talk(args: argparse.Namespace) -> None:
         raise CliError(f"--timeout must be positive, got {args.timeout}")
     if args.eagerness is not None and args.mode != "semantic_vad":
         raise CliError(f"--eagerness is for --mode semantic_vad, not {args.mode}")
+    if args.preemptive is not None and args.mode not in VAD_MODES:
+        raise CliError(f"--preemptive is for --mode server_vad or semantic_vad, not {args.mode}")
     talk = asyncio.run(converse(Talk(args, audio, toolbox=toolbox), credentials))
     if sys.stderr.isatty() and not args.json and talk.partial:
         print("\r\033[K", end="", file=sys.stderr, flush=True)

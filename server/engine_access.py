@@ -68,6 +68,11 @@ class Tts:
         audio: bytes = await self._scheduler.submit(TTS, item, priority, due)
         return audio
 
+    @property
+    def waiting(self) -> int:
+        """TTS items queued for the lane."""
+        return self._scheduler.lane(TTS).waiting
+
 
 class Asr:
     """Speech recognition. Items that only end an utterance go to the `asr_final` lane, which
@@ -217,6 +222,13 @@ class Replies:
         lane = self._scheduler.lanes[f"reply-{name}"]
         assert isinstance(lane, StreamLane)
         return lane.stream(lambda: responder.reply(request), priority)
+
+    def behind(self, name: str) -> bool:
+        """Replies wait for `name`'s lane (every LM slot taken, or its stream lane's calls)."""
+        if name not in self._responders:
+            return False
+        lane = self._lm_lane(name) or self._scheduler.lanes.get(f"reply-{name}")
+        return lane is not None and lane.waiting > 0
 
     async def prepare(self, name: str, request: ReplyRequest) -> None:
         """Get ready for a reply to `request` plus a user turn not yet transcribed (an LM

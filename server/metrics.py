@@ -92,6 +92,16 @@ class Metrics:
             "rtmedia_voice_to_voice_seconds", "Server estimate: end of speech to the first reply audio sent "
             "(response latency plus the silence window)", buckets=LATENCY_BUCKETS, registry=r,
         )
+        self.response_stage = Histogram(
+            "rtmedia_response_stage_seconds", "A response's stages (response.timings): turn_detection, transcription, "
+            "first_text, first_audio (each the time it added after the one before), voice_to_voice",
+            ["stage", "responder"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.preemptive = Counter(
+            "rtmedia_preemptive_replies_total", "Replies prepared at a pause in the user's speech, by outcome: started, "
+            "committed (sent at the turn's end), discarded (never seen), skipped (the lanes were behind)",
+            ["outcome"], registry=r,
+        )
         self.barge_in = Histogram(
             "rtmedia_barge_in_seconds", "Interrupting audio taken by the VAD tick to output_audio_buffer.cleared",
             buckets=STEP_BUCKETS, registry=r,

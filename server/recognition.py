@@ -65,6 +65,8 @@ class Turn:
     segment_open: bool = False
     cut_done: asyncio.Future[None] | None = None  # set when the latest "cut" has been recognised
     eager: bool = False  # voice over a reply being judged: its hypotheses come more often
+    speech_end_at: float = 0.0  # perf_counter when its last voiced audio arrived (VAD turns)
+    spoke_after_pause: bool = False  # speech resumed after its latest pause
 
     @property
     def said(self) -> str:

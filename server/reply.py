@@ -29,6 +29,7 @@ apology when a call times out) speak a fixed text instead of the responder's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -48,6 +49,7 @@ from rtmedia.engines.responder import (
 )
 from rtmedia.engines.text_chunks import TextChunker
 from rtmedia.engines.tts import TtsItem
+from rtmedia.engines.whisper import normal_words
 from rtmedia.protocol.events import server_event
 from rtmedia.server.engine_access import Replies, Tts
 from rtmedia.server.items import item_of
@@ -92,9 +94,23 @@ class Response:
     # Set while its audio may go out; cleared while voice heard over it is judged (a confirmed
     # interruption, server/interruptions.py).
     unpaused: asyncio.Event = field(default_factory=asyncio.Event)
+    # A preemptive reply (`ReplyPipeline.preempt`): its events are held here, and `released`
+    # clear, until the turn it answers ends with the words it answers (`said`).
+    held: list[Any] | None = None
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+    turn: Turn | None = None
+    said: tuple[str, ...] = ()
+    preemptive: str = "none"  # "committed": it was prepared at a pause and sent at the turn's end
+    # perf_counter marks of its stages (response.timings): created, transcript in, first text,
+    # first clause synthesised.
+    created_at: float = field(default_factory=time.perf_counter)
+    transcript_at: float = 0.0
+    first_text_at: float = 0.0
+    first_audio_ready_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.unpaused.set()
+        self.released.set()
 
     def played_ms(self, now: float) -> int:
         """Where the client's playback is: its ack while fresh (under ACK_FRESH_S old),
@@ -123,6 +139,27 @@ class Response:
         else:
             end = self.done_at
         return max(end, self.done_at)
+
+    def timings(self) -> dict[str, Any]:
+        """response.timings: each stage the time it added after the stage before ended (work
+        done ahead counts 0), from the end of the turn's speech (its turn's, else the
+        response's creation); absent: not reached."""
+        turn = self.turn
+        start = (turn.speech_end_at or turn.stopped_at) if turn is not None else 0.0
+        start = start or self.created_at
+        marks = (("turn_detection_ms", turn.stopped_at if turn is not None else start),
+                 ("transcription_ms", self.transcript_at if turn is not None else start),
+                 ("first_text_ms", self.first_text_at), ("first_audio_ms", self.first_audio_ready_at))
+        out: dict[str, Any] = {"preemptive": self.preemptive}
+        before = start
+        for name, at in marks:
+            if not at:
+                break
+            out[name] = round(max(0.0, at - before) * 1000)
+            before = max(before, at)
+        if self.first_audio_at:
+            out["voice_to_voice_ms"] = round(max(0.0, self.first_audio_at - start) * 1000)
+        return out
 
     def heard_text(self) -> str:
         """The reply as far as it was heard: whole clauses, then the played fraction
@@ -177,6 +214,7 @@ class ReplyPipeline:
         self.epoch = 0
         self.responses: dict[str, Response] = {}
         self.response: Response | None = None  # the latest response
+        self.preemptive: Response | None = None  # prepared at a pause, held (see `preempt`)
 
     @property
     def generating(self) -> bool:
@@ -186,7 +224,10 @@ class ReplyPipeline:
         self.outbox.control(server_event(name, **fields))
 
     def _send_media(self, response: Response, name: str, /, **fields: Any) -> None:
-        self.outbox.media(response.epoch, server_event(name, **fields))
+        if response.held is not None:
+            response.held.append(server_event(name, **fields))
+        else:
+            self.outbox.media(response.epoch, server_event(name, **fields))
 
     # ---- responders -------------------------------------------------------------
     def prepare(self) -> None:
@@ -207,19 +248,89 @@ class ReplyPipeline:
         session's output_modality for it, and `joins_history=False` makes it out of band;
         `request_event_id`: the response.create that asked for it. `say`: the server's own words
         instead of the responder's (a `filler`, an apology), and `reason` its response.done's
-        status_reason."""
+        status_reason. The reply prepared for this turn at its pause, if any, is this response:
+        it is sent as soon as the turn's transcript says the words are the same."""
         modality = modality or self._settings().output_modality
-        response = Response(self._new_id("resp"), self._new_id("item"), self.epoch, text_only=modality == "text",
-                            joins_history=joins_history, filler=filler)
+        spec, self.preemptive = self.preemptive, None
+        if spec is not None and (spec.turn is not turn or say is not None or instructions is not None
+                                 or max_tokens is not None or not joins_history or spec.text_only != (modality == "text")):
+            self._discard(spec, "other_response")
+            spec = None
+        response = spec or Response(self._new_id("resp"), self._new_id("item"), self.epoch,
+                                    text_only=modality == "text", joins_history=joins_history, filler=filler,
+                                    turn=turn)
         self.responses[response.response_id] = response
         self.response = response
         self._send("response.created", response_id=response.response_id, item_id=response.item_id,
                    request_event_id=request_event_id, filler=filler)
-        response.task = self._spawn(self._respond(response, turn, instructions, max_tokens, say, reason), "response")
+        if spec is not None and turn is not None and spec.task is not None:
+            response.task = self._spawn(self._adopt(response, spec.task, turn), "response")
+        else:
+            response.task = self._spawn(self._respond(response, turn, instructions, max_tokens, say, reason),
+                                        "response")
         return response
 
+    # ---- preemptive replies ---------------------------------------------------------------
+    def preempt(self, turn: Turn, said: str, request: ReplyRequest) -> None:
+        """The user paused with `said` so far in `turn`: the reply to `request` (the history and
+        those words) is generated and its first clause synthesised now, at a lower priority than
+        replies being heard, its events held. `start(turn)` commits it if the turn ends with the
+        same words; anything else discards it unseen (`discard_preemptive`)."""
+        self.discard_preemptive("replaced")
+        response = Response(self._new_id("resp"), self._new_id("item"), self.epoch,
+                            text_only=self._settings().output_modality == "text", held=[], turn=turn,
+                            said=tuple(normal_words(said)))
+        response.released.clear()
+        response.task = self._spawn(self._respond(response, None, None, None, request=request), "preemptive")
+        self.preemptive = response
+        self.metrics.preemptive.labels("started").inc()
+
+    def discard_preemptive(self, why: str) -> None:
+        """The prepared reply will not be this turn's (the user spoke on, the session changed)."""
+        spec, self.preemptive = self.preemptive, None
+        if spec is not None:
+            self._discard(spec, why)
+
+    def _discard(self, response: Response, why: str) -> None:
+        if response.task is not None:
+            response.task.cancel()  # its responder call and TTS items are withdrawn with it
+        self.metrics.preemptive.labels("discarded").inc()
+        log.debug("preemptive reply discarded", extra={"session_id": self.conversation, "why": why})
+
+    async def _adopt(self, response: Response, prepared: asyncio.Task[None], turn: Turn) -> None:
+        """The turn answered by a prepared reply has ended: once its transcript is in, the reply
+        is sent (its held events, then its audio) if the words are those it answers, else it is
+        made again for the transcript."""
+        try:
+            try:
+                await asyncio.wait_for(asyncio.shield(turn.transcript), self.limits.transcript_wait_s)
+            except TimeoutError:
+                self._finish(response, "", "failed", "the transcript of the turn did not arrive in time")
+                return
+            response.transcript_at = time.perf_counter()
+            if tuple(normal_words(turn.said)) == response.said:
+                response.epoch, response.preemptive = self.epoch, "committed"
+                held, response.held = response.held or [], None
+                for event in held:
+                    self.outbox.media(response.epoch, event)
+                response.released.set()
+                self.metrics.preemptive.labels("committed").inc()
+                await prepared
+                return
+            self._discard(response, "other_words")
+            with contextlib.suppress(asyncio.CancelledError):
+                await prepared
+            response.held, response.said = None, ()
+            response.text, response.clauses, response.calls = "", [], []
+            response.first_text_at = response.first_audio_ready_at = 0.0
+            response.released.set()
+            await self._respond(response, turn, None, None)
+        finally:
+            prepared.cancel()
+
     async def _respond(self, response: Response, turn: Turn | None, instructions: str | None,
-                       max_tokens: int | None, say: str | None = None, reason: str = "") -> None:
+                       max_tokens: int | None, say: str | None = None, reason: str = "",
+                       request: ReplyRequest | None = None) -> None:
         """Transcript -> responder text -> TTS clause by clause -> audio deltas. A clause's audio
         is sent as soon as it is synthesised (a long sentence's window by window), while the
         responder produces the next text; the stream's items are synthesised in order, one at a
@@ -236,7 +347,8 @@ class ReplyPipeline:
         try:
             if turn is not None:
                 await asyncio.wait_for(asyncio.shield(turn.transcript), self.limits.transcript_wait_s)
-            request = self._request(instructions, max_tokens)
+                response.transcript_at = response.transcript_at or time.perf_counter()
+            request = request or self._request(instructions, max_tokens)
             tts = None if text_only else self.tts.open(settings.voice, settings.output_rate,
                                                        window_frames=TTS_WINDOW_FRAMES, speed=settings.speed)
 
@@ -244,7 +356,7 @@ class ReplyPipeline:
                 assert tts is not None
                 while (item := await sending.get()) is not None:
                     said, audio = item
-                    await self._send_audio(response, said, await audio, tts.output_rate, turn)
+                    await self._send_audio(response, said, await audio, tts.output_rate)
 
             async def synthesize_all() -> None:
                 """The stream's items one at a time, in order (the stream is stateful): each chunk,
@@ -259,8 +371,9 @@ class ReplyPipeline:
                     text, final = chunk
                     while True:
                         due = None if playing_from is None else playing_from + audio_s - TTS_DUE_MARGIN_S
+                        priority = Priority.REALTIME if response.released.is_set() else Priority.INTERACTIVE
                         spoken.append(asyncio.ensure_future(self.tts.synthesize(
-                            TtsItem(tts, text, final=final), Priority.REALTIME, due)))
+                            TtsItem(tts, text, final=final), priority, due)))
                         if len(spoken) == 1:  # the first clause: the responder waits until it is spoken
                             self.replies.pause(settings.responder, self.conversation)
                             spoken[0].add_done_callback(lambda _: self.replies.resume(settings.responder,
@@ -270,6 +383,8 @@ class ReplyPipeline:
                         if spoken[-1].cancelled() or spoken[-1].exception() is not None:
                             sending.put_nowait(None)  # the sender stops at the failed item
                             return
+                        if not response.first_audio_ready_at:
+                            response.first_audio_ready_at = time.perf_counter()
                         audio_s += len(spoken[-1].result()) / 2 / tts.output_rate
                         if playing_from is None and audio_s:
                             playing_from = loop.time()
@@ -289,6 +404,7 @@ class ReplyPipeline:
                 for chunk in chunks:
                     if spoken:  # the responder waits for the TTS item submitted last (the LM's pacing)
                         await asyncio.wait([spoken[-1]])
+                        await response.released.wait()  # a held reply prepares its first clause only
                     if sender.done():
                         sender.result()  # sending failed: raise it here
                     texts.put_nowait((chunk, False))
@@ -299,6 +415,8 @@ class ReplyPipeline:
             chunker = TextChunker()
             deltas = _words(say) if say is not None else self.replies.reply(settings.responder, request)
             async for delta in deltas:
+                if not response.first_text_at and isinstance(delta, str | CallDelta):
+                    response.first_text_at = time.perf_counter()
                 if isinstance(delta, CallDelta):
                     self._call_delta(response, calls, delta)
                     continue
@@ -336,6 +454,7 @@ class ReplyPipeline:
         if status != "failed":
             response.calls = [calls[i] for i in sorted(calls)]
             text = text.rstrip() if response.calls else text  # the space before a call is not the reply's
+        await response.released.wait()  # a held reply ends (and its calls go out) only once committed
         self._finish(response, text, status, reason)
 
     def _call_delta(self, response: Response, calls: dict[int, Call], delta: CallDelta) -> None:
@@ -356,13 +475,14 @@ class ReplyPipeline:
                              item_id=call.item_id, output_index=call.output_index, call_id=call.call.call_id,
                              delta=delta.arguments)
 
-    async def _send_audio(self, response: Response, clause: str, audio: bytes, rate: int,
-                          turn: Turn | None) -> None:
+    async def _send_audio(self, response: Response, clause: str, audio: bytes, rate: int) -> None:
         """Send one clause's audio as paced deltas and record where the clause lies."""
         start_ms = response.sent_ms
         step = rate * self.limits.output_delta_ms // 1000 * 2
         for offset in range(0, len(audio), step):
             piece = audio[offset:offset + step]
+            if not response.released.is_set():
+                await response.released.wait()
             if not response.unpaused.is_set():
                 await response.unpaused.wait()
             lead = response.sent_ms - response.played_ms(time.perf_counter())
@@ -370,6 +490,7 @@ class ReplyPipeline:
                 await asyncio.sleep((lead - self.limits.output_lead_ms) / 1000)
             if not response.first_audio_at:
                 response.first_audio_at = time.perf_counter()
+                turn = response.turn
                 if turn is not None and turn.stopped_at:
                     self._observe_latency(response.first_audio_at - turn.stopped_at, turn.silence_ms)
             response.sent_samples += len(piece) // 2
@@ -406,8 +527,18 @@ class ReplyPipeline:
                 self.history.append(Message("assistant", "", call.item_id, call=call.call))
         usage = {"output_tokens": len(text.split()), "output_audio_ms": response.sent_ms}
         self._send_media(response, "response.done", response_id=rid, status=status, status_reason=reason,
-                         usage=usage, function_calls=[call_item(c) for c in response.calls])
+                         usage=usage, function_calls=[call_item(c) for c in response.calls],
+                         timings=self._timings(response))
         self._on_done(response)
+
+    def _timings(self, response: Response) -> dict[str, Any]:
+        """The response's response.timings, each stage observed by its histogram."""
+        timings = response.timings()
+        responder = self._settings().responder
+        for name, value in timings.items():
+            if name != "preemptive":
+                self.metrics.response_stage.labels(name.removesuffix("_ms"), responder).observe(value / 1000)
+        return timings
 
     def pause(self) -> Response | None:
         """Voice over the latest response is being judged: its audio stops going out (the client
@@ -445,7 +576,7 @@ class ReplyPipeline:
         if was_generating:
             response.done, response.done_at = True, now
             self._send("response.done", response_id=response.response_id, status="cancelled", status_reason=reason,
-                       usage={"output_audio_ms": response.sent_ms})
+                       usage={"output_audio_ms": response.sent_ms}, timings=self._timings(response))
             text = response.heard_text()
             if text and response.joins_history:
                 self.history.append(Message("assistant", text, response.item_id))

@@ -68,6 +68,8 @@ __all__ = ["TTS_WINDOW_FRAMES", "Limits", "Session"]
 
 log = logging.getLogger(__name__)
 DTMF_KEYS = "0123456789*#ABCD"
+PREEMPT_TTS_BEHIND = 2  # TTS items queued at which a pause prepares no reply (the lanes are behind)
+ARRIVALS = 3000  # input chunks whose arrival times are kept (a turn's end is looked up among them)
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class Session:
         self._unannounced: set[str] = set()  # judged voices' items whose transcript is no turn's
         self._asr_samples = 0  # 16 kHz samples sent to the recogniser
         self.input_ms = 0.0  # input audio appended so far
+        self._arrivals: deque[tuple[float, float]] = deque(maxlen=ARRIVALS)  # (input_ms after a chunk, perf_counter)
         self._quiet_since = 0.0  # perf_counter of the last speech stop or idle timeout
         self._quiet_input_ms = 0.0  # input_ms then, or when the last response ended
         self.camera: deque[bytes] = deque()
@@ -240,6 +243,7 @@ class Session:
         if overflow is None or overflow.chunk_kept:
             chunk_ms = len(data) / self.input.bytes_per_ms
             self.input_ms += chunk_ms
+            self._arrivals.append((self.input_ms, time.perf_counter()))
             if not self.settings.vad_turns:
                 self.buffer_ms += chunk_ms
                 self._since_commit_ms += chunk_ms
@@ -280,6 +284,8 @@ class Session:
         self.input.reconfigure(new, reset=False)
         if old.noise_reduction != new.noise_reduction:
             self._noise_reduction(new.noise_reduction)
+        if old.turn_type != new.turn_type or not new.preemptive:
+            self.replies.discard_preemptive("session_update")
         if old.turn_type != new.turn_type and self.turn is not None:
             self._end_turn()
         if (old.turn_type, old.idle_timeout_ms) != (new.turn_type, new.idle_timeout_ms):
@@ -339,6 +345,7 @@ class Session:
         if self.turn is not None:  # the recogniser forgets the uncommitted turn
             self.recognizer.send("abort", self.turn)
             self.turn = None
+        self.replies.discard_preemptive("input_cleared")
         self.send("input_audio_buffer.cleared", discarded_ms=dropped, reason="client")
 
     def on_conversation_item_create(self, event: Any, event_id: str) -> None:
@@ -466,6 +473,10 @@ class Session:
                     if self.voice is not None and turn is self.turn:
                         self.voice.speech_ms = offset_ms + len(pcm) // 32 - self.voice.start_ms
                         self._judge(self.voice.heard, final=False)
+                    if turn.cut_done is not None and not turn.spoke_after_pause:  # speech resumed after a pause
+                        turn.spoke_after_pause = True
+                        if self.replies.preemptive is not None and self.replies.preemptive.turn is turn:
+                            self.replies.discard_preemptive("speech_resumed")
             elif kind == "pause":
                 voice = self.voice is not None and self.settings.transcription
                 if self.turn is not None and (self.limits.early_finals or semantic or voice):
@@ -473,8 +484,10 @@ class Session:
                     self.recognizer.send("cut", self.turn)
                     if voice:
                         self._judge_pause(self.turn)
-                    elif semantic:
-                        self.semantic.paused(self.turn)
+                    else:
+                        self._preempt_at(self.turn)
+                        if semantic:
+                            self.semantic.paused(self.turn)
             elif kind == "candidate":
                 if self.turn is not None and semantic and self.voice is None:
                     self.semantic.candidate(self.turn, *value)
@@ -482,6 +495,29 @@ class Session:
                 self._on_speech_stopped(value)
             elif kind == "marker":
                 value()
+
+    def _preempt_at(self, turn: Turn) -> None:
+        """The user paused: once the recogniser's early final is in, the reply to the words so far
+        is prepared (held) unless speech resumed (server/reply.py: `preempt`). Skipped, and
+        counted, while the TTS or the responder's lane is behind: other sessions' replies first."""
+        settings = self.settings
+        if not (settings.preemptive and settings.create_response and settings.transcription) \
+                or self.responding or self.closing_reason is not None:
+            return
+        if self.access.tts.waiting >= PREEMPT_TTS_BEHIND or self.access.replies.behind(settings.responder):
+            self.metrics.preemptive.labels("skipped").inc()
+            return
+        turn.spoke_after_pause = False
+        cut = turn.cut_done
+
+        async def at_early_final() -> None:
+            await asyncio.shield(cut)
+            if self.turn is turn and turn.cut_done is cut and not turn.spoke_after_pause and turn.said \
+                    and not self.responding and self.voice is None and self.settings.preemptive:
+                request = self._reply_request(said=Message("user", turn.said, turn.item_id))
+                self.replies.preempt(turn, turn.said, request)
+
+        self.spawn(at_early_final(), "preempt")
 
     def _start_turn(self) -> Turn:
         self.turn = Turn(self.new_id("item"), asyncio.get_running_loop().create_future())
@@ -516,6 +552,7 @@ class Session:
             voice, self.voice = self.voice, None
             self._dismiss(voice, voice.heard)
             self._unannounced.add(voice.item_id)
+        self.replies.discard_preemptive("speech_started")
         turn = self._start_turn()
         self.speech_start_ms = start_ms
         interrupts = self.settings.interrupt_response and self.response is not None \
@@ -643,13 +680,15 @@ class Session:
         self.turn = speaking
         self._complete(turn)
 
-    def _reply_request(self, instructions: str | None = None, max_tokens: int | None = None) -> ReplyRequest:
+    def _reply_request(self, instructions: str | None = None, max_tokens: int | None = None,
+                       said: Message | None = None) -> ReplyRequest:
         """What the responder gets: the history's messages that hold words (a turn in which
-        nothing was recognised is an item, but no message), the instructions and token limit
-        (0, "inf": the server's ceiling)."""
+        nothing was recognised is an item, but no message), then `said` (a preemptive reply's
+        words so far), the instructions and token limit (0, "inf": the server's ceiling)."""
         settings = self.settings
+        history = [m for m in self.history if m.text or m.call is not None or m.role == "tool"]
         return ReplyRequest(
-            history=[m for m in self.history if m.text or m.call is not None or m.role == "tool"],
+            history=[*history, said] if said is not None else history,
             instructions=settings.instructions if instructions is None else instructions,
             max_output_tokens=output_tokens(settings.max_output_tokens if max_tokens is None else max_tokens),
             images=list(self.camera),
@@ -665,6 +704,7 @@ class Session:
             return
         turn = self.turn or self._start_turn()
         end_ms = stop.audio_end_ms
+        turn.speech_end_at = self._arrival(end_ms)
         self.send("input_audio_buffer.speech_stopped", item_id=turn.item_id, audio_end_ms=end_ms,
                   reason=TURN_END_REASONS[stop.reason], score=stop.score)
         self.metrics.turn_ends.labels(stop.reason).inc()
@@ -679,13 +719,24 @@ class Session:
         self._quiet_since, self._quiet_input_ms = time.perf_counter(), self.input_ms
         if self.settings.create_response and self.closing_reason in (None, "server_shutdown"):
             if self.responding:  # interrupt_response off: the new turn waits its turn
+                self.replies.discard_preemptive("response_in_progress")
                 self.error("response_in_progress", "a turn ended while a response is in progress; "
                            "it is in the history but gets no response of its own")
                 return
             self.replies.start(turn)
         else:
+            self.replies.discard_preemptive("no_response")
             self.idle.arm()
         self.close_if_drained()
+
+    def _arrival(self, input_ms: float) -> float:
+        """When the input up to `input_ms` had arrived (perf_counter); 0: not known."""
+        at = 0.0
+        for end_ms, t in reversed(self._arrivals):
+            if end_ms < input_ms:
+                break
+            at = t
+        return at
 
     # ---- idle turns (server/idle_turns.py) ---------------------------------------
     def _idle_since(self) -> float | None:

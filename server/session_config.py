@@ -117,6 +117,7 @@ class SessionSettings:
     tool_filler_ms: int = 800  # a call out this long gets a filler response; 0: off
     interruption: Interruption = field(default_factory=Interruption)  # turn_detection.interruption
     noise_reduction: str = ""  # "near_field", "far_field", or "" (off): the VAD hears the input denoised
+    preemptive: bool = True  # turn_detection.preemptive: replies prepared at pauses (server/reply.py)
 
     @property
     def input_format(self) -> tuple[int, int]:
@@ -229,7 +230,7 @@ class SessionSettings:
                 silence_duration_ms=self.silence_duration_ms, create_response=self.create_response,
                 interrupt_response=self.interrupt_response, idle_timeout_ms=self.idle_timeout_ms,
                 eagerness=next(k for k, v in EAGERNESS.items() if v == self.eagerness and k),
-                candidate_ms=self.candidate_ms, max_wait_ms=self.turn_wait_ms,
+                candidate_ms=self.candidate_ms, max_wait_ms=self.turn_wait_ms, preemptive=self.preemptive,
                 interruption=realtime_pb2.Interruption(
                     mode=self.interruption.mode, min_words=self.interruption.min_words,
                     min_speech_ms=self.interruption.min_speech_ms,
@@ -262,7 +263,7 @@ def _turn_changes(turn: realtime_pb2.TurnDetection) -> dict[str, object]:
                 shown = round(value, 4) if isinstance(value, float) else value
                 raise ConfigError(f"turn_detection.{name}", f"turn_detection.{name}={shown} is outside {low}..{high}")
             changes[name] = value
-    for name in ("create_response", "interrupt_response"):
+    for name in ("create_response", "interrupt_response", "preemptive"):
         if turn.HasField(name):
             changes[name] = getattr(turn, name)
     if turn.HasField("idle_timeout_ms"):

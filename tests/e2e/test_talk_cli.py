@@ -150,6 +150,9 @@ def test_human_output_is_a_transcript_with_latencies(served, sentence_wav, tmp_p
         r"^\[\s*\d+\.\d\d s\] rtmedia: You said: .+ \(response \d+ ms, voice-to-voice \d+ ms\)$", line)]
     assert len(you) == 1 and len(said) == 1, result.stdout
     assert lines.index(you[0]) < lines.index(said[0])
+    (stages,) = [line for line in lines if " stages: " in line]  # the server's response.timings
+    assert re.search(r"stages: turn detection \d+ ms, transcript \d+ ms, first text \d+ ms, first audio \d+ ms; "
+                     r"voice-to-voice \d+ ms \(server", stages), stages
     assert re.search(rf"wrote {re.escape(str(output))}: \d+\.\d\d s at 22050 Hz", result.stderr), result.stderr
     assert "1 response; response latency" in result.stderr
     assert output.stat().st_size > 44

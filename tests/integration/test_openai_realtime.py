@@ -129,6 +129,8 @@ async def test_spoken_turn_with_server_vad_at_24k(connect, speaker, channel):
     assert done.response.status == "completed" and done.response.output[0].role == "assistant"
     transcript = done.response.output[0].content[0].transcript
     assert says(transcript)  # the echo responder says the user's words
+    timings = done.response.model_extra["timings"]  # (rtmedia extension)
+    assert timings["preemptive"] in ("committed", "none") and timings["voice_to_voice_ms"] > 0, timings
     pcm = audio_of(events)
     assert len(pcm) / 2 / RATE > 1.0  # seconds of 24 kHz reply audio
     ids = [e.event_id for e in events]
@@ -373,6 +375,8 @@ REFUSED = [
      "session.audio.input.turn_detection.interruption.mode"),
     ({"audio": {"input": {"turn_detection": {"type": "server_vad", "interruption": {"min_words": 0}}}}},
      "session.audio.input.turn_detection.interruption.min_words"),
+    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "preemptive": "yes"}}}},
+     "session.audio.input.turn_detection.preemptive"),
     ({"include": ["item.input_text.logprobs"]}, "session.include"),
     ({"audio": {"output": {"format": {"type": "audio/opus"}}}}, "session.audio.output.format.type"),
     ({"audio": {"output": {"voice": {"id": "voice_123"}}}}, "session.audio.output.voice"),

@@ -393,3 +393,31 @@ async def test_a_barge_in_on_the_filler_cancels_it_only_and_the_turn_is_answered
         assert (await c.wait_for("conversation.item.added", count=2))["item"]["output"] == "late"
     finally:
         await c.__aexit__(None, None, None)
+
+
+async def test_a_call_prepared_at_a_pause_is_never_sent_before_the_turn_ends(served, upstream, speaker):
+    """A pause mid-question prepares a reply that calls get_weather for the words so far (the
+    upstream is asked); the user speaks on, so it is discarded: the client sees one response,
+    whose one call (for the whole question) comes after speech_stopped."""
+    _, channel = served
+    asked = len(upstream.bodies)
+    c = await Conversation(channel).__aenter__()
+    try:
+        c.send("session.update", session={"responder": "openai", "tools": {"functions": [WEATHER]},
+                                          "input_audio_format": {"encoding": "pcm16", "sample_rate": RATE},
+                                          "turn_detection": {"type": "server_vad", "silence_duration_ms": 1200},
+                                          **NO_FILLER})
+        pcm = np.concatenate([speaker.silence(0.5, RATE), speaker.say("What is the weather like", RATE),
+                              speaker.silence(0.6, RATE), speaker.say("in Paris today?", RATE),
+                              speaker.silence(1.8, RATE)]).tobytes()
+        await c.stream(pcm, RATE)
+        done = await c.wait_for("response.done", timeout=30)
+        assert [x["name"] for x in done["function_calls"]] == ["get_weather"]
+        (created,) = c.of_type("response.created")
+        assert {e["response_id"] for e in c.of_type("response.output_item.added")} == {created["response_id"]}
+        order = c.types()
+        assert order.index("input_audio_buffer.speech_stopped") < order.index("response.output_item.added")
+    finally:
+        await c.__aexit__(None, None, None)
+    said = [next(m["content"] for m in reversed(b["messages"]) if m["role"] == "user") for b in upstream.bodies[asked:]]
+    assert len(said) >= 2 and "paris" not in said[0].lower() and "paris" in said[-1].lower(), said

@@ -281,7 +281,6 @@ def dictation(door, folder: Path, speaker: Speaker, wer_calls: int, before: int)
 def speakerphones(target: str, door, folder: Path, speaker: Speaker, calls: int, gain: float, number: str) -> dict:
     """`calls` speakerphones at once, to `number` (no-aec: echo cancellation off)."""
     import soundfile
-
     from rtmedia.clients.client import SpeechClient
 
     wav = wav_of(folder, "three", speaker, SENTENCES, GAP_S)

@@ -18,6 +18,7 @@ from rtmedia.clients.loadtest_report import (
     latency_summary,
     next_level,
     slo_verdict,
+    summary_lines,
     write_plot,
 )
 from rtmedia.clients.loadtest_speech import audio_files, load_clips
@@ -56,6 +57,20 @@ def test_report_has_every_key():
         assert set(report[metric]) == {"p50", "p95", "p99", "max", "count"}
     assert report["loadgen_cpu_share"] == 0.1
     assert report["response_latency_ms"]["count"] == 20
+
+
+def test_the_servers_stages_are_summarised_from_the_responses_timings():
+    stats = Stats(origin=0.0)
+    stats.record_timings({"turn_detection_ms": 520, "transcription_ms": 0, "first_text_ms": 0, "first_audio_ms": 0,
+                          "voice_to_voice_ms": 540, "preemptive": "committed"})
+    stats.record_timings({"turn_detection_ms": 510, "transcription_ms": 20, "first_text_ms": 5, "first_audio_ms": 90,
+                          "voice_to_voice_ms": 640, "preemptive": "none"})
+    stats.record_timings({"turn_detection_ms": 500, "preemptive": "none"})  # cancelled before its audio: not counted
+    report = build_report(stats, {"profile": "talk", "sessions": 1, "chunk_ms": 20}, 10, 1, 2, [])
+    assert report["server_stages_ms"]["voice_to_voice_ms"] == latency_summary([540, 640])
+    assert report["server_stages_ms"]["first_audio_ms"]["p95"] == 85.5 and report["preemptive_committed"] == 1
+    line = next(x for x in summary_lines(report) if x.startswith("server stages"))
+    assert "voice_to_voice 590 / 635" in line and "1 of 2 prepared at a pause" in line, line
 
 
 def test_slo_verdict():

@@ -10,6 +10,7 @@ import itertools
 import pytest
 from rtmedia.engines.responder import CallDelta, CallError, FunctionCall, Incomplete, Message, ReplyRequest
 from rtmedia.protocol.events import to_json
+from rtmedia.server.metrics import Metrics
 from rtmedia.server.outbox import Outbox
 from rtmedia.server.reply import ACK_FRESH_S, PLAYED_TOLERANCE_MS, ReplyPipeline, Response
 from rtmedia.server.session_config import SessionSettings
@@ -20,6 +21,26 @@ CLAUSES = [("Hello there,", 0, 1000), ("how are you today?", 1000, 3000)]
 
 def response(**fields) -> Response:
     return Response("resp_1", "item_1", 0, clauses=list(CLAUSES), sent_samples=3 * 24000, sent_ms=3000, **fields)
+
+
+async def test_timings_are_the_time_each_stage_added_and_sum_to_at_most_voice_to_voice():
+    from rtmedia.server.recognition import Turn
+
+    turn = Turn("item_0", stopped_at=10.5)
+    turn.speech_end_at = 10.0
+    # A prepared reply: its first text and audio came before the turn ended.
+    r = Response("r", "i", 0, turn=turn, transcript_at=10.52, first_text_at=10.3, first_audio_ready_at=10.4,
+                 first_audio_at=10.53, preemptive="committed")
+    assert r.timings() == {"turn_detection_ms": 500, "transcription_ms": 20, "first_text_ms": 0, "first_audio_ms": 0,
+                           "voice_to_voice_ms": 530, "preemptive": "committed"}
+    # Cancelled before its first text: the later stages are absent.
+    r = Response("r", "i", 0, turn=turn, transcript_at=10.6)
+    assert r.timings() == {"turn_detection_ms": 500, "transcription_ms": 100, "preemptive": "none"}
+    # No turn (response.create on text): from its creation.
+    r = Response("r", "i", 0, created_at=5.0, first_text_at=5.2, first_audio_ready_at=5.5, first_audio_at=5.51)
+    t = r.timings()
+    assert (t["turn_detection_ms"], t["transcription_ms"], t["first_text_ms"], t["first_audio_ms"]) == (0, 0, 200, 300)
+    assert sum(t[k] for k in t if k not in ("preemptive", "voice_to_voice_ms")) <= t["voice_to_voice_ms"] == 510
 
 
 def test_heard_text_without_acks_is_what_was_sent():
@@ -69,14 +90,10 @@ def test_audible_while_generating_or_playing():
     assert not response(done=True, heard_ms=100, heard_at=now, truncated=True).audible(now)
 
 
-class _Metrics:
-    pass
-
-
 def pipeline(history: list[Message]) -> tuple[ReplyPipeline, Outbox]:
     outbox = Outbox(16)
     replies = ReplyPipeline(
-        "sess_1", outbox, history, Limits(), tts=None, replies=None, metrics=_Metrics(),
+        "sess_1", outbox, history, Limits(), tts=None, replies=None, metrics=Metrics(),
         settings=SessionSettings, request=lambda *a, **k: None, spawn=lambda coro, name: None,
         new_id=lambda prefix: prefix, on_done=lambda response: None,
     )
@@ -163,7 +180,7 @@ async def run_reply(deltas: list, **start) -> tuple[list[dict], list[Message]]:
     tasks: list[asyncio.Task] = []
     ids = itertools.count(1)
     replies = ReplyPipeline(
-        "sess_1", outbox, history, Limits(), tts=None, replies=_Replies(deltas), metrics=_Metrics(),
+        "sess_1", outbox, history, Limits(), tts=None, replies=_Replies(deltas), metrics=Metrics(),
         settings=lambda: SessionSettings(output_modality="text"), request=lambda *a, **k: ReplyRequest(history),
         spawn=lambda coro, name: tasks.append(asyncio.ensure_future(coro)) or tasks[-1],
         new_id=lambda prefix: f"{prefix}_{next(ids)}", on_done=lambda response: outbox.close(),

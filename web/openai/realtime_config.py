@@ -228,14 +228,16 @@ class TurnDetection:
     interrupt_response: bool = True
     idle_timeout_ms: int | None = None
     interruption: dict[str, Any] | None = None  # (rtmedia extension) as the client set it; None: immediate
+    preemptive: bool | None = None  # (rtmedia extension) as the client set it; None: the default (on)
 
     def to_json(self) -> dict[str, Any]:
-        extension = {"interruption": self.interruption} if self.interruption is not None else {}
+        extension = {k: v for k, v in (("interruption", self.interruption), ("preemptive", self.preemptive))
+                     if v is not None}
         if self.type == "semantic_vad":
             return {"type": self.type, "eagerness": self.eagerness, "create_response": self.create_response,
                     "interrupt_response": self.interrupt_response, **extension}
         fields = dataclasses.asdict(self)
-        del fields["eagerness"], fields["interruption"]
+        del fields["eagerness"], fields["interruption"], fields["preemptive"]
         return {**fields, **extension}
 
 
@@ -364,10 +366,11 @@ class RealtimeConfig:
         if kind not in ("server_vad", "semantic_vad"):
             raise _invalid(param + ".type", 'must be "server_vad", "semantic_vad" or null')
         if kind == "semantic_vad":
-            _unknown(spec, {"type", "eagerness", "create_response", "interrupt_response", "interruption"}, param + ".")
+            _unknown(spec, {"type", "eagerness", "create_response", "interrupt_response", "interruption",
+                            "preemptive"}, param + ".")
         else:
             _unknown(spec, {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
-                            "interrupt_response", "idle_timeout_ms", "interruption"}, param + ".")
+                            "interrupt_response", "idle_timeout_ms", "interruption", "preemptive"}, param + ".")
         turn = copy.copy(self.turn_detection) if self.turn_detection is not None else TurnDetection()
         turn.type = kind
         if kind == "semantic_vad":
@@ -393,6 +396,8 @@ class RealtimeConfig:
             turn.idle_timeout_ms = None
         if spec.get("interruption") is not None:
             turn.interruption = {**(turn.interruption or {}), **_interruption(spec["interruption"], param)}
+        if spec.get("preemptive") is not None:
+            turn.preemptive = _bool(spec["preemptive"], f"{param}.preemptive")
         return turn
 
     def to_rtmedia(self) -> dict[str, Any]:
@@ -411,6 +416,8 @@ class RealtimeConfig:
                 turn["idle_timeout_ms"] = t.idle_timeout_ms or 0  # 0: off
             if t.interruption is not None:
                 turn["interruption"] = t.interruption
+            if t.preemptive is not None:
+                turn["preemptive"] = t.preemptive
         config: dict[str, Any] = {
             "input_audio_format": {"encoding": ENCODINGS[encoding], "sample_rate": rate, "channels": 1},
             "output_sample_rate": out_rate,

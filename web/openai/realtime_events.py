@@ -585,9 +585,11 @@ class Translator:
                                                    "message": reason}}
         usage = e.get("usage") or {}
         tokens_in, tokens_out = usage.get("input_tokens", 0), usage.get("output_tokens", 0)
-        out.append(self._event("response.done", response=self._response_object(
-            response, status, details, {"total_tokens": tokens_in + tokens_out, "input_tokens": tokens_in,
-                                        "output_tokens": tokens_out})))
+        done = self._response_object(response, status, details, {"total_tokens": tokens_in + tokens_out,
+                                                                  "input_tokens": tokens_in, "output_tokens": tokens_out})
+        if e.get("timings"):
+            done["timings"] = e["timings"]  # (rtmedia extension) where the time to the first audio went
+        out.append(self._event("response.done", response=done))
         if response.audio_started and not self.webrtc:  # a call's track says when it has played out
             out.append(self.stopped(response.id))
         return out

@@ -178,6 +178,7 @@ class TurnDetection(_message.Message):
     CANDIDATE_MS_FIELD_NUMBER: _builtins.int
     MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
     INTERRUPTION_FIELD_NUMBER: _builtins.int
+    PREEMPTIVE_FIELD_NUMBER: _builtins.int
     type: Global___TurnDetectionType.ValueType
     threshold: _builtins.float
     """Speech probability that starts speech (0.05..0.95, default 0.5)."""
@@ -203,6 +204,12 @@ class TurnDetection(_message.Message):
     """semantic_vad: silence after which the turn ends whatever the score, 500..30000 ms
     (default by eagerness: low 8000, medium 4000, high 2000).
     """
+    preemptive: _builtins.bool
+    """server_vad and semantic_vad (an rtmedia extension, default true): at a pause in the
+    user's speech the reply to the words so far is prepared, held in the server, and sent
+    at once if the turn ends with the same words; else it is discarded unseen
+    (docs/protocol.md#preemptive-replies).
+    """
     @_builtins.property
     def interruption(self) -> Global___Interruption:
         """How speech during a response interrupts it (docs/protocol.md#interruptions)."""
@@ -221,10 +228,11 @@ class TurnDetection(_message.Message):
         candidate_ms: _builtins.int | None = ...,
         max_wait_ms: _builtins.int | None = ...,
         interruption: Global___Interruption | None = ...,
+        preemptive: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_candidate_ms", b"_candidate_ms", "_create_response", b"_create_response", "_eagerness", b"_eagerness", "_idle_timeout_ms", b"_idle_timeout_ms", "_interrupt_response", b"_interrupt_response", "_max_wait_ms", b"_max_wait_ms", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "candidate_ms", b"candidate_ms", "create_response", b"create_response", "eagerness", b"eagerness", "idle_timeout_ms", b"idle_timeout_ms", "interrupt_response", b"interrupt_response", "interruption", b"interruption", "max_wait_ms", b"max_wait_ms", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_candidate_ms", b"_candidate_ms", "_create_response", b"_create_response", "_eagerness", b"_eagerness", "_idle_timeout_ms", b"_idle_timeout_ms", "_interrupt_response", b"_interrupt_response", "_max_wait_ms", b"_max_wait_ms", "_preemptive", b"_preemptive", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "candidate_ms", b"candidate_ms", "create_response", b"create_response", "eagerness", b"eagerness", "idle_timeout_ms", b"idle_timeout_ms", "interrupt_response", b"interrupt_response", "interruption", b"interruption", "max_wait_ms", b"max_wait_ms", "preemptive", b"preemptive", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_candidate_ms", b"_candidate_ms", "_create_response", b"_create_response", "_eagerness", b"_eagerness", "_idle_timeout_ms", b"_idle_timeout_ms", "_interrupt_response", b"_interrupt_response", "_max_wait_ms", b"_max_wait_ms", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "candidate_ms", b"candidate_ms", "create_response", b"create_response", "eagerness", b"eagerness", "idle_timeout_ms", b"idle_timeout_ms", "interrupt_response", b"interrupt_response", "interruption", b"interruption", "max_wait_ms", b"max_wait_ms", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_candidate_ms", b"_candidate_ms", "_create_response", b"_create_response", "_eagerness", b"_eagerness", "_idle_timeout_ms", b"_idle_timeout_ms", "_interrupt_response", b"_interrupt_response", "_max_wait_ms", b"_max_wait_ms", "_preemptive", b"_preemptive", "_prefix_padding_ms", b"_prefix_padding_ms", "_silence_duration_ms", b"_silence_duration_ms", "_threshold", b"_threshold", "candidate_ms", b"candidate_ms", "create_response", b"create_response", "eagerness", b"eagerness", "idle_timeout_ms", b"idle_timeout_ms", "interrupt_response", b"interrupt_response", "interruption", b"interruption", "max_wait_ms", b"max_wait_ms", "preemptive", b"preemptive", "prefix_padding_ms", b"prefix_padding_ms", "silence_duration_ms", b"silence_duration_ms", "threshold", b"threshold", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__candidate_ms: _TypeAlias = _typing.Literal["candidate_ms"]  # noqa: Y015
     _WhichOneofArgType__candidate_ms: _TypeAlias = _typing.Literal["_candidate_ms", b"_candidate_ms"]  # noqa: Y015
@@ -238,6 +246,8 @@ class TurnDetection(_message.Message):
     _WhichOneofArgType__interrupt_response: _TypeAlias = _typing.Literal["_interrupt_response", b"_interrupt_response"]  # noqa: Y015
     _WhichOneofReturnType__max_wait_ms: _TypeAlias = _typing.Literal["max_wait_ms"]  # noqa: Y015
     _WhichOneofArgType__max_wait_ms: _TypeAlias = _typing.Literal["_max_wait_ms", b"_max_wait_ms"]  # noqa: Y015
+    _WhichOneofReturnType__preemptive: _TypeAlias = _typing.Literal["preemptive"]  # noqa: Y015
+    _WhichOneofArgType__preemptive: _TypeAlias = _typing.Literal["_preemptive", b"_preemptive"]  # noqa: Y015
     _WhichOneofReturnType__prefix_padding_ms: _TypeAlias = _typing.Literal["prefix_padding_ms"]  # noqa: Y015
     _WhichOneofArgType__prefix_padding_ms: _TypeAlias = _typing.Literal["_prefix_padding_ms", b"_prefix_padding_ms"]  # noqa: Y015
     _WhichOneofReturnType__silence_duration_ms: _TypeAlias = _typing.Literal["silence_duration_ms"]  # noqa: Y015
@@ -256,6 +266,8 @@ class TurnDetection(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__interrupt_response) -> _WhichOneofReturnType__interrupt_response | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_wait_ms) -> _WhichOneofReturnType__max_wait_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__preemptive) -> _WhichOneofReturnType__preemptive | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prefix_padding_ms) -> _WhichOneofReturnType__prefix_padding_ms | None: ...
     @_typing.overload
@@ -1590,6 +1602,7 @@ class ResponseDoneEvent(_message.Message):
     STATUS_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     FUNCTION_CALLS_FIELD_NUMBER: _builtins.int
+    TIMINGS_FIELD_NUMBER: _builtins.int
     response_id: _builtins.str
     status: Global___ResponseStatus.ValueType
     status_reason: _builtins.str
@@ -1604,6 +1617,10 @@ class ResponseDoneEvent(_message.Message):
         then waits for their function_call_output items.
         """
 
+    @_builtins.property
+    def timings(self) -> Global___ResponseTimings:
+        """Where the time to the response's first audio went (an rtmedia extension)."""
+
     def __init__(
         self,
         *,
@@ -1612,14 +1629,81 @@ class ResponseDoneEvent(_message.Message):
         status_reason: _builtins.str = ...,
         usage: Global___ResponseUsage | None = ...,
         function_calls: _abc.Iterable[Global___ConversationItem] | None = ...,
+        timings: Global___ResponseTimings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["function_calls", b"function_calls", "response_id", b"response_id", "status", b"status", "status_reason", b"status_reason", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["function_calls", b"function_calls", "response_id", b"response_id", "status", b"status", "status_reason", b"status_reason", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResponseDoneEvent: _TypeAlias = ResponseDoneEvent  # noqa: Y015
+
+@_typing.final
+class ResponseTimings(_message.Message):
+    """A response's stages on the way to its first audio, in milliseconds of the server's clock
+    (docs/protocol.md#response-timings). Each stage is the time it added after the stage
+    before it ended, so the stages sum to at most voice_to_voice_ms: work done ahead (a
+    preemptive reply, a final ready before the turn ended) counts 0. A stage the response
+    did not reach is absent.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TURN_DETECTION_MS_FIELD_NUMBER: _builtins.int
+    TRANSCRIPTION_MS_FIELD_NUMBER: _builtins.int
+    FIRST_TEXT_MS_FIELD_NUMBER: _builtins.int
+    FIRST_AUDIO_MS_FIELD_NUMBER: _builtins.int
+    VOICE_TO_VOICE_MS_FIELD_NUMBER: _builtins.int
+    PREEMPTIVE_FIELD_NUMBER: _builtins.int
+    turn_detection_ms: _builtins.int
+    """The end of the user's speech (its last voiced audio arriving) -> speech_stopped."""
+    transcription_ms: _builtins.int
+    """-> the turn's final transcript."""
+    first_text_ms: _builtins.int
+    """-> the responder's first text (or function call)."""
+    first_audio_ms: _builtins.int
+    """-> the first clause's audio synthesised."""
+    voice_to_voice_ms: _builtins.int
+    """The end of the user's speech -> the first audio delta sent."""
+    preemptive: _builtins.str
+    """"committed": the reply was prepared at a pause and sent when the turn ended; "none"."""
+    def __init__(
+        self,
+        *,
+        turn_detection_ms: _builtins.int | None = ...,
+        transcription_ms: _builtins.int | None = ...,
+        first_text_ms: _builtins.int | None = ...,
+        first_audio_ms: _builtins.int | None = ...,
+        voice_to_voice_ms: _builtins.int | None = ...,
+        preemptive: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_audio_ms", b"_first_audio_ms", "_first_text_ms", b"_first_text_ms", "_transcription_ms", b"_transcription_ms", "_turn_detection_ms", b"_turn_detection_ms", "_voice_to_voice_ms", b"_voice_to_voice_ms", "first_audio_ms", b"first_audio_ms", "first_text_ms", b"first_text_ms", "transcription_ms", b"transcription_ms", "turn_detection_ms", b"turn_detection_ms", "voice_to_voice_ms", b"voice_to_voice_ms"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_audio_ms", b"_first_audio_ms", "_first_text_ms", b"_first_text_ms", "_transcription_ms", b"_transcription_ms", "_turn_detection_ms", b"_turn_detection_ms", "_voice_to_voice_ms", b"_voice_to_voice_ms", "first_audio_ms", b"first_audio_ms", "first_text_ms", b"first_text_ms", "preemptive", b"preemptive", "transcription_ms", b"transcription_ms", "turn_detection_ms", b"turn_detection_ms", "voice_to_voice_ms", b"voice_to_voice_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__first_audio_ms: _TypeAlias = _typing.Literal["first_audio_ms"]  # noqa: Y015
+    _WhichOneofArgType__first_audio_ms: _TypeAlias = _typing.Literal["_first_audio_ms", b"_first_audio_ms"]  # noqa: Y015
+    _WhichOneofReturnType__first_text_ms: _TypeAlias = _typing.Literal["first_text_ms"]  # noqa: Y015
+    _WhichOneofArgType__first_text_ms: _TypeAlias = _typing.Literal["_first_text_ms", b"_first_text_ms"]  # noqa: Y015
+    _WhichOneofReturnType__transcription_ms: _TypeAlias = _typing.Literal["transcription_ms"]  # noqa: Y015
+    _WhichOneofArgType__transcription_ms: _TypeAlias = _typing.Literal["_transcription_ms", b"_transcription_ms"]  # noqa: Y015
+    _WhichOneofReturnType__turn_detection_ms: _TypeAlias = _typing.Literal["turn_detection_ms"]  # noqa: Y015
+    _WhichOneofArgType__turn_detection_ms: _TypeAlias = _typing.Literal["_turn_detection_ms", b"_turn_detection_ms"]  # noqa: Y015
+    _WhichOneofReturnType__voice_to_voice_ms: _TypeAlias = _typing.Literal["voice_to_voice_ms"]  # noqa: Y015
+    _WhichOneofArgType__voice_to_voice_ms: _TypeAlias = _typing.Literal["_voice_to_voice_ms", b"_voice_to_voice_ms"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__first_audio_ms) -> _WhichOneofReturnType__first_audio_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__first_text_ms) -> _WhichOneofReturnType__first_text_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__transcription_ms) -> _WhichOneofReturnType__transcription_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__turn_detection_ms) -> _WhichOneofReturnType__turn_detection_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__voice_to_voice_ms) -> _WhichOneofReturnType__voice_to_voice_ms | None: ...
+
+Global___ResponseTimings: _TypeAlias = ResponseTimings  # noqa: Y015
 
 @_typing.final
 class ResponseOutputItemAddedEvent(_message.Message):
