@@ -36,6 +36,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from rtmedia.engines.base import EngineError
 from rtmedia.engines.responder import (
     CallDelta,
@@ -67,6 +68,10 @@ ACK_FRESH_S = 1.0  # an ack older than this no longer tells where playback is
 # 22.05 kHz), doubling: its first audio comes after a quarter of its decode or less.
 TTS_WINDOW_FRAMES = 48
 TTS_DUE_MARGIN_S = 0.3  # a later TTS item is due this long before the audio before it runs out
+# A reply's first audio starts this long before its first sound louder than QUIET_LEVEL (of int16 full
+# scale): the voice's leading silence (0-60 ms) would only delay what the user hears.
+LEAD_KEPT_MS = 10
+QUIET_LEVEL = 66
 PLAYED_TOLERANCE_MS = 40
 
 
@@ -317,7 +322,8 @@ class ReplyPipeline:
                 self.metrics.preemptive.labels("committed").inc()
                 await prepared
                 return
-            self._discard(response, "other_words")
+            prepared.cancel()  # (not `_discard`: this task is the response's now)
+            self.metrics.preemptive.labels("discarded").inc()
             with contextlib.suppress(asyncio.CancelledError):
                 await prepared
             response.held, response.said = None, ()
@@ -356,7 +362,10 @@ class ReplyPipeline:
                 assert tts is not None
                 while (item := await sending.get()) is not None:
                     said, audio = item
-                    await self._send_audio(response, said, await audio, tts.output_rate)
+                    pcm = await audio
+                    if not response.sent_samples:
+                        pcm = trim_lead(pcm, tts.output_rate)
+                    await self._send_audio(response, said, pcm, tts.output_rate)
 
             async def synthesize_all() -> None:
                 """The stream's items one at a time, in order (the stream is stateful): each chunk,
@@ -590,6 +599,12 @@ class ReplyPipeline:
             if message.item_id == response.item_id:
                 self.history[n] = Message("assistant", response.heard_text(), response.item_id)
                 return
+
+
+def trim_lead(pcm: bytes, rate: int) -> bytes:
+    """PCM16 without its leading silence but LEAD_KEPT_MS (all of it when it holds no sound)."""
+    loud = np.flatnonzero(np.abs(np.frombuffer(pcm, "<i2").astype(np.int32)) > QUIET_LEVEL)
+    return pcm[2 * max(0, int(loud[0]) - rate * LEAD_KEPT_MS // 1000):] if loud.size else pcm
 
 
 def call_item(call: Call, arguments: bool = True) -> dict[str, str]:

@@ -78,7 +78,7 @@ async def test_a_reply_prepared_at_the_pause_is_sent_when_the_turn_ends(server, 
 
 
 async def test_a_user_who_speaks_on_after_the_pause_gets_one_reply_to_all_of_it(server, channel, speaker):
-    pcm = np.concatenate([speaker.silence(0.5, RATE), speaker.say(FIRST, RATE), speaker.silence(0.6, RATE),
+    pcm = np.concatenate([speaker.silence(0.5, RATE), speaker.say(FIRST, RATE), speaker.silence(0.8, RATE),
                           speaker.say(SECOND, RATE), speaker.silence(SILENCE_MS / 1000 + 0.6, RATE)]).tobytes()
     before = preempted(server)
     c = await converse(channel, pcm)
@@ -114,3 +114,29 @@ async def test_preemptive_off_prepares_nothing_and_the_timings_say_none(server, 
     finally:
         await c.__aexit__(None, None, None)
     assert preempted(server) == before
+
+
+async def test_a_prepared_reply_to_other_words_is_made_again_for_the_transcript(server, channel, speaker,
+                                                                                 monkeypatch):
+    """The final's words differ from those the prepared reply answers (here: made to differ):
+    the reply is made afresh for the transcript, and nothing of the prepared one is seen."""
+    from rtmedia.server.reply import ReplyPipeline
+
+    preempt = ReplyPipeline.preempt
+    monkeypatch.setattr(ReplyPipeline, "preempt", lambda self, turn, said, request: preempt(
+        self, turn, "something else entirely", request))
+    pcm = np.concatenate([speaker.silence(0.5, RATE), speaker.say(SENTENCE, RATE),
+                          speaker.silence(SILENCE_MS / 1000 + 0.6, RATE)]).tobytes()
+    before = preempted(server)
+    c = await converse(channel, pcm)
+    try:
+        only_one_response(c)
+        said = c.of_type("conversation.item.input_audio_transcription.completed")[0]["transcript"]
+        assert c.of_type("response.output_text.done")[0]["text"] == f"You said: {said}"
+        assert "".join(e["delta"] for e in c.of_type("response.output_text.delta")) == f"You said: {said}"
+        timings = check_timings(c.of_type("response.done")[0])
+        assert timings["preemptive"] == "none", timings
+    finally:
+        await c.__aexit__(None, None, None)
+    after = preempted(server)
+    assert after["discarded"] - before["discarded"] == 1 and after["committed"] == before["committed"]

@@ -2,7 +2,7 @@
 one sitting.
 
     .venv/bin/python tests/perf/bench_preemptive.py [--duration 40] [--rounds 2] [--sessions 16]
-        [--load-duration 60] [--no-load] [--out results.json]
+        [--load-duration 60] [--no-load] [--no-single] [--out results.json]
 
 One `rtmedia serve` with the embedded SmolLM2 (semantic_vad scores on it; the `llm` profile
 answers with it), the load tester against it (`rtmedia loadtest`, its voice-to-voice: the last
@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=16, help="talk sessions under load (16)")
     parser.add_argument("--load-duration", type=float, default=60.0, help="seconds per run under load (60)")
     parser.add_argument("--no-load", action="store_true", help="skip part 2")
+    parser.add_argument("--no-single", action="store_true", help="skip part 1")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     port = free_port()
@@ -92,13 +93,13 @@ def main() -> None:
     with running_server("--responder", "echo", "--max-sessions", "3000", "--log-level", "WARNING",
                         "--metrics-port", str(port)) as (target, process):
         single: dict[str, list[dict[str, Any]]] = {}
-        for round_ in range(args.rounds):
+        for round_ in range(0 if args.no_single else args.rounds):
             for profile in ("talk", "llm"):
                 for setting in SETTINGS if round_ % 2 == 0 else SETTINGS[::-1]:
                     run = one(target, process.pid, port, profile, setting, 1, args.duration, [])
                     print(json.dumps(run), file=sys.stderr, flush=True)
                     single.setdefault(f"{profile} {setting[0]} preemptive {setting[1]}", []).append(run)
-        result["one_session"] = {name: {"v2v_p50_ms": summary(runs, "v2v_p50_ms"),
+        result["one_session"] = {} if args.no_single else {name: {"v2v_p50_ms": summary(runs, "v2v_p50_ms"),
                                         "v2v_p95_ms": summary(runs, "v2v_p95_ms"),
                                         "committed": sum(r["committed_replies"] for r in runs),
                                         "responses": sum(r["responses"] for r in runs),

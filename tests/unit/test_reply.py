@@ -43,6 +43,16 @@ async def test_timings_are_the_time_each_stage_added_and_sum_to_at_most_voice_to
     assert sum(t[k] for k in t if k not in ("preemptive", "voice_to_voice_ms")) <= t["voice_to_voice_ms"] == 510
 
 
+def test_a_replys_leading_silence_is_trimmed_to_ten_ms():
+    import numpy as np
+    from rtmedia.server.reply import trim_lead
+
+    rate = 22050
+    pcm = np.concatenate([np.zeros(rate // 20, "<i2"), np.full(100, 3000, "<i2")]).tobytes()  # 50 ms quiet
+    assert len(trim_lead(pcm, rate)) == 2 * (rate // 100 + 100)
+    assert trim_lead(bytes(400), rate) == bytes(400)  # no sound: kept whole
+
+
 def test_heard_text_without_acks_is_what_was_sent():
     assert response().heard_text() == "Hello there, how are you today?"
     assert Response("r", "i", 0).heard_text() == ""
