@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-FIRST_CHUNK_MAX_WORDS = 6
+FIRST_CHUNK_MAX_WORDS = 3
 # Later chunks end at clause boundaries; a clause longer than this is cut so
 # one engine step stays short.
 CHUNK_MAX_WORDS = 40
@@ -26,7 +26,7 @@ _ENDS_CLAUSE_NOW = re.compile(r"(?:[,;:?!]|(?<=[a-z])\.)[\"')\]]*$")
 
 class TextChunker:
     """Splits streamed text into speakable chunks as it arrives (docs/protocol.md#streaming-tts): the
-    first chunk ends at the first clause boundary or after six words, later ones
+    first chunk ends at the first clause boundary or after three words, later ones
     at clause boundaries (or after CHUNK_MAX_WORDS words)."""
 
     def __init__(self) -> None:

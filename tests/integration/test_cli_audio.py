@@ -123,8 +123,9 @@ async def test_pipes(server, tmp_path):
         rtmedia("synth", SENTENCE, "-o", "-", "--json", *target.split()))
     for code, out, err in (raw, coded):
         assert code == 0, err
-        # raw PCM starts with the first word at its first sample, which the endpointer may clip
-        assert wer(SENTENCE, transcript(out)) <= 0.2, transcript(out)
+        # raw PCM starts with the first word at its first sample, which the endpointer may clip; the
+        # seam after the first chunk's three words may cost a word (BENCHMARKS.md: first chunk)
+        assert wer(SENTENCE, transcript(out)) <= 0.3, transcript(out)
     code, out, err = pcm
     assert code == 0 and len(out) % 2 == 0
     report = json.loads(err.strip().splitlines()[-1])  # --json goes to stderr when stdout is the audio

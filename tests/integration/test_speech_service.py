@@ -81,10 +81,10 @@ async def test_synthesize_streams_clause_chunks(stub):
     assert 3.0 < seconds < 12.0
 
 
-async def test_first_chunk_is_at_most_six_words(stub):
+async def test_first_chunk_is_at_most_three_words(stub):
     replies = await synth(stub, "one two three four five six seven eight nine ten")
-    assert replies[0].text == "one two three four five six"
-    assert replies[1].text == "seven eight nine ten"
+    assert replies[0].text == "one two three"
+    assert replies[1].text == "four five six seven eight nine ten"
 
 
 @pytest.mark.parametrize("rate", [8000, 16000, 22050, 24000, 44100, 48000])

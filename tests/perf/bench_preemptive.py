@@ -2,7 +2,8 @@
 one sitting.
 
     .venv/bin/python tests/perf/bench_preemptive.py [--duration 40] [--rounds 2] [--sessions 16]
-        [--load-duration 60] [--no-load] [--no-single] [--out results.json]
+        [--load-duration 60] [--no-load] [--no-single] [--profiles talk,llm] [--settings semantic_vad:on]
+        [--out results.json]
 
 One `rtmedia serve` with the embedded SmolLM2 (semantic_vad scores on it; the `llm` profile
 answers with it), the load tester against it (`rtmedia loadtest`, its voice-to-voice: the last
@@ -86,6 +87,9 @@ def main() -> None:
     parser.add_argument("--load-duration", type=float, default=60.0, help="seconds per run under load (60)")
     parser.add_argument("--no-load", action="store_true", help="skip part 2")
     parser.add_argument("--no-single", action="store_true", help="skip part 1")
+    parser.add_argument("--profiles", default="talk,llm", help="part 1's profiles (talk,llm)")
+    parser.add_argument("--settings", default=None, metavar="TURN:ON|OFF,...",
+                        help="part 1's settings (default: both turn detections, preemptive off and on)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     port = free_port()
@@ -93,9 +97,10 @@ def main() -> None:
     with running_server("--responder", "echo", "--max-sessions", "3000", "--log-level", "WARNING",
                         "--metrics-port", str(port)) as (target, process):
         single: dict[str, list[dict[str, Any]]] = {}
+        settings = [tuple(x.split(":")) for x in args.settings.split(",")] if args.settings else SETTINGS
         for round_ in range(0 if args.no_single else args.rounds):
-            for profile in ("talk", "llm"):
-                for setting in SETTINGS if round_ % 2 == 0 else SETTINGS[::-1]:
+            for profile in args.profiles.split(","):
+                for setting in settings if round_ % 2 == 0 else settings[::-1]:
                     run = one(target, process.pid, port, profile, setting, 1, args.duration, [])
                     print(json.dumps(run), file=sys.stderr, flush=True)
                     single.setdefault(f"{profile} {setting[0]} preemptive {setting[1]}", []).append(run)
