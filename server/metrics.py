@@ -102,6 +102,10 @@ class Metrics:
             "committed (sent at the turn's end), discarded (never seen), skipped (the lanes were behind)",
             ["outcome"], registry=r,
         )
+        self.preemptive_discarded_audio = Counter(
+            "rtmedia_preemptive_discarded_audio_seconds_total", "Reply audio synthesised for prepared replies that were "
+            "discarded (the TTS work spent on them)", registry=r,
+        )
         self.barge_in = Histogram(
             "rtmedia_barge_in_seconds", "Interrupting audio taken by the VAD tick to output_audio_buffer.cleared",
             buckets=STEP_BUCKETS, registry=r,

@@ -106,6 +106,7 @@ class Response:
     turn: Turn | None = None
     said: tuple[str, ...] = ()
     preemptive: str = "none"  # "committed": it was prepared at a pause and sent at the turn's end
+    synthesized_s: float = 0.0  # audio synthesised so far
     # perf_counter marks of its stages (response.timings): created, transcript in, first text,
     # first clause synthesised.
     created_at: float = field(default_factory=time.perf_counter)
@@ -259,7 +260,7 @@ class ReplyPipeline:
         spec, self.preemptive = self.preemptive, None
         if spec is not None and (spec.turn is not turn or say is not None or instructions is not None
                                  or max_tokens is not None or not joins_history or spec.text_only != (modality == "text")):
-            self._discard(spec, "other_response")
+            self._discard(spec.task, spec, "other_response")
             spec = None
         response = spec or Response(self._new_id("resp"), self._new_id("item"), self.epoch,
                                     text_only=modality == "text", joins_history=joins_history, filler=filler,
@@ -294,12 +295,15 @@ class ReplyPipeline:
         """The prepared reply will not be this turn's (the user spoke on, the session changed)."""
         spec, self.preemptive = self.preemptive, None
         if spec is not None:
-            self._discard(spec, why)
+            self._discard(spec.task, spec, why)
 
-    def _discard(self, response: Response, why: str) -> None:
-        if response.task is not None:
-            response.task.cancel()  # its responder call and TTS items are withdrawn with it
+    def _discard(self, task: asyncio.Task[Any] | None, response: Response, why: str) -> None:
+        """A prepared reply goes unseen: `task`, which makes it, is cancelled (its responder call and
+        TTS items are withdrawn with it)."""
+        if task is not None:
+            task.cancel()
         self.metrics.preemptive.labels("discarded").inc()
+        self.metrics.preemptive_discarded_audio.inc(response.synthesized_s)
         log.debug("preemptive reply discarded", extra={"session_id": self.conversation, "why": why})
 
     async def _adopt(self, response: Response, prepared: asyncio.Task[None], turn: Turn) -> None:
@@ -322,8 +326,7 @@ class ReplyPipeline:
                 self.metrics.preemptive.labels("committed").inc()
                 await prepared
                 return
-            prepared.cancel()  # (not `_discard`: this task is the response's now)
-            self.metrics.preemptive.labels("discarded").inc()
+            self._discard(prepared, response, "other_words")
             with contextlib.suppress(asyncio.CancelledError):
                 await prepared
             response.held, response.said = None, ()
@@ -395,6 +398,7 @@ class ReplyPipeline:
                         if not response.first_audio_ready_at:
                             response.first_audio_ready_at = time.perf_counter()
                         audio_s += len(spoken[-1].result()) / 2 / tts.output_rate
+                        response.synthesized_s = audio_s
                         if playing_from is None and audio_s:
                             playing_from = loop.time()
                         if not tts.pending:

@@ -22,8 +22,10 @@ STAGES = ("turn_detection_ms", "transcription_ms", "first_text_ms", "first_audio
 
 
 def preempted(server) -> dict[str, float]:
-    counter = server.scheduler.metrics.preemptive
-    return {outcome: counter.labels(outcome)._value.get() for outcome in ("started", "committed", "discarded")}
+    metrics = server.scheduler.metrics
+    counts = {outcome: metrics.preemptive.labels(outcome)._value.get() for outcome in ("started", "committed",
+                                                                                       "discarded")}
+    return {**counts, "discarded_audio_s": metrics.preemptive_discarded_audio._value.get()}
 
 
 def check_timings(done: dict) -> dict:
@@ -100,6 +102,7 @@ async def test_a_user_who_speaks_on_after_the_pause_gets_one_reply_to_all_of_it(
         await c.__aexit__(None, None, None)
     after = preempted(server)
     assert after["started"] - before["started"] >= 1 and after["discarded"] - before["discarded"] >= 1, (before, after)
+    assert after["discarded_audio_s"] > before["discarded_audio_s"]  # its first clause had been synthesised
 
 
 async def test_preemptive_off_prepares_nothing_and_the_timings_say_none(server, channel, speaker):
