@@ -38,6 +38,14 @@ def check_timings(done: dict) -> dict:
     return timings
 
 
+def spoken(speaker, *parts: str) -> bytes:
+    """The parts spoken with 0.8 s between them (a pause, not the turn's end), then the turn's end."""
+    audio = [speaker.silence(0.5, RATE)]
+    for part in parts:
+        audio += [speaker.say(part, RATE), speaker.silence(0.8, RATE)]
+    return np.concatenate([*audio, speaker.silence(SILENCE_MS / 1000, RATE)]).tobytes()
+
+
 async def converse(channel, pcm: bytes, **turn) -> Conversation:
     c = await Conversation(channel).__aenter__()
     c.send("session.update", session={"turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS,
@@ -57,8 +65,7 @@ def only_one_response(c: Conversation) -> str:
 
 
 async def test_a_reply_prepared_at_the_pause_is_sent_when_the_turn_ends(server, channel, speaker):
-    pcm = np.concatenate([speaker.silence(0.5, RATE), speaker.say(SENTENCE, RATE),
-                          speaker.silence(SILENCE_MS / 1000 + 0.6, RATE)]).tobytes()
+    pcm = spoken(speaker, SENTENCE)
     before = preempted(server)
     c = await converse(channel, pcm)
     try:
@@ -80,8 +87,7 @@ async def test_a_reply_prepared_at_the_pause_is_sent_when_the_turn_ends(server, 
 
 
 async def test_a_user_who_speaks_on_after_the_pause_gets_one_reply_to_all_of_it(server, channel, speaker):
-    pcm = np.concatenate([speaker.silence(0.5, RATE), speaker.say(FIRST, RATE), speaker.silence(0.8, RATE),
-                          speaker.say(SECOND, RATE), speaker.silence(SILENCE_MS / 1000 + 0.6, RATE)]).tobytes()
+    pcm = spoken(speaker, FIRST, SECOND)
     before = preempted(server)
     c = await converse(channel, pcm)
     try:
@@ -106,8 +112,7 @@ async def test_a_user_who_speaks_on_after_the_pause_gets_one_reply_to_all_of_it(
 
 
 async def test_preemptive_off_prepares_nothing_and_the_timings_say_none(server, channel, speaker):
-    pcm = np.concatenate([speaker.silence(0.5, RATE), speaker.say(SENTENCE, RATE),
-                          speaker.silence(SILENCE_MS / 1000 + 0.6, RATE)]).tobytes()
+    pcm = spoken(speaker, SENTENCE)
     before = preempted(server)
     c = await converse(channel, pcm, preemptive=False)
     try:
@@ -128,8 +133,7 @@ async def test_a_prepared_reply_to_other_words_is_made_again_for_the_transcript(
     preempt = ReplyPipeline.preempt
     monkeypatch.setattr(ReplyPipeline, "preempt", lambda self, turn, said, request: preempt(
         self, turn, "something else entirely", request))
-    pcm = np.concatenate([speaker.silence(0.5, RATE), speaker.say(SENTENCE, RATE),
-                          speaker.silence(SILENCE_MS / 1000 + 0.6, RATE)]).tobytes()
+    pcm = spoken(speaker, SENTENCE)
     before = preempted(server)
     c = await converse(channel, pcm)
     try:
