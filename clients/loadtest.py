@@ -227,6 +227,8 @@ def check_args(args: argparse.Namespace) -> None:
          "--backchannel-share and --noise are for --profile barge-in (they are said over replies)"),
         (args.interruption is not None and args.turn_detection == "none",
          "--interruption needs turn detection"),
+        (args.preemptive is not None and args.turn_detection == "none",
+         "--preemptive needs turn detection"),
         (args.paused_share > 0 and args.audio is not None, "--paused-share speaks built-in sentences, not --audio"),
         (args.slo_p95_ms <= 0, f"--slo-p95-ms must be positive, got {args.slo_p95_ms:g}"),
         (args.reply_timeout <= 0, f"--reply-timeout must be positive, got {args.reply_timeout:g}"),
@@ -250,7 +252,7 @@ def session_config(profile: str, args: argparse.Namespace) -> dict[str, Any]:
         turn["eagerness"] = args.eagerness
     if args.interruption:
         turn["interruption"] = {"mode": args.interruption}
-    if args.preemptive is not None and args.turn_detection != "none":
+    if args.preemptive is not None:
         turn["preemptive"] = args.preemptive == "on"
     if profile in ("listen", "transcribe") and args.turn_detection != "none":
         turn["create_response"] = False

@@ -122,6 +122,7 @@ def test_capacity_search_finds_the_break(true_capacity):
     (["--profile", "barge-in", "--backchannel-share", "0.7", "--noise", "0.5"], "add up to 1.2, more than 1"),
     (["--profile", "talk", "--noise", "0.5"], "are for --profile barge-in"),
     (["--profile", "listen", "--turn-detection", "none", "--interruption", "confirmed"], "needs turn detection"),
+    (["--profile", "listen", "--turn-detection", "none", "--preemptive", "off"], "--preemptive needs turn detection"),
 ])
 def test_impossible_parameters(argv, message):
     with pytest.raises(CliError, match=re.escape(message)):
