@@ -51,7 +51,7 @@ def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sip")
     upstream = ChatUpstream(script)
     (folder / "sip.yaml").write_text("transfer:\n  allow: ['sip:desk@*']\nnumbers:\n  agent: {responder: openai}\n"
-                                     "  no-aec: {echo_cancellation: false}\n")
+                                     "  speaker: {echo_cancellation: true}\n")
     with upstream.in_thread(), running_pulse(folder / "pulse") as pulse, \
             running_server("--no-llm", "--responder", "echo", "--openai-url", upstream.url,
                            log=folder / "serve.log", asr_decoders=FEW_SPEAKERS) as (target, _), \
@@ -335,9 +335,9 @@ def pjsua_call(uri: str, *args: str) -> None:
 
 
 def test_a_speakerphone_does_not_interrupt_the_agent_with_its_echo(served, words, tmp_path):
-    """The caller's phone sends back what it plays at -6 dB. With echo cancellation (the
-    default) the reply is heard whole and the echo is no turn; without it (the number no-aec)
-    the agent's own voice barges in on it and becomes the caller's next turns."""
+    """The caller's phone sends back what it plays at -6 dB. With echo cancellation (the number
+    `speaker`) the reply is heard whole and the echo is no turn; without it (the default) the
+    agent's own voice barges in on it and becomes the caller's next turns."""
     import soundfile
 
     def speakerphone(number: str) -> tuple[list[str], str]:
@@ -349,10 +349,10 @@ def test_a_speakerphone_does_not_interrupt_the_agent_with_its_echo(served, words
         audio, rate = soundfile.read(heard, dtype="int16")
         return info["transcript"], transcribe(served.target, audio, rate).lower()
 
-    turns, heard = speakerphone("rtmedia")
+    turns, heard = speakerphone("speaker")
     assert len(turns) == 1 and wer(SENTENCE, turns[0]) < 0.2, turns
     assert "home" in heard, heard  # the reply's last word: it was not cut
-    turns, _ = speakerphone("no-aec")
+    turns, _ = speakerphone("rtmedia")
     assert len(turns) >= 2, turns
 
 

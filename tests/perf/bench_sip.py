@@ -21,7 +21,8 @@ PulseAudio null sink (clocked, as a sound card is).
   call-second.
 - Speakerphones: `--echo-calls` calls at once by PJSIP callers (tests/support/sip_caller.py)
   that send what they hear back at `--echo-gain` (-6 dB: a loud speakerphone), three sentences
-  each, to a number with the door's echo cancellation and to one without: turns that were the
+  each, to a number with the door's echo cancellation (`speaker`) and to one without (the
+  default): turns that were the
   agent's own echo (turns recognised beyond the three said), the replies' words the callers
   heard (WER of their recordings against the three replies), the door's CPU per call-second.
 - Caller WER at 8 kHz G.711: the 46 sentences of tests/perf/asr_sentences.txt over
@@ -198,7 +199,7 @@ def run(target: str, door, narrow, folder: Path, rounds: int, calls: int, wer_ca
             wer_result = dictation(door, folder, speaker, wer_calls, rounds)
         if echo_calls:
             echo = {number: speakerphones(target, door, folder, speaker, echo_calls, echo_gain, number)
-                    for number in ("rtmedia", "no-aec")}
+                    for number in ("speaker", "rtmedia")}
     finally:
         growth.close()
     return {"rounds": rounds,
@@ -279,7 +280,7 @@ def dictation(door, folder: Path, speaker: Speaker, wer_calls: int, before: int)
 
 
 def speakerphones(target: str, door, folder: Path, speaker: Speaker, calls: int, gain: float, number: str) -> dict:
-    """`calls` speakerphones at once, to `number` (no-aec: echo cancellation off)."""
+    """`calls` speakerphones at once, to `number` (speaker: echo cancellation on)."""
     import soundfile
     from rtmedia.clients.client import SpeechClient
 
@@ -345,7 +346,7 @@ def main() -> None:
         folder = Path(name)
         (folder / "sip.yaml").write_text(
             "numbers:\n  dictation: {turn_detection: {type: server_vad, create_response: false}}\n"
-            "  no-aec: {echo_cancellation: false}\n")
+            "  speaker: {echo_cancellation: true}\n")
         (folder / "g711.yaml").write_text("codecs: [PCMU, PCMA]\n")
         with running_pulse(folder / "pulse") as pulse, \
                 running_server("--no-llm", "--responder", "echo", "--log-level", "WARNING",

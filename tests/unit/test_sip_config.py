@@ -63,7 +63,7 @@ def test_the_config_file_sets_trunks_numbers_rules_and_codecs(tmp_path):
 session: {{responder: echo, instructions: "Hi {{caller}}"}}
 numbers:
   "+15551230000": {{voice: en_US-joe-medium}}
-  conference-room: {{echo_cancellation: false}}
+  conference-room: {{echo_cancellation: true}}
 trunks:
   - {{name: carrier, register: "sip:alice@sip.example", password_file: {tmp_path / 'pw'}, max_calls: 2,
       session: {{responder: openai}}}}
@@ -82,8 +82,8 @@ codecs: [pcmu]
     assert config.accept.decide("bob", "sip:bob@pbx.example") and not config.accept.decide("bob", "sip:bob@else")
     assert config.may_transfer_to("sip:desk@10.0.0.1") and not config.may_transfer_to("sip:other@10.0.0.1")
     assert config.codecs == ("PCMU",) and config.headers == ("X-Customer",)
-    assert config.echo_cancellation and config.for_call("conference-room", None)["echo_cancellation"] is False
-    assert not sip_config(parse("--sip-echo-cancellation", "off")).echo_cancellation
+    assert not config.echo_cancellation and config.for_call("conference-room", None)["echo_cancellation"] is True
+    assert sip_config(parse("--sip-echo-cancellation", "on")).echo_cancellation
 
 
 @pytest.mark.parametrize("text, message", [

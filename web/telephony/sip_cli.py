@@ -54,7 +54,8 @@ def add_sip_flags(p: argparse.ArgumentParser, aliases: bool = False) -> None:
                    help="the calls API and /metrics (default 127.0.0.1:5070; 'off': none)")
     g.add_argument("--sip-responder", default=None, help="responder of the calls' sessions (default: the server's)")
     g.add_argument("--sip-echo-cancellation", default=None, choices=["on", "off"],
-                   help="remove the reply's echo from the caller's audio (default on; per number in --sip-config)")
+                   help="remove the reply's echo from the caller's audio, for speakerphone lines (default off; "
+                        "per number in --sip-config)")
 
 
 SIP_FLAGS = ("sip_listen", "sip_tls_listen", "sip_tls_cert", "sip_tls_key", "sip_srtp", "sip_register",

@@ -145,7 +145,9 @@ class SipConfig:
     transfer_allow: tuple[str, ...] = ()  # targets transfer_call may use (none: no transfer_call tool)
     headers: tuple[str, ...] = ("X-*",)  # INVITE headers passed to the session (patterns)
     codecs: tuple[str, ...] = ("G722", "PCMU", "PCMA")  # in order of preference
-    echo_cancellation: bool = True  # a call's default (web/telephony/echo.py); its settings may say otherwise
+    # A call's default (web/telephony/echo.py); its settings may say otherwise. Off: the canceller
+    # also dims the caller's voice while the reply plays, which can hide a barge-in (BENCHMARKS.md).
+    echo_cancellation: bool = False
     log_level: int = 1  # PJSIP's own log level (0-6) written to the door's log
 
     def __post_init__(self) -> None:
