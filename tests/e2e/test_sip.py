@@ -172,6 +172,10 @@ def test_outbound_calls_report_their_outcomes(served, tmp_path):
     control = served.door.control
     status, body = http("POST", f"{control}/v1/sip/calls", {"to": "not a uri"})
     assert status == 400 and body["reason"] == "invalid_value"
+    for session, said in (({"echo_cancellation": "yes"}, "echo_cancellation must be true or false"),
+                          ({"temperature": 2}, "unknown session settings temperature")):
+        status, body = http("POST", f"{control}/v1/sip/calls", {"to": "sip:x@127.0.0.1", "session": session})
+        assert status == 400 and said in body["error"], body
     status, body = http("POST", f"{control}/v1/sip/calls", {"to": "+15551234", "trunk": "nope"})
     assert status == 404
     with baresip(tmp_path / "answers", answer="auto", env=served.env) as callee, \

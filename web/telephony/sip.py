@@ -49,7 +49,7 @@ from rtmedia.clients.tools import declare
 from rtmedia.protocol.events import client_event
 from rtmedia.web.playout import FRAME_MS, ReplyPlayout
 from rtmedia.web.telephony.echo import EchoCanceller
-from rtmedia.web.telephony.sip_config import PJSIP_MAX_CALLS, SipConfig, Trunk
+from rtmedia.web.telephony.sip_config import PJSIP_MAX_CALLS, SipConfig, Trunk, session_settings
 from rtmedia.web.telephony.sip_metrics import SipMetrics, sample
 
 log = logging.getLogger("rtmedia.sip")
@@ -291,9 +291,8 @@ class SipCall(pj.Call):
         rate = int(stream.codecClockRate) or 8000
         self.info.codec = f"{stream.codecName}/{rate}"
         self.door.metrics.codecs.labels(stream.codecName).inc()
-        settings = dict(self.settings)
-        echo = settings.pop("echo_cancellation", self.door.config.echo_cancellation)
-        self.info.echo_cancellation = echo if isinstance(echo, bool) else self.door.config.echo_cancellation
+        settings = dict(self.settings)  # (checked by session_settings wherever they came from)
+        self.info.echo_cancellation = settings.pop("echo_cancellation", self.door.config.echo_cancellation)
         self.playout = ReplyPlayout(rate)
         self.port = self.door.port_for(rate)
         self.port.attach(self.playout, EchoCanceller(rate) if self.info.echo_cancellation else None)
@@ -828,10 +827,16 @@ class SipDoor:
         if not answer["accept"]:
             status = answer.get("status")
             return (status if isinstance(status, int) and 400 <= status < 700 else FORBIDDEN), "the accept hook"
-        if isinstance(answer.get("session"), dict):
+        if answer.get("session") is not None:
+            try:
+                session = session_settings(answer["session"], "the accept hook's session")
+            except ValueError as exc:
+                log.warning("sip accept hook: bad session settings: the call is refused",
+                            extra={"call": info.id, "error": str(exc)})
+                return UNAVAILABLE, str(exc)
             call = self.calls.get(info.id)
             if call is not None:
-                call.settings = {**call.settings, **answer["session"]}
+                call.settings = {**call.settings, **session}
         return None
 
     # ---- outbound calls ----
@@ -839,6 +844,7 @@ class SipDoor:
              ring_timeout_s: float | None = None) -> CallInfo:
         """Starts an outbound call (ValueError: a bad request; LookupError: no such trunk;
         RuntimeError: no capacity)."""
+        session = session_settings(session, "session")
         trunk = next((t for t in self.config.trunks if t.name == trunk_name), None)
         if trunk_name and trunk is None:
             raise LookupError(f"no trunk {trunk_name!r}")
@@ -851,7 +857,7 @@ class SipDoor:
         account = self.accounts[self.config.trunks.index(trunk) + 1] if trunk else self.accounts[0]
         info = CallInfo(uuid.uuid4().hex[:16], "outbound", "", uri_user(uri) or to, "", uri,
                         trunk=trunk.name if trunk else "", status="dialing")
-        settings = {**self.config.for_call(info.called, trunk), **(session or {})}
+        settings = {**self.config.for_call(info.called, trunk), **session}
         call = SipCall(self, account, info, trunk=trunk, session=settings)
         self.add(call)
         self.metrics.active.inc()
