@@ -116,6 +116,9 @@ def test_confirmed_mode_holds_the_speaker_over_a_backchannel_and_plays_on(served
     pulse.voice.say(speech[BACKCHANNEL])
     live.wait(lambda: live.events("input_audio_buffer.backchannel"), why="the backchannel")
     live.wait(lambda: live.events("response.done"), why="the reply's end")
+    sent_ms = live.events("response.done")[0]["usage"]["output_audio_ms"]  # played out, not only sent:
+    live.wait(lambda: any(e["played_ms"] >= sent_ms - 100 for e in live.events("playback.acknowledged")),
+              why="the reply played out")
     events, _, stderr = live.interrupt()
 
     assert NO_TRACEBACK not in stderr

@@ -22,6 +22,7 @@ def engine():
     eng.close()
 
 
+@pytest.mark.serial  # a real-time margin: beside the parallel part's servers its 100 ms tick ran late
 def test_tick_holds_with_sessions_joining_and_leaving(engine: LmEngine) -> None:
     clock = FrameClock(engine, tick_s=0.1)  # a tiny model's step takes ~ms: wide margins for a loaded box
     joined: dict[str, int] = {}
