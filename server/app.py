@@ -113,8 +113,8 @@ class RtmediaServer:
         denoiser = Denoiser()  # the sessions' noise reduction, in the tick (server/audio_input.py)
         denoiser.load()
         vad_tick = VadTick(vad, denoiser)
-        scheduler.add_tick(VAD, vad, WINDOW_MS, vad_tick.collect, vad_tick.process, vad_tick.deliver,
-                           step_deadline_s=deadline(VAD))
+        vad_tick.wake = scheduler.add_tick(VAD, vad, WINDOW_MS, vad_tick.collect, vad_tick.process,
+                                           vad_tick.deliver, step_deadline_s=deadline(VAD)).wake
         if config.turn_audio_model:  # semantic_vad's acoustic scorer: single calls (batching gains nothing)
             path = None if config.turn_audio_model == "smart-turn" else config.turn_audio_model
             scheduler.add(TURN_AUDIO, AcousticTurnModel(path),

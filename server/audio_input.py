@@ -287,6 +287,7 @@ class VadTick:
         self.denoiser = denoiser or Denoiser()
         self.inputs: set[AudioInput] = set()
         self.retired: deque[DenoiseStream] = deque()  # detached inputs' suppressors, closed by the next tick
+        self.wake: Callable[[], None] = lambda: None  # the tick lane's: step now (server/scheduler.py)
 
     def collect(self) -> list[tuple[AudioInput, list[tuple[bytes, Callable[[], None] | None]], _Frontend]]:
         return [(inp, *inp.take()) for inp in self.inputs if inp.has_work]

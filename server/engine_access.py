@@ -145,6 +145,10 @@ class Vad:
     def attached(self) -> int:
         return len(self._tick.inputs)
 
+    def wake(self) -> None:
+        """The tick steps now (a session ended a turn: its stop need not wait for the next tick)."""
+        self._tick.wake()
+
     def attach(self, audio_input: AudioInput) -> None:
         self._tick.inputs.add(audio_input)
 

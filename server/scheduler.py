@@ -369,6 +369,11 @@ class Lane:
             runner.executor.shutdown(wait=runner.hung is None, cancel_futures=True)
 
 
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class TickLane:
     """A lane that runs every `period_ms`: `collect()` on the loop gathers the work
     of every live session, `process(work)` runs it as one batched step in the
@@ -392,6 +397,8 @@ class TickLane:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"tick-{self.name}")
         self._task: asyncio.Task[None] | None = None
         self._hung = False
+        self._sleep: asyncio.Future[None] | None = None  # the wait for the next tick
+        self._woken = False
         self.ticks = 0
 
     @property
@@ -400,6 +407,13 @@ class TickLane:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"tick-{self.name}")
+
+    def wake(self) -> None:
+        """Run a step now, between two ticks (work that should not wait up to a period for the
+        next); the ticks keep their times."""
+        if self._sleep is not None and not self._sleep.done():
+            self._woken = True
+            self._sleep.set_result(None)
 
     async def _step(self, work: Any) -> Any:
         """The tick's step; past its deadline, marked hung until it returns."""
@@ -424,7 +438,9 @@ class TickLane:
         loop = asyncio.get_running_loop()
         next_tick = loop.time()
         while True:
-            next_tick += self.period
+            if not self._woken:
+                next_tick += self.period
+            self._woken = False
             work = self._collect()
             if work:
                 started = time.perf_counter()
@@ -447,11 +463,18 @@ class TickLane:
                 if elapsed > self.period:
                     self._metrics.lane_deadline_misses.labels(self.name).inc()
             self.ticks += 1
+            if self._woken:
+                continue
             delay = next_tick - loop.time()
             if delay < 0:  # fell behind: skip the missed ticks rather than bursting
                 next_tick = loop.time()
                 delay = 0
-            await asyncio.sleep(delay)
+            self._sleep = loop.create_future()
+            timer = loop.call_later(delay, _settle, self._sleep)
+            try:
+                await self._sleep
+            finally:
+                timer.cancel()
 
     async def close(self) -> None:
         if self._task is not None:

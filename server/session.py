@@ -140,7 +140,7 @@ class Session:
         self.input = AudioInput(settings, self.limits.inbox_ms, self.on_audio, access.vad.open())
         access.vad.attach(self.input)
         self.semantic = SemanticTurns(self.id, access.turns, self.metrics, lambda: self.settings,
-                                      self.input.end_turn, self.spawn, self.limits.turn_thresholds)
+                                      self._end_turn_at, self.spawn, self.limits.turn_thresholds)
         self.track(self.recognizer.start(f"session-{self.id}-asr"))
         if settings.noise_reduction:
             self._noise_reduction(settings.noise_reduction)
@@ -518,6 +518,11 @@ class Session:
                 self.replies.preempt(turn, turn.said, request)
 
         self.spawn(at_early_final(), "preempt")
+
+    def _end_turn_at(self, stop: Stop) -> None:
+        """semantic_vad decided: the turn ends at the VAD tick's step, woken for it."""
+        self.input.end_turn(stop)
+        self.access.vad.wake()
 
     def _start_turn(self) -> Turn:
         self.turn = Turn(self.new_id("item"), asyncio.get_running_loop().create_future())

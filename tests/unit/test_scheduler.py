@@ -217,6 +217,34 @@ async def test_tick_lane_survives_a_failed_delivery(scheduler):
     assert scheduler.metrics.registry.get_sample_value("rtmedia_lane_step_failures_total", {"lane": "vad"}) == 1
 
 
+async def test_a_woken_tick_lane_steps_at_once_and_keeps_its_period(scheduler):
+    """wake() runs a step between two ticks (a semantic_vad stop need not wait for the next)."""
+    work: list[str] = []
+    stepped: list[asyncio.Future] = []
+
+    def process(items):
+        return items
+
+    def deliver(results):
+        if stepped and not stepped[0].done():
+            stepped.pop(0).set_result(results)
+
+    def collect():
+        out, work[:] = list(work), []
+        return out
+
+    tick = scheduler.add_tick("vad", FakeEngine("vad"), 10_000, collect, process, deliver)  # one tick at start
+    scheduler.start()
+    await asyncio.sleep(0)
+    loop = asyncio.get_running_loop()
+    for n in range(2):
+        stepped.append(loop.create_future())
+        work.append(f"stop {n}")
+        tick.wake()
+        assert await asyncio.wait_for(stepped[-1], 5) == [f"stop {n}"]
+    assert 2 <= tick.ticks <= 3  # the start's tick and the woken steps; no 10 s tick came
+
+
 def test_vad_tick_drops_results_of_a_closed_session():
     from rtmedia.server.audio_input import AudioInput, VadTick
     from rtmedia.server.session_config import SessionSettings
