@@ -74,6 +74,14 @@ class Turn:
         return " ".join(event.text for event in self.segments if event.text)
 
     @property
+    def sentence(self) -> str:
+        """`said` read as one sentence: the recogniser closes each segment as if the speaker had
+        finished ("What is the weather like in?"), so a segment that speech went on after loses
+        its closing punctuation ("What is the weather like in Paris this weekend.")."""
+        texts = [event.text.strip() for event in self.segments if event.text.strip()]
+        return " ".join([*(text.rstrip(".?!,;:…") for text in texts[:-1]), *texts[-1:]])
+
+    @property
     def shift_ms(self) -> int:
         """Recogniser stream time -> input time."""
         return (self.input_offset_ms or 0) - self.asr_offset_ms

@@ -135,13 +135,13 @@ class SemanticTurns:
         `doubting`: the lower score of the words with and without a doubtful last word)."""
         if turn.cut_done is not None:
             await turn.cut_done  # the early final of this pause
-        words = turn.said
+        words = turn.sentence
         if not words:
             return words, None
         texts = [words]
         heard = turn.words
         if doubting and len(heard) > 1 and heard[-1][3] < DOUBTFUL:
-            texts.append(" ".join(w for w, *_ in heard[:-1]))
+            texts.append(words.rsplit(" ", 1)[0])
         for text in texts:
             if text not in self._scores:
                 self._scores[text] = self._spawn(self._score(self._settings().responder, text), "turn-score")

@@ -38,9 +38,9 @@ class StandInTurns:
 
 
 async def decide(turns: StandInTurns, words: str, silences: list[int], thresholds=None, confidence: float = 1.0,
-                 **settings) -> list[Stop]:
+                 before: tuple[str, ...] = (), **settings) -> list[Stop]:
     """The stops asked for at each candidate point of one pause whose words are `words` (the
-    last one heard with `confidence`)."""
+    last one heard with `confidence`), after segments of the turn cut at earlier pauses (`before`)."""
     stops: list[Stop] = []
     tasks: set[asyncio.Task] = set()
     current = dataclasses.replace(SessionSettings(), turn_type="semantic_vad", **settings)
@@ -59,7 +59,8 @@ async def decide(turns: StandInTurns, words: str, silences: list[int], threshold
     heard = [(w, 0, 0, 1.0) for w in words.split()]
     if heard:
         heard[-1] = (heard[-1][0], 0, 0, confidence)
-    turn.segments.append(type("Final", (), {"text": words, "words": heard})())
+    for text in (*before, words):
+        turn.segments.append(type("Final", (), {"text": text, "words": heard})())
     turn.cut_done.set_result(None)
     for silence in silences:
         semantic.candidate(turn, silence, 1000)
@@ -99,6 +100,14 @@ async def test_a_doubtful_last_word_holds_the_pause_open_until_the_words_as_hear
     sure = StandInTurns(scores)
     assert await decide(sure, "how tall is that", [224], confidence=0.9) == [Stop(1000, "semantic", -0.3)]
     assert ("score", "how tall is") not in sure.calls
+
+
+async def test_a_turn_that_went_on_after_a_pause_is_scored_as_one_sentence():
+    """The recogniser closed the first segment as a question; speech went on: the scorer reads the
+    turn as one sentence, not "What is the weather like in? Paris this weekend." """
+    turns = StandInTurns({"What is the weather like in Paris this weekend.": -0.4})
+    stops = await decide(turns, "Paris this weekend.", [224], before=("What is the weather like in?",))
+    assert stops == [Stop(1000, "semantic", -0.4)]
 
 
 async def test_noise_never_ends_a_turn_early_and_no_score_falls_back_to_the_silence_rule():
