@@ -28,6 +28,7 @@ from rtmedia.clients.client import DEFAULT_TARGET
 from rtmedia.clients.credentials import Credentials, add_credential_flags, from_args
 from rtmedia.clients.errors import RtmediaError
 from rtmedia.clients.session import RealtimeSession
+from rtmedia.clients.talk_recording import TalkRecording
 from rtmedia.clients.tools import Toolbox, ToolError, load_tools
 from rtmedia.protocol.events import client_event, event_type, to_json
 from rtmedia.v1 import realtime_pb2
@@ -113,6 +114,9 @@ def add_talk_parser(sub: argparse._SubParsersAction) -> None:
                         "extension; - for raw PCM16 on standard output")
     p.add_argument("--format", choices=list(FORMATS), default=None,
                    help="the format of -o whatever it is called (default: from its extension)")
+    p.add_argument("--record", type=Path, default=None, metavar="FILE.ogg",
+                   help="record the conversation as this client heard it: stereo Ogg Opus, what was sent on the "
+                        "left, the replies as played on the right (cut at barge-ins), on the input's clock")
     p.add_argument("--mode", choices=["server_vad", "semantic_vad", "manual", "none"], default="server_vad",
                    help="turn detection: server_vad (the server finds turns and answers; default), semantic_vad "
                         "(the same, a model deciding at each pause whether you have finished), manual "
@@ -290,6 +294,7 @@ class Talk:
     early: list[tuple[dict[str, Any], float]] = field(default_factory=list)  # JSON lines before the origin
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     toolbox: Toolbox | None = None
+    recording: TalkRecording | None = None  # --record
     tool_calls: list[dict[str, str]] = field(default_factory=list)  # name, arguments, output of each run
     tool_tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -416,6 +421,8 @@ class Talk:
                     self.flush_early()
                 self.sent_t.append(sent)
                 await self.session.send(client_event("input_audio_buffer.append", audio=chunk))
+                if self.recording is not None:
+                    self.recording.sent(chunk, audio.rate, sent)
             self.last_chunk_t = sent
 
     def idle(self, now: float) -> bool:
@@ -619,6 +626,8 @@ class Talk:
         if reply.first_audio_t is None:
             reply.first_audio_t = reply.play_until = now
         if not reply.cleared:
+            if self.recording is not None:
+                self.recording.played(ev.response_id, ev.audio, ev.sample_rate, now)
             frames = len(ev.audio) // (2 * max(1, ev.channels))
             reply.add_received(frames, ev.sample_rate)
             reply.play_until = max(now, reply.play_until) + frames / ev.sample_rate
@@ -629,6 +638,8 @@ class Talk:
             return
         heard_ms = reply.played_ms(now)
         reply.received_ms, reply.play_until, reply.cleared = heard_ms, now, True
+        if self.recording is not None:
+            self.recording.cleared(ev.response_id, now)
         what, note = "reply cleared", ""
         if self.last_started is not None and self.last_started[0] >= reply.created_t:
             what = "barge-in"
@@ -701,6 +712,8 @@ async def converse(talk: Talk, credentials: Credentials) -> Talk:
 
 def cmd_talk(args: argparse.Namespace) -> None:
     if args.mic:
+        if args.record is not None:
+            raise CliError("--record records a talk from IN (an audio file), not --mic")
         from rtmedia.clients.talk_mic import cmd_talk_mic
 
         return cmd_talk_mic(args)
@@ -719,10 +732,25 @@ def cmd_talk(args: argparse.Namespace) -> None:
         raise CliError(f"--eagerness is for --mode semantic_vad, not {args.mode}")
     if args.preemptive is not None and args.mode not in VAD_MODES:
         raise CliError(f"--preemptive is for --mode server_vad or semantic_vad, not {args.mode}")
-    talk = asyncio.run(converse(Talk(args, audio, toolbox=toolbox), credentials))
+    recording = open_recording(args.record)
+    try:
+        talk = asyncio.run(converse(Talk(args, audio, toolbox=toolbox, recording=recording), credentials))
+    finally:
+        if recording is not None and (error := recording.close()) is not None:
+            raise CliError(f"--record {args.record}: the recording stopped: {error}")
     if sys.stderr.isatty() and not args.json and talk.partial:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     finish(talk, args, out_format)
+
+
+def open_recording(path: Path | None) -> TalkRecording | None:
+    """The --record file, opened (owner-only); a path it cannot be is a one-line error."""
+    if path is None:
+        return None
+    try:
+        return TalkRecording(path)
+    except OSError as exc:
+        raise CliError(f"--record {path}: {exc.strerror or exc}") from None
 
 
 def output_and_tools(args: argparse.Namespace) -> tuple[str | None, Any]:

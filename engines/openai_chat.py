@@ -86,7 +86,7 @@ class OpenAIResponder:
         return body
 
     async def reply(self, request: ReplyRequest) -> AsyncIterator[str | Incomplete | CallDelta]:
-        headers = {"Accept": "text/event-stream"}
+        headers = {**request.headers, "Accept": "text/event-stream"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         # connect: reaching the server; sock_read: the longest silence between bytes (the first

@@ -71,6 +71,9 @@ class ReplyRequest:
     # a function's name.
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: str = "auto"
+    # HTTP headers a responder that calls a server sends with the request (the W3C `traceparent`
+    # of the server's responder span, so the upstream's trace continues the session's).
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,14 @@ from rtmedia.engines.whisper import WhisperEngine
 from rtmedia.protocol.tokens import TokenTable
 from rtmedia.server.audio_input import WINDOW_MS, VadTick
 from rtmedia.server.auth import AuthInterceptor
-from rtmedia.server.config import ServerConfig
+from rtmedia.server.config import MiB, ServerConfig
 from rtmedia.server.engine_access import ASR, ASR_FINAL, TTS, TURN_AUDIO, VAD, VIDEO, EngineAccess
 from rtmedia.server.interceptors import ServerInterceptor
 from rtmedia.server.metrics import Metrics
 from rtmedia.server.metrics_http import start_metrics_http
 from rtmedia.server.placement import build_lm_engines, build_video_engine, placement
 from rtmedia.server.realtime_service import RealtimeService
+from rtmedia.server.recording import RecordingPolicy, Recordings
 from rtmedia.server.responders import build_responders
 from rtmedia.server.riva_asr import RivaAsrService
 from rtmedia.server.riva_tts import RivaTtsService
@@ -49,6 +50,7 @@ from rtmedia.server.session import Limits
 from rtmedia.server.session_config import SessionSettings
 from rtmedia.server.speech_service import SpeechService
 from rtmedia.server.tls import ServerTls
+from rtmedia.server.tracing import RpcTracing, Tracing, tracing_from_env
 from rtmedia.server.video_service import VideoService
 from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc, speech_pb2, speech_pb2_grpc, video_pb2, video_pb2_grpc
 
@@ -89,9 +91,13 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
 class RtmediaServer:
     """Builds the engines and services; `start()` binds, loads, warms, then says SERVING."""
 
-    def __init__(self, config: ServerConfig, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: ServerConfig, metrics: Metrics | None = None, tracing: Tracing | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
+        # Traces (server/tracing.py): this server's own provider, or None (off: nothing is set up).
+        # Read first, so a bad OTEL_* protocol or endpoint stops the start at once with one line.
+        export = tracing_from_env(config.otel_endpoint)
+        self.tracing = tracing if tracing is not None else Tracing.exporting(export) if export else None
         # Read first, so a bad file stops the start at once with one line naming it.
         self.tls = ServerTls(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
         self.tokens = TokenTable.load(config.auth_tokens)
@@ -131,6 +137,11 @@ class RtmediaServer:
         for name in responders.keys() - lanes.keys():  # replies that are not an LM lane's: one stream lane each
             scheduler.add_stream(f"reply-{name}", LanePolicy(Priority.INTERACTIVE, concurrency=config.max_sessions))
         self.access = EngineAccess.of(scheduler, vad, vad_tick, responders)
+        if self.tracing is not None:
+            self.tracing.models = {name: model for name, model in (
+                ("openai", config.openai_model), ("transformers", config.transformers_model),
+                ("llm", f"synthetic-{config.synthetic_lm}" if config.synthetic_lm else "SmolLM2-135M-Instruct"))
+                if model and name in responders}
         if config.turn_detection == "semantic_vad" and not self.access.turns.available:
             raise ValueError("turn_detection semantic_vad needs an LM to score the user's words: drop --no-llm "
                              "or give --transformers-model")
@@ -156,6 +167,11 @@ class RtmediaServer:
                                             max_idle_timeout_s=config.session_max_idle_s,
                                             tool_fillers=tuple(config.tool_fillers),
                                             tool_apology=config.tool_apology))
+        self.realtime.tracing = self.tracing
+        if config.record_dir:  # session recordings (server/recording.py)
+            self.realtime.record(Recordings(RecordingPolicy(
+                config.record_dir, config.record_on_request, max_bytes=round(config.record_max_mb * MiB),
+                max_s=config.record_max_s, retention_h=config.record_retention_h), self.metrics))
         self.private_target: str | None = None  # the in-process web front's own socket (start(private=True))
         self._private_dir: str | None = None
         self.services = SERVICE_NAMES + (RIVA_SERVICE_NAMES if config.riva else [])
@@ -279,7 +295,8 @@ class RtmediaServer:
         self._heart = asyncio.create_task(self._heartbeat(), name="server-heartbeat")
         server = grpc.aio.server(
             options=grpc_options(self.config),
-            interceptors=[ServerInterceptor(self.metrics, self.refusal), self.auth],
+            interceptors=[ServerInterceptor(self.metrics, self.refusal), self.auth,
+                          *([RpcTracing(self.tracing)] if self.tracing is not None else [])],
         )
         speech_pb2_grpc.add_SpeechServiceServicer_to_server(
             SpeechService(self.access, self.config.max_text_chars), server
@@ -352,6 +369,8 @@ class RtmediaServer:
             self._heart.cancel()
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
+        if self.tracing is not None:  # the spans still batched go out (off the loop: it blocks)
+            await asyncio.to_thread(self.tracing.shutdown)
         self.state = "stopped"
         log.info("stopped")
 

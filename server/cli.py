@@ -181,8 +181,23 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECONDS",
                    help="how long a lane may stay stalled past a deadline, or fail every step, before health "
                         "says NOT_SERVING (10)")
+    p.add_argument("--record-dir", default=None, metavar="DIR",
+                   help="record every Converse session in DIR: <session_id>.ogg (stereo Ogg Opus: the user left, "
+                        "the agent right, as heard) and <session_id>.jsonl (its events); owner-only files "
+                        "(docs/operations.md#recordings); default: off")
+    p.add_argument("--record-on-request", action="store_true", default=None,
+                   help="with --record-dir: record only the sessions that set recording: true")
+    p.add_argument("--record-max-mb", type=float, default=None, metavar="MB",
+                   help="size bound of one recording, both files (64)")
+    p.add_argument("--record-max-s", type=float, default=None, metavar="S",
+                   help="duration bound of one recording (3600)")
+    p.add_argument("--record-retention-h", type=float, default=None, metavar="H",
+                   help="delete recordings older than H hours, at start and hourly (0: keep them)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (INFO)")
     p.add_argument("--log-format", choices=["json", "text"], default=None, help="log line format (json)")
+    p.add_argument("--otel-endpoint", default=None, metavar="URL",
+                   help="export OpenTelemetry traces to this OTLP collector (a base URL such as "
+                        "http://collector:4318, as OTEL_EXPORTER_OTLP_ENDPOINT; default: that variable, else off)")
     p.set_defaults(func=cmd_serve)
     client_cli.add_commands(sub)
     add_web_parser(sub)
@@ -232,6 +247,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     if flags := sip_argv(args):
         overrides["sip_flags"] = flags
     config = ServerConfig.load(args.config, **overrides)
+    from rtmedia.server.tracing import tracing_from_env
+
+    tracing_from_env(config.otel_endpoint)  # a bad OTEL_* protocol or endpoint: one line, before anything starts
     if config.sip_flags and not config.sip:
         raise ValueError("the --sip-* flags (sip_flags) need --sip (sip)")
     if config.sip:  # the door's own checks, before anything starts

@@ -200,9 +200,21 @@ class ServerConfig:
     # may stay stalled past a deadline, or fail every step, before health says NOT_SERVING.
     lane_step_deadlines_s: dict[str, float] = field(default_factory=dict)
     lane_unhealthy_after_s: float = 10.0
+    # Session recordings (server/recording.py, docs/operations.md#recordings): the directory (None:
+    # off); with record_on_request only the sessions that set `recording`; the bounds of one
+    # recording (MiB of both files, seconds); files older than record_retention_h hours are
+    # deleted at start and hourly (0 keeps them).
+    record_dir: str | None = None
+    record_on_request: bool = False
+    record_max_mb: float = 64.0
+    record_max_s: float = 3600.0
+    record_retention_h: float = 0.0
     log_level: str = "INFO"
     # "json" (one object per line) or "text".
     log_format: str = "json"
+    # OpenTelemetry traces (server/tracing.py): the OTLP collector's base URL, as
+    # OTEL_EXPORTER_OTLP_ENDPOINT means it ("": off unless that variable names one).
+    otel_endpoint: str = ""
 
     def step_deadline(self, lane: str) -> float | None:
         """The step deadline of `lane` in seconds, or None for no deadline."""
@@ -272,6 +284,16 @@ class ServerConfig:
             if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < float("inf"):
                 raise ValueError(f"lane_step_deadlines_s: {lane}={seconds!r} must be a number of seconds >= 0 "
                                  "(0: no deadline)")
+        if self.record_on_request and not self.record_dir:
+            raise ValueError("record_on_request needs record_dir (--record-on-request needs --record-dir DIR)")
+        for name in ("record_max_mb", "record_max_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if isinstance(self.record_retention_h, bool) or not isinstance(self.record_retention_h, int | float) \
+                or not 0 <= self.record_retention_h < float("inf"):
+            raise ValueError(f"record_retention_h must be a number of hours >= 0 (0 keeps recordings), got "
+                             f"{self.record_retention_h!r}")
         if not 0 < self.lane_unhealthy_after_s < float("inf"):
             raise ValueError(f"lane_unhealthy_after_s must be a positive number of seconds, got "
                              f"{self.lane_unhealthy_after_s!r}")

@@ -144,6 +144,24 @@ class Metrics:
         self.input_backpressure = Counter(
             "rtmedia_input_backpressure_total", "Times a session's input inbox overflowed", registry=r
         )
+        self.recordings_active = Gauge(
+            "rtmedia_recordings_active", "Session recordings being written (--record-dir)", registry=r
+        )
+        self.recordings_total = Counter(
+            "rtmedia_recordings_total", "Session recordings ended, by outcome: completed (with the session or a "
+            "session.update), max_bytes, max_duration (stopped at a bound), failed", ["outcome"], registry=r,
+        )
+        self.recording_bytes = Counter(
+            "rtmedia_recording_bytes_total", "Bytes written to session recordings (Ogg Opus and JSON Lines)", registry=r
+        )
+        self.recording_failures = Counter(
+            "rtmedia_recording_failures_total", "Session recordings a file error ended or kept from starting, by "
+            "reason (permission, disk_full, exists, io_error)", ["reason"], registry=r,
+        )
+        self.recording_dropped = Counter(
+            "rtmedia_recording_dropped_total", "Events and audio chunks left out of recordings because the writer "
+            "fell behind (its queue was full)", registry=r,
+        )
         self.video_chunks_total = Counter(
             "rtmedia_video_chunks_total", "DecodeVideo chunks sent (a chunk split into parts counts once)", registry=r
         )

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from rtmedia.engines.heap import trim_heap
@@ -24,9 +25,13 @@ from rtmedia.server.auth import Quotas, caller
 from rtmedia.server.engine_access import EngineAccess
 from rtmedia.server.interceptors import UndecodableRequest
 from rtmedia.server.metrics import TRANSPORTS
+from rtmedia.server.recording import RecordingPolicy, Recordings
 from rtmedia.server.session import Limits, Session, SessionContext
 from rtmedia.server.session_config import SessionSettings
 from rtmedia.v1 import realtime_pb2_grpc
+
+if TYPE_CHECKING:
+    from rtmedia.server.tracing import Tracing
 
 CLOSE_LINGER_S = 1.0  # after session.closed: how long the stream waits for the client's half-close
 
@@ -86,9 +91,19 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
         self._all_closed = asyncio.Event()
         self._housekeeper: asyncio.Task[None] | None = None
         self.quotas = Quotas()
+        self.recordings = Recordings(RecordingPolicy(), self.metrics)  # none (`record` sets the server's)
+        self.tracing: Tracing | None = None  # each session's trace, when tracing is on (server/tracing.py)
+
+    def record(self, recordings: Recordings) -> None:
+        """Record sessions by `recordings`' policy (server/recording.py): new sessions start with
+        its `recording` setting, and a session.update's is checked against it."""
+        self.recordings = recordings
+        self.defaults = dataclasses.replace(self.defaults, recording=recordings.policy.setting())
+        self.context = dataclasses.replace(self.context, recording=recordings.policy)
 
     def start(self) -> None:
         self._housekeeper = asyncio.create_task(self._housekeeping(), name="realtime-housekeeping")
+        self.recordings.start()
 
     async def Converse(self, request_iterator, context) -> None:
         if self.refuse_at_capacity and len(self.sessions) >= self.capacity:
@@ -118,6 +133,9 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
         session = Session(f"sess_{uuid.uuid4().hex[:12]}", self.context, self.defaults)
         session.caller = token.name if token is not None else None
         session.transport = transport_of(context.invocation_metadata())
+        if self.tracing is not None:  # the call's traceparent continues into the session's trace
+            session.replies.trace = self.tracing.session(session.id, session.caller, session.transport,
+                                                         context.invocation_metadata(), session.settings)
         self.sessions[session.id] = session
         self.metrics.sessions_active.set(len(self.sessions))
         self.metrics.transport_sessions.labels(session.transport).inc()
@@ -126,14 +144,23 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
             self.metrics.token_sessions.labels(token.name).set(self.quotas.active(token.name))
         log.info("session opened", extra={"session_id": session.id, "peer": context.peer(), "token": session.caller,
                                           "transport": session.transport})
-        reader = asyncio.create_task(self._read(session, request_iterator), name=f"session-{session.id}-reader")
+        recordings = self.recordings if self.recordings.enabled else None
+        if recordings is not None:
+            recordings.sync(session)
+        reader = asyncio.create_task(self._read(session, request_iterator, recordings),
+                                     name=f"session-{session.id}-reader")
         outcome = "completed"
         session.writer = asyncio.current_task()
         try:
             if self.replica:
                 await context.send_initial_metadata((("rtmedia-replica", self.replica),))
-            await context.write(session.created_event())
+            created = session.created_event()
+            if recordings is not None:
+                recordings.sent(session, created)
+            await context.write(created)
             while (event := await session.outbox.get(session.epoch)) is not None:
+                if recordings is not None:
+                    recordings.sent(session, event)
                 await context.write(event)
             # session.closed is out: the stream ends once the client half-closes (or CLOSE_LINGER_S
             # later). Ended while the client still sends, a proxy resets the request half, which
@@ -161,6 +188,9 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
         try:
             await session.close()
         finally:
+            self.recordings.closed(session)
+            if session.replies.trace is not None:
+                session.replies.trace.end(session.closing_reason or outcome, session.settings)
             del self.sessions[session.id]
             self.metrics.transport_sessions.labels(session.transport).dec()
             if not self.sessions:
@@ -172,7 +202,7 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
             log.info("session closed", extra={"session_id": session.id, "reason": session.closing_reason or outcome,
                                               "token": session.caller})
 
-    async def _read(self, session: Session, request_iterator: Any) -> None:
+    async def _read(self, session: Session, request_iterator: Any, recordings: Recordings | None = None) -> None:
         """The reader: every client event goes to the session as it arrives (a draining session
         still hears the turn in flight). Once the session is closed, what the client had in flight
         is read and dropped (session.closed said so) until it half-closes. A request that does not
@@ -181,8 +211,16 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
         and not as a cancellation."""
         try:
             async for request in request_iterator:
-                if not session.outbox.closed:
+                if session.outbox.closed:
+                    continue
+                if recordings is None:
                     session.handle(request)
+                    continue
+                before = session.input_ms  # (the session clock: a recorded chunk's place)
+                session.handle(request)
+                if request.WhichOneof("event") == "session_update":
+                    recordings.sync(session)  # a session that asks is recorded from here
+                recordings.received(session, request, before)
         except UndecodableRequest:
             if not session.outbox.closed:  # else session.closed went out already, with its reason
                 session.closing_reason = "undecodable_request"
@@ -228,3 +266,4 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
             self._housekeeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._housekeeper
+        await self.recordings.close()

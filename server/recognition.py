@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,6 +68,8 @@ class Turn:
     eager: bool = False  # voice over a reply being judged: its hypotheses come more often
     speech_end_at: float = 0.0  # perf_counter when its last voiced audio arrived (VAD turns)
     spoke_after_pause: bool = False  # speech resumed after its latest pause
+    started_at: float = field(default_factory=time.perf_counter)  # speech_started (or its creation)
+    end_reason: str = ""  # speech_stopped's reason (silence, semantic, max_wait); "": committed
 
     @property
     def said(self) -> str:

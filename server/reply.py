@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rtmedia.engines.base import EngineError
@@ -61,6 +61,9 @@ from rtmedia.server.scheduler import Priority
 from rtmedia.server.session_config import SessionSettings
 from rtmedia.server.session_limits import Limits
 from rtmedia.server.tool_calls import Call
+
+if TYPE_CHECKING:
+    from rtmedia.server.tracing import SessionTrace
 
 log = logging.getLogger(__name__)
 ACK_FRESH_S = 1.0  # an ack older than this no longer tells where playback is
@@ -221,6 +224,7 @@ class ReplyPipeline:
         self.responses: dict[str, Response] = {}
         self.response: Response | None = None  # the latest response
         self.preemptive: Response | None = None  # prepared at a pause, held (see `preempt`)
+        self.trace: SessionTrace | None = None  # the session's spans, when tracing is on (server/tracing.py)
 
     @property
     def generating(self) -> bool:
@@ -302,6 +306,8 @@ class ReplyPipeline:
         TTS items are withdrawn with it)."""
         if task is not None:
             task.cancel()
+        if self.trace is not None:
+            self.trace.discarded(response)
         self.metrics.preemptive.labels("discarded").inc()
         self.metrics.preemptive_discarded_audio.inc(response.synthesized_s)
         log.debug("preemptive reply discarded", extra={"session_id": self.conversation, "why": why})
@@ -384,6 +390,7 @@ class ReplyPipeline:
                     while True:
                         due = None if playing_from is None else playing_from + audio_s - TTS_DUE_MARGIN_S
                         priority = Priority.REALTIME if response.released.is_set() else Priority.INTERACTIVE
+                        submitted = time.perf_counter() if self.trace is not None else 0.0
                         spoken.append(asyncio.ensure_future(self.tts.synthesize(
                             TtsItem(tts, text, final=final), priority, due)))
                         if len(spoken) == 1:  # the first clause: the responder waits until it is spoken
@@ -397,7 +404,9 @@ class ReplyPipeline:
                             return
                         if not response.first_audio_ready_at:
                             response.first_audio_ready_at = time.perf_counter()
-                        audio_s += len(spoken[-1].result()) / 2 / tts.output_rate
+                        audio_s += (clause_s := len(spoken[-1].result()) / 2 / tts.output_rate)
+                        if self.trace is not None:
+                            self.trace.clause(response, text, submitted, time.perf_counter(), clause_s)
                         response.synthesized_s = audio_s
                         if playing_from is None and audio_s:
                             playing_from = loop.time()
@@ -426,6 +435,8 @@ class ReplyPipeline:
                     texts.put_nowait(None)
 
             chunker = TextChunker()
+            if say is None and self.trace is not None:  # the responder's span; its traceparent goes upstream
+                request = self.trace.responder_started(response, settings.responder, request)
             deltas = _words(say) if say is not None else self.replies.reply(settings.responder, request)
             async for delta in deltas:
                 if not response.first_text_at and isinstance(delta, str | CallDelta):
@@ -449,6 +460,8 @@ class ReplyPipeline:
                 self._send_media(response, "response.output_text.delta", response_id=response.response_id,
                                  item_id=response.item_id, delta=delta)
                 await speak(chunker.feed(delta))
+            if self.trace is not None:
+                self.trace.responder_ended(response)
             await speak(chunker.flush(), final=True)
             if synthesizer is not None and sender is not None:
                 await synthesizer
@@ -464,6 +477,8 @@ class ReplyPipeline:
             for task in [*spoken, *(t for t in (sender, synthesizer) if t is not None)]:
                 task.cancel()
             self.replies.resume(settings.responder, self.conversation)
+            if self.trace is not None:  # (a no-op once the responder's stream ended)
+                self.trace.responder_ended(response, "failed" if status == "failed" else "cancelled")
         if status != "failed":
             response.calls = [calls[i] for i in sorted(calls)]
             text = text.rstrip() if response.calls else text  # the space before a call is not the reply's
@@ -542,6 +557,8 @@ class ReplyPipeline:
         self._send_media(response, "response.done", response_id=rid, status=status, status_reason=reason,
                          usage=usage, function_calls=[call_item(c) for c in response.calls],
                          timings=self._timings(response))
+        if self.trace is not None:
+            self.trace.response_done(response, status, reason, self._settings(), response.timings())
         self._on_done(response)
 
     def _timings(self, response: Response) -> dict[str, Any]:
@@ -596,6 +613,8 @@ class ReplyPipeline:
             self._on_done(response)
         else:
             self.truncate_history(response)
+        if self.trace is not None:
+            self.trace.cancelled(response, reason, was_generating, now, self._settings(), response.timings())
 
     def truncate_history(self, response: Response) -> None:
         """The response's assistant message becomes what the client heard of it."""

@@ -43,6 +43,7 @@ from rtmedia.server.interruptions import Voice
 from rtmedia.server.items import ConversationItems
 from rtmedia.server.outbox import Outbox
 from rtmedia.server.recognition import Recognizer, Turn, token_infos
+from rtmedia.server.recording import NO_RECORDINGS, RecordingPolicy
 from rtmedia.server.reply import TTS_WINDOW_FRAMES, ReplyPipeline, Response
 from rtmedia.server.scheduler import Priority
 from rtmedia.server.semantic_turns import SemanticTurns
@@ -81,6 +82,7 @@ class SessionContext:
     limits: Limits
     max_sessions: int
     lm_slots: int
+    recording: RecordingPolicy = NO_RECORDINGS  # which sessions are recorded (server/recording.py)
 
 
 class Session:
@@ -266,6 +268,8 @@ class Session:
             new = self.settings.updated(event.session, self.access.tts.rates, self.access.replies.names,
                                         self.limits.max_id_bytes, self.limits.max_instructions_chars,
                                         self.limits.session_caps, self.access.replies.tool_callers)
+            if new.recording != self.settings.recording:
+                new = self.context.recording.checked(new)
         except ConfigError as exc:
             self.error("invalid_value", str(exc), event_id, exc.param)
             return
@@ -714,7 +718,7 @@ class Session:
                   reason=TURN_END_REASONS[stop.reason], score=stop.score)
         self.metrics.turn_ends.labels(stop.reason).inc()
         self.semantic.ended()
-        turn.silence_ms = stop.silence_ms
+        turn.silence_ms, turn.end_reason = stop.silence_ms, stop.reason
         turn.audio_ms = end_ms - max(0, self.speech_start_ms - self.settings.prefix_padding_ms)
         if recognised:
             self.turn = None

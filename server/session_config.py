@@ -118,6 +118,9 @@ class SessionSettings:
     interruption: Interruption = field(default_factory=Interruption)  # turn_detection.interruption
     noise_reduction: str = ""  # "near_field", "far_field", or "" (off): the VAD hears the input denoised
     preemptive: bool = True  # turn_detection.preemptive: replies prepared at pauses (server/reply.py)
+    # Recorded (server/recording.py): True, False (a server that records on request), None (one
+    # that records nothing: absent from session.created).
+    recording: bool | None = None
 
     @property
     def input_format(self) -> tuple[int, int]:
@@ -170,6 +173,8 @@ class SessionSettings:
             if config.turn_detection.HasField("interruption"):
                 changes["interruption"] = _interruption(config.turn_detection.interruption, self.interruption)
         changes.update(_tool_changes(config))
+        if config.HasField("recording"):  # the server's policy decides (Session.on_session_update)
+            changes["recording"] = config.recording
         if config.HasField("noise_reduction"):
             kind = config.noise_reduction.type
             if kind not in NOISE_REDUCTION:
@@ -247,6 +252,7 @@ class SessionSettings:
                 mode=next(k for k, v in TOOL_CHOICES.items() if v == self.tool_choice), name=self.tool_function),
             tool_timeout_ms=self.tool_timeout_ms, tool_filler_ms=self.tool_filler_ms,
             noise_reduction=realtime_pb2.NoiseReduction(type=self.noise_reduction),
+            recording=self.recording,
         )
 
 

@@ -18,8 +18,9 @@ calls and the timers; the session starts the responses.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rtmedia.engines.responder import FunctionCall
 
@@ -32,6 +33,7 @@ class Call:
     item_id: str
     output_index: int = 1  # its place in the response's output (0: the reply's message)
     answered: bool = False
+    begun_at: float = field(default_factory=time.perf_counter)  # its first delta (its trace span's start)
 
 
 class ToolCalls:

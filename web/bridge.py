@@ -212,6 +212,21 @@ def is_metadata_value(text: str) -> bool:
     return bool(text) and all("!" <= c <= "~" for c in text)
 
 
+TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+MAX_TRACESTATE = 512
+
+
+def trace_context(request: web.Request | None) -> tuple[tuple[str, str], ...]:
+    """The request's W3C `traceparent` (and `tracestate`) headers as gRPC metadata, when well formed."""
+    parent = request.headers.get("traceparent", "").strip() if request is not None else ""
+    if not TRACEPARENT.fullmatch(parent):
+        return ()
+    assert request is not None
+    state = request.headers.get("tracestate", "").strip()
+    keep = 0 < len(state) <= MAX_TRACESTATE and all(" " <= c <= "~" for c in state)
+    return (("traceparent", parent), *((("tracestate", state),) if keep else ()))
+
+
 def is_local_target(target: str) -> bool:
     """A gRPC target on this machine (unix:, a loopback address, localhost)."""
     return is_loopback(target_host(target))
@@ -597,10 +612,11 @@ class Bridge:
 
     def server_metadata(self, request: web.Request | None) -> tuple[tuple[str, str], ...]:
         """The metadata of a request's calls to the server: the token the client presented (where
-        tokens may be forwarded), else `server_token`."""
+        tokens may be forwarded), else `server_token`; and the request's W3C trace context, so the
+        server's trace of the call continues the client's."""
         presented = request.get(BEARER_KEY) if request is not None else None
         secret = presented if presented and self.config.forwards_tokens else self.config.server_token
-        return (("authorization", f"Bearer {secret}"),) if secret else ()
+        return ((("authorization", f"Bearer {secret}"),) if secret else ()) + trace_context(request)
 
     def _channel(self) -> grpc.aio.Channel:
         assert self.channel is not None, "start() the bridge first"

@@ -33,6 +33,7 @@ class Case:
     kind: str  # the class of mistake
     argv: tuple[str, ...]
     expect: str  # what the line must say
+    env: tuple[tuple[str, str], ...] = ()  # environment variables it runs with
 
     @property
     def command(self) -> str:
@@ -111,6 +112,9 @@ def cases(root: Path, target: str) -> list[Case]:
         Case("bad value", ("loadtest", "--sessions", "0", *here), "--sessions must be at least 1, got 0"),
         Case("bad value", ("loadtest", "--chunk-ms", "5", *here), "--chunk-ms must be 10..1000, got 5"),
         Case("bad value", ("serve", "--port", "abc"), "argument --port: invalid int value: 'abc'"),
+        Case("bad value", ("serve", "--otel-endpoint", "collector:4318"), "must be an http:// or https:// URL"),
+        Case("bad value", ("serve", "--otel-endpoint", "http://127.0.0.1:4318"), "'http/json' is not supported",
+             env=(("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),)),
         Case("refusal", ("synth", "Hello.", "-o", str(root / "out.wav"), "--voice", "nobody", *here), "UNKNOWN_VOICE"),
         Case("refusal", ("synth", "word " * 2000, "-o", str(root / "out.wav"), *here), "TEXT_TOO_LONG"),
         Case("refusal", ("synth", "", "-o", str(root / "out.wav"), *here), "EMPTY_TEXT"),
@@ -136,7 +140,7 @@ async def _run(argv: tuple[str, ...], gate: asyncio.Semaphore, env: dict[str, st
 async def outcomes(server, tmp_path_factory) -> list[tuple[Case, Outcome]]:
     all_cases = cases(tmp_path_factory.mktemp("mistakes"), f"127.0.0.1:{server.port}")
     gate = asyncio.Semaphore(4)
-    results = await asyncio.gather(*(_run(case.argv, gate) for case in all_cases))
+    results = await asyncio.gather(*(_run(case.argv, gate, dict(case.env)) for case in all_cases))
     return list(zip(all_cases, results, strict=True))
 
 

@@ -1,7 +1,7 @@
 """A stand-in OpenAI-compatible chat-completions server for the `openai` responder's tests and
 benchmarks: the one fake at the edge (the upstream LM). It streams what `script(body)`
 returns for each request (text, and function calls split into several argument deltas) and
-keeps every request body it got.
+keeps every request body (and its headers) it got.
 
 A step of a script is a string (one content delta) or a `Calls` (tool calls, each streamed
 as its name and then its arguments in `pieces` parts), optionally after `delay_s`.
@@ -33,6 +33,7 @@ class ChatUpstream:
     script: Callable[[dict[str, Any]], list[str | Calls]]
     delay_s: float = 0.0  # before the first chunk
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)  # each request's headers, beside its body
     port: int = 0
     _runner: web.AppRunner | None = None
 
@@ -77,6 +78,7 @@ class ChatUpstream:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         if self.delay_s:

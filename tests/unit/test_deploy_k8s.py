@@ -45,8 +45,11 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gpu+webrtc-media+webrtc-hostnetwork": ("overlays/gpu", ("components/webrtc-media",
                                                              "components/webrtc-hostnetwork")),
     "cpu+webrtc-media+sip": ("overlays/cpu", ("components/webrtc-media", "components/sip")),
+    "cpu+recordings": ("overlays/cpu", ("components/recordings",)),
 }
 WEBRTC = [name for name, (_, components) in VARIANTS.items() if "components/webrtc-media" in components]
+# What a component adds beside the base's objects: recordings, the volume they go to.
+ADDED_KINDS = {"components/recordings": {"PersistentVolumeClaim"}}
 KINDS = {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "ServiceMonitor", "Gateway", "GRPCRoute",
          "HTTPRoute", "BackendTrafficPolicy", "ClientTrafficPolicy", "ScaledObject"}
 # What the downward API and the Secrets give the containers' $(VAR)s, for parsing their args.
@@ -79,11 +82,12 @@ def render(variant: str, scratch: Path) -> list[dict[str, Any]]:
     if not components:
         return kustomize(K8S / directory)
     # An overlay that adds the components, as an operator's own would (kustomize takes only
-    # relative paths).
+    # relative paths), in the overlays' namespace (a component's own objects, such as the
+    # recordings' volume claim, take it there).
     wrapper = scratch / variant
     wrapper.mkdir()
     (wrapper / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": NAMESPACE,
         "resources": [os.path.relpath(K8S / directory, wrapper)],
         "components": [os.path.relpath(K8S / c, wrapper) for c in components]}))
     return kustomize(wrapper)
@@ -382,8 +386,9 @@ def registered_services(config: ServerConfig) -> list[str]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_renders_every_object_labelled(rendered, variant):
     docs = rendered[variant]
-    assert {d["kind"] for d in docs} == KINDS
-    assert len(docs) == len(KINDS)
+    kinds = KINDS.union(*(ADDED_KINDS.get(c, set()) for c in VARIANTS[variant][1]))
+    assert {d["kind"] for d in docs} == kinds
+    assert len(docs) == len(kinds)
     for doc in docs:
         labels = doc["metadata"].get("labels", {})
         assert labels.items() >= NAME.items(), (doc["kind"], labels)
@@ -396,7 +401,8 @@ def test_renders_every_object_labelled(rendered, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_builtin_objects_pass_kubernetes_schemas(rendered, variant):
     builtin = [d for d in rendered[variant] if not is_custom(d)]
-    assert {d["kind"] for d in builtin} == {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget"}
+    added = set().union(*(ADDED_KINDS.get(c, set()) for c in VARIANTS[variant][1]))
+    assert {d["kind"] for d in builtin} == {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget", *added}
     for doc in builtin:
         try:
             kubernetes_validate.validate(doc, KUBERNETES, strict=True)

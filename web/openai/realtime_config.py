@@ -266,6 +266,9 @@ class RealtimeConfig:
     tool_timeout_ms: int = 10000
     include: list[str] = field(default_factory=list)  # [] or [INCLUDE_LOGPROBS]
     noise_reduction: str | None = None  # audio.input.noise_reduction.type; None: off
+    # (rtmedia extension) `recording` as the client set it (docs/operations.md#recordings); None:
+    # the server's default (recorded or not by how it runs)
+    recording: bool | None = None
 
     # ---- session.update -> rtmedia ------------------------------------------------------------------
     def updated(self, session: Any) -> RealtimeConfig:
@@ -279,8 +282,10 @@ class RealtimeConfig:
             raise _invalid("session.type", f"this is a {self.type} session; its type cannot change")
         realtime = {"type", "model", "instructions", "output_modalities", "max_output_tokens", "audio", "tools",
                     "tool_choice", "tracing", "truncation", "include", "prompt", "parallel_tool_calls", "reasoning",
-                    "tool_filler_ms", "tool_timeout_ms"}
-        _unknown(session, realtime if kind == "realtime" else {"type", "audio", "include"}, "session.")
+                    "tool_filler_ms", "tool_timeout_ms", "recording"}
+        _unknown(session, realtime if kind == "realtime" else {"type", "audio", "include", "recording"}, "session.")
+        if session.get("recording") is not None:
+            new.recording = _bool(session["recording"], "session.recording")
         if "tools" in session:
             new.tools = tools_of(session["tools"] or [], "session.tools")
         if "tool_choice" in session:
@@ -430,6 +435,8 @@ class RealtimeConfig:
             "voice": "" if self.voice in OPENAI_VOICES else self.voice,
             "speed": self.speed,
         }
+        if self.recording is not None:  # the server refuses what it cannot grant (param session.recording)
+            config["recording"] = self.recording
         if self.type == "realtime":
             config["output_modality"] = self.output_modality
             config["max_output_tokens"] = self.max_output_tokens

@@ -53,7 +53,8 @@ CLIENT_EVENTS = ("session.update", "input_audio_buffer.append", "input_audio_buf
 PARAMS = {"audio": "audio", "item_id": "item_id", "audio_end_ms": "audio_end_ms", "voice": "session.audio.output.voice",
           "instructions": "session.instructions", "item.text": "item.content", "item.id": "item.id",
           "tools": "session.tools", "tool_choice.name": "session.tool_choice", "tool_filler_ms": "session.tool_filler_ms",
-          "tool_timeout_ms": "session.tool_timeout_ms", "turn_detection.type": "session.audio.input.turn_detection.type"}
+          "tool_timeout_ms": "session.tool_timeout_ms", "turn_detection.type": "session.audio.input.turn_detection.type",
+          "recording": "session.recording"}
 
 
 @dataclass
@@ -339,8 +340,10 @@ class Translator:
         if not self._pending:
             return []
         _, self.config = self._pending.popleft()
-        out = self._event("session.updated" if self.created else "session.created",
-                          session=self.config.session_object())
+        session = self.config.session_object()
+        if "recording" in event.get("session", {}):  # (rtmedia extension) whether the server records it
+            session["recording"] = event["session"]["recording"]
+        out = self._event("session.updated" if self.created else "session.created", session=session)
         self.created = True
         return [out]
 

@@ -419,6 +419,7 @@ class SessionConfig(_message.Message):
     TOOL_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     TOOL_FILLER_MS_FIELD_NUMBER: _builtins.int
     NOISE_REDUCTION_FIELD_NUMBER: _builtins.int
+    RECORDING_FIELD_NUMBER: _builtins.int
     output_sample_rate: _builtins.int
     """0 means the voice's native rate."""
     instructions: _builtins.str
@@ -446,6 +447,12 @@ class SessionConfig(_message.Message):
     tool_filler_ms: _builtins.int
     """(ext) A call still out this long gets a filler response ("One moment."), cut when the
     answer starts, 100..10000 ms; 0 turns it off (default 800).
+    """
+    recording: _builtins.bool
+    """(ext) Whether the server records the session (docs/operations.md#recordings). The server
+    says it in session.created and session.updated (absent: it records no sessions); a client
+    asks with true on a server that records on request. True on a server without recordings,
+    or false on one that records every session: an error event naming `recording`.
     """
     @_builtins.property
     def input_audio_format(self) -> _common_pb2.AudioFormat: ...
@@ -488,10 +495,11 @@ class SessionConfig(_message.Message):
         tool_timeout_ms: _builtins.int | None = ...,
         tool_filler_ms: _builtins.int | None = ...,
         noise_reduction: Global___NoiseReduction | None = ...,
+        recording: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_modality", b"_output_modality", "_output_sample_rate", b"_output_sample_rate", "_responder", b"_responder", "_speed", b"_speed", "_tool_filler_ms", b"_tool_filler_ms", "_tool_timeout_ms", b"_tool_timeout_ms", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "noise_reduction", b"noise_reduction", "output_modality", b"output_modality", "output_sample_rate", b"output_sample_rate", "responder", b"responder", "speed", b"speed", "tool_choice", b"tool_choice", "tool_filler_ms", b"tool_filler_ms", "tool_timeout_ms", b"tool_timeout_ms", "tools", b"tools", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_modality", b"_output_modality", "_output_sample_rate", b"_output_sample_rate", "_recording", b"_recording", "_responder", b"_responder", "_speed", b"_speed", "_tool_filler_ms", b"_tool_filler_ms", "_tool_timeout_ms", b"_tool_timeout_ms", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "noise_reduction", b"noise_reduction", "output_modality", b"output_modality", "output_sample_rate", b"output_sample_rate", "recording", b"recording", "responder", b"responder", "speed", b"speed", "tool_choice", b"tool_choice", "tool_filler_ms", b"tool_filler_ms", "tool_timeout_ms", b"tool_timeout_ms", "tools", b"tools", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_modality", b"_output_modality", "_output_sample_rate", b"_output_sample_rate", "_responder", b"_responder", "_speed", b"_speed", "_tool_filler_ms", b"_tool_filler_ms", "_tool_timeout_ms", b"_tool_timeout_ms", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "noise_reduction", b"noise_reduction", "output_modality", b"output_modality", "output_sample_rate", b"output_sample_rate", "responder", b"responder", "speed", b"speed", "tool_choice", b"tool_choice", "tool_filler_ms", b"tool_filler_ms", "tool_timeout_ms", b"tool_timeout_ms", "tools", b"tools", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s", "_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_max_session_s", b"_max_session_s", "_output_modality", b"_output_modality", "_output_sample_rate", b"_output_sample_rate", "_recording", b"_recording", "_responder", b"_responder", "_speed", b"_speed", "_tool_filler_ms", b"_tool_filler_ms", "_tool_timeout_ms", b"_tool_timeout_ms", "_voice", b"_voice", "idle_timeout_s", b"idle_timeout_s", "input_audio_format", b"input_audio_format", "input_audio_transcription", b"input_audio_transcription", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "max_session_s", b"max_session_s", "noise_reduction", b"noise_reduction", "output_modality", b"output_modality", "output_sample_rate", b"output_sample_rate", "recording", b"recording", "responder", b"responder", "speed", b"speed", "tool_choice", b"tool_choice", "tool_filler_ms", b"tool_filler_ms", "tool_timeout_ms", b"tool_timeout_ms", "tools", b"tools", "turn_detection", b"turn_detection", "voice", b"voice"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__idle_timeout_s: _TypeAlias = _typing.Literal["idle_timeout_s"]  # noqa: Y015
     _WhichOneofArgType__idle_timeout_s: _TypeAlias = _typing.Literal["_idle_timeout_s", b"_idle_timeout_s"]  # noqa: Y015
@@ -505,6 +513,8 @@ class SessionConfig(_message.Message):
     _WhichOneofArgType__output_modality: _TypeAlias = _typing.Literal["_output_modality", b"_output_modality"]  # noqa: Y015
     _WhichOneofReturnType__output_sample_rate: _TypeAlias = _typing.Literal["output_sample_rate"]  # noqa: Y015
     _WhichOneofArgType__output_sample_rate: _TypeAlias = _typing.Literal["_output_sample_rate", b"_output_sample_rate"]  # noqa: Y015
+    _WhichOneofReturnType__recording: _TypeAlias = _typing.Literal["recording"]  # noqa: Y015
+    _WhichOneofArgType__recording: _TypeAlias = _typing.Literal["_recording", b"_recording"]  # noqa: Y015
     _WhichOneofReturnType__responder: _TypeAlias = _typing.Literal["responder"]  # noqa: Y015
     _WhichOneofArgType__responder: _TypeAlias = _typing.Literal["_responder", b"_responder"]  # noqa: Y015
     _WhichOneofReturnType__speed: _TypeAlias = _typing.Literal["speed"]  # noqa: Y015
@@ -527,6 +537,8 @@ class SessionConfig(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__output_modality) -> _WhichOneofReturnType__output_modality | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__output_sample_rate) -> _WhichOneofReturnType__output_sample_rate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__recording) -> _WhichOneofReturnType__recording | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__responder) -> _WhichOneofReturnType__responder | None: ...
     @_typing.overload
