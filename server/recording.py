@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 from rtmedia.engines.resample import make_resampler, pcm16_to_float
 from rtmedia.protocol.events import to_json
@@ -45,6 +46,7 @@ from rtmedia.server.session_config import ConfigError, SessionSettings
 log = logging.getLogger(__name__)
 HOLD_MS = 2000  # the agent's channel is encoded this far behind the input: time for a cut to come
 WRITE_EVERY_MS = 200  # audio is encoded once this much more is ready
+LINES_BUFFER = 64 * 1024  # JSON lines are written with the audio, or once this many bytes wait
 QUEUE_ITEMS = 8192  # what the writer may fall behind by (all sessions), before the hooks drop
 RETENTION_EVERY_S = 3600.0
 SUFFIXES = (".ogg", ".jsonl")
@@ -261,6 +263,10 @@ class _File:
         self.events_bytes = 0
         self.timeline = Timeline(make_resampler)
         self.input_end = 0  # the timeline position the input reached
+        self._lines = bytearray()  # JSON lines not written yet (`write_lines`)
+        # The user's latest contiguous input chunks (float32 at `_user_rate`), laid as one (`lay_user`).
+        self._user: list[np.ndarray] = []
+        self._user_n = self._user_rate = self._user_pos = self._user_next = 0
         audio_fd = open_private(self.paths[0])
         try:
             self.events_fd = open_private(self.paths[1])
@@ -276,16 +282,52 @@ class _File:
         return self.events_bytes + (self.audio.bytes if self.audio is not None else 0)
 
     def line(self, obj: dict[str, Any]) -> int:
-        data = (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
-        view = memoryview(data)
+        """One JSON line, written with the next audio (a write per line cost more than the rest)."""
+        return self.text(json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n")
+
+    def text(self, line: str) -> int:
+        """A JSON line already made (the input's, 50 a second: a format string, not json.dumps)."""
+        data = line.encode()
+        self._lines += data
+        self.events_bytes += len(data)
+        if len(self._lines) >= LINES_BUFFER:
+            self.write_lines()
+        return len(data)
+
+    def write_lines(self) -> None:
+        view = memoryview(self._lines)
         while view:
             view = view[os.write(self.events_fd, view):]
-        self.events_bytes += len(data)
-        return len(data)
+        view.release()
+        self._lines.clear()
+
+    def user_audio(self, samples: np.ndarray, rate: int, pos: int) -> None:
+        """The user's input chunk at timeline position `pos`: contiguous chunks gather, up to
+        WRITE_EVERY_MS, and reach the timeline as one (its resampling per 20 ms chunk cost more
+        than the encoding)."""
+        if self._user and (rate != self._user_rate or abs(pos - self._user_next) > RATE // 1000):
+            self.lay_user()
+        if not self._user:
+            self._user_rate, self._user_pos = rate, pos
+        self._user.append(samples)
+        self._user_n += samples.size
+        self._user_next = self._user_pos + self._user_n * RATE // rate
+        if self._user_n >= rate * WRITE_EVERY_MS // 1000:
+            self.lay_user()
+
+    def lay_user(self) -> None:
+        """The gathered input onto the timeline (before anything else reads or changes it)."""
+        if self._user:
+            samples = self._user[0] if len(self._user) == 1 else np.concatenate(self._user)
+            self.timeline.add(USER, "user", samples, self._user_rate, self._user_pos)
+            self._user, self._user_n = [], 0
 
     def encode(self, upto: int) -> int:
         assert self.audio is not None
-        return self.audio.write(self.timeline.take(upto))
+        self.lay_user()
+        written = self.audio.write(self.timeline.take(upto))
+        self.write_lines()
+        return written
 
     def close(self, finish: bool) -> int:
         written = 0
@@ -295,7 +337,11 @@ class _File:
                 written = audio.close(finish)
         finally:
             if self.events_fd >= 0:
-                os.close(self.events_fd)
+                try:
+                    if finish:
+                        self.write_lines()
+                finally:
+                    os.close(self.events_fd)
                 self.events_fd = -1
         return written
 
@@ -324,6 +370,8 @@ class _Writer:
             if file is None:
                 continue  # its recording ended (a bound, a failure) or never opened
             try:
+                if op != "in":  # what changes or reads the timeline comes after the input before it
+                    file.lay_user()
                 getattr(self, f"_{op}")(file, live, *item[2:])
                 if op != "end" and file.bytes > self.policy.max_bytes:
                     self._stop(file, live, "max_bytes", f"the recording reached its size bound of "
@@ -360,11 +408,11 @@ class _Writer:
     def _in(self, file: _File, live: _Live, request: Any, pos: int, encoding: int, rate: int, clock: float,
             wall: float) -> None:
         audio = request.input_audio_buffer_append.audio
-        self._count(file.line({"clock_ms": round(clock, 1), "wall": wall, "from": "client",
-                               "event": _audio_json("input_audio_buffer.append", request.event_id,
-                                                    {"audio_bytes": len(audio)})}))
+        event_id = f'"event_id":{json.dumps(request.event_id)},' if request.event_id else ""
+        self._count(file.text(f'{{"clock_ms":{round(clock, 1)},"wall":{wall!r},"from":"client","event":'
+                              f'{{"type":"input_audio_buffer.append",{event_id}"audio_bytes":{len(audio)}}}}}\n'))
         samples = DECODERS[encoding](audio)
-        file.timeline.add(USER, "user", samples, rate, pos)
+        file.user_audio(samples, rate, pos)
         file.input_end = pos + samples.size * RATE // rate
         upto = min(file.input_end - HOLD_MS * RATE // 1000, self.max_samples)
         if upto - file.timeline.taken >= WRITE_EVERY_MS * RATE // 1000:
@@ -412,6 +460,7 @@ class _Writer:
         self.metrics.recordings_total.labels(outcome).inc()
         try:
             if finish:
+                file.lay_user()
                 timeline = file.timeline
                 timeline.finish_all()
                 end = min(max(timeline.end, file.input_end), self.max_samples)

@@ -103,10 +103,11 @@ async def alignment(target: str, directory: Path, speaker: Any) -> dict[str, Any
     if cleared:
         rid = cleared[0]["response_id"]
         end_ms = spans[rid][1]
-        tail = np.abs(stereo[int(end_ms * RATE / 1000):, 1])
-        loud = np.flatnonzero(tail > 0.02)
-        cut = {"cut_at_ms": round(end_ms, 1),
-               "audio_after_cut_ms": round(float(loud[0]) * 1000 / RATE, 1) if loud.size else None}
+        next_ms = min([start for start, _ in spans.values() if start > end_ms], default=len(stereo) * 1000 / RATE)
+        tail = np.abs(stereo[int(end_ms * RATE / 1000):int(next_ms * RATE / 1000), 1])
+        loud = np.flatnonzero(tail > 0.02)  # the cut reply still sounding where the user no longer heard it
+        cut = {"cut_at_ms": round(end_ms, 1), "next_reply_ms": round(next_ms, 1),
+               "audio_after_cut_ms": round(float(loud[-1] + 1) * 1000 / RATE, 1) if loud.size else 0.0}
     return {"user_offset_ms": offset_ms(stereo[:, 0], sent), "agent_offset_ms": offset_ms(stereo[:, 1], expected),
             "replies": len(spans), "chunk_ms": CHUNK_MS, **cut}
 
