@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 HOLD_MS = 2000  # the agent's channel is encoded this far behind the input: time for a cut to come
 WRITE_EVERY_MS = 200  # audio is encoded once this much more is ready
 LINES_BUFFER = 64 * 1024  # JSON lines are written with the audio, or once this many bytes wait
+INPUT_BATCH = 10  # input chunks queued as one item (200 ms of 20 ms chunks; the audio is held 2 s anyway)
 QUEUE_ITEMS = 8192  # what the writer may fall behind by (all sessions), before the hooks drop
 RETENTION_EVERY_S = 3600.0
 SUFFIXES = (".ogg", ".jsonl")
@@ -97,6 +98,7 @@ class _Live:
         self.origin_ms = session.input_ms  # the recording's start on the session clock
         self.clock = InputClock(session.input_ms)  # the session clock from when the input arrived
         self.stopped = False  # set by the writer (a bound, a failure) or at the session's end
+        self.inputs: list[tuple[Any, ...]] = []  # input chunks not queued yet (`Recordings._input`)
 
     def clock_ms(self, now: float) -> float:
         return self.clock.ms(now)
@@ -185,6 +187,7 @@ class Recordings:
 
     def _end(self, session_id: str, reason: str) -> None:
         live = self.live.pop(session_id)
+        self._input(live)
         live.stopped = True
         # The end waits its turn in the queue, never dropped: nothing else closes the files.
         item = ("end", live, reason, time.time())
@@ -204,17 +207,31 @@ class Recordings:
             if session.input_ms > input_before_ms:  # kept: it is on the input clock
                 live.clock.sent(session.input_ms, now)
                 settings = session.settings
-                self._put(("in", live, request, live.position(input_before_ms), settings.input_encoding,
-                           settings.input_rate, input_before_ms, time.time()))
+                live.inputs.append((request, live.position(input_before_ms), settings.input_encoding,
+                                    settings.input_rate, input_before_ms, time.time()))
+                if len(live.inputs) >= INPUT_BATCH:
+                    self._input(live)
             else:
-                self._put(("event", live, "client", request, live.clock_ms(now), time.time()))
+                self._event(live, ("event", live, "client", request, live.clock_ms(now), time.time()))
             return
-        self._put(("event", live, "client", request, live.clock_ms(now), time.time()))
+        self._event(live, ("event", live, "client", request, live.clock_ms(now), time.time()))
         if kind == "conversation_item_truncate":
             item_id = request.conversation_item_truncate.item_id
             response = next((r for r in session.responses.values() if r.item_id == item_id), None)
             if response is not None:
                 self._put(("cut", live, response.response_id, request.conversation_item_truncate.audio_end_ms, None))
+
+    def _input(self, live: _Live) -> None:
+        """The session's gathered input chunks, queued as one item (a queue item per 20 ms chunk
+        cost the writer more than their audio)."""
+        if live.inputs:
+            self._put(("in", live, live.inputs))
+            live.inputs = []
+
+    def _event(self, live: _Live, item: tuple[Any, ...]) -> None:
+        """Any other item: after the input that came before it."""
+        self._input(live)
+        self._put(item)
 
     def sent(self, session: Any, event: Any) -> None:
         """A server event as it goes to the client."""
@@ -225,9 +242,9 @@ class Recordings:
         clock = live.clock_ms(now)
         kind = event.WhichOneof("event")
         if kind == "response_output_audio_delta":
-            self._put(("out", live, event, live.position(clock), clock, time.time()))
+            self._event(live, ("out", live, event, live.position(clock), clock, time.time()))
             return
-        self._put(("event", live, "server", event, clock, time.time()))
+        self._event(live, ("event", live, "server", event, clock, time.time()))
         if kind == "output_audio_buffer_cleared":  # the client stopped playing it now
             self._put(("cut", live, event.output_audio_buffer_cleared.response_id, None, live.position(clock)))
         elif kind == "response_done":
@@ -405,8 +422,14 @@ class _Writer:
         if written:
             self.metrics.recording_bytes.inc(written)
 
-    def _in(self, file: _File, live: _Live, request: Any, pos: int, encoding: int, rate: int, clock: float,
-            wall: float) -> None:
+    def _in(self, file: _File, live: _Live, chunks: list[tuple[Any, ...]]) -> None:
+        for chunk in chunks:
+            if id(live) not in self.files:  # a bound ended it
+                return
+            self._chunk(file, live, *chunk)
+
+    def _chunk(self, file: _File, live: _Live, request: Any, pos: int, encoding: int, rate: int, clock: float,
+               wall: float) -> None:
         audio = request.input_audio_buffer_append.audio
         event_id = f'"event_id":{json.dumps(request.event_id)},' if request.event_id else ""
         self._count(file.text(f'{{"clock_ms":{round(clock, 1)},"wall":{wall!r},"from":"client","event":'

@@ -24,6 +24,7 @@ from fractions import Fraction
 
 import av
 import numpy as np
+from rtmedia.protocol.recording import ByteSink
 from rtmedia.protocol.wav import wav_stream_header
 
 
@@ -72,23 +73,6 @@ def rate_problem(fmt: str, rate: int) -> str | None:
     return None
 
 
-class _Sink:
-    """A write-only file for PyAV: bytes gather here until `take`. Without seek and tell,
-    FFmpeg treats it as the unseekable stream the HTTP body is."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    def write(self, data: bytes) -> int:
-        self.data += data
-        return len(data)
-
-    def take(self) -> bytes:
-        out = bytes(self.data)
-        self.data.clear()
-        return out
-
-
 class StreamEncoder:
     """One audio file in `fmt` (a FORMATS key) at `rate` Hz mono, written clause by clause.
     Calls are serialised by a lock, so `encode` may run on a worker thread and a `close`
@@ -104,7 +88,7 @@ class StreamEncoder:
         self.samples = 0  # PCM samples encoded so far
         self.closed = False
         self._lock = threading.Lock()
-        self._sink = _Sink()
+        self._sink = ByteSink()
         self._container: av.container.OutputContainer | None = None
         self._stream: av.AudioStream | None = None
         if self.spec.codec is not None:

@@ -12,7 +12,6 @@ import asyncio
 import json
 
 import aiohttp
-import grpc
 import numpy as np
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
@@ -108,12 +107,6 @@ async def server(upstream, exporter, session_ends, tmp_path_factory):
     await srv.start()
     yield srv
     await srv.stop(0)
-
-
-@pytest.fixture(scope="module")
-async def channel(server):
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
-        yield ch
 
 
 def auth(*extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:

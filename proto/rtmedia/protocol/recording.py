@@ -42,8 +42,9 @@ COMPLEXITY = 0
 PAGE_US = 1_000_000  # an Ogg page per second: a recording cut short loses at most the last second
 
 
-class _Sink:
-    """A write-only file for PyAV: the container's bytes gather here until `take`."""
+class ByteSink:
+    """A write-only file for PyAV: the container's bytes gather here until `take`. Without seek
+    and tell, FFmpeg treats it as an unseekable stream (an HTTP body, a file written as it grows)."""
 
     def __init__(self) -> None:
         self.data = bytearray()
@@ -67,7 +68,7 @@ class OggOpusFile:
         self.fd = fd
         self.bytes = 0
         self.samples = 0  # per channel, encoded so far
-        self._sink = _Sink()
+        self._sink = ByteSink()
         self._container = av.open(self._sink, "w", format="ogg",
                                   container_options={"flush_packets": "1", "page_duration": str(PAGE_US)})
         try:
