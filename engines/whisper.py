@@ -119,7 +119,8 @@ class Decoded:
 
 
 class WhisperBackend(Protocol):
-    """What the engine asks of a Whisper runtime (CTranslate2 here; torch next)."""
+    """What the engine asks of a Whisper runtime: CTranslate2 (`CTranslate2Backend`) or torch
+    (`engines/whisper_torch.py`)."""
 
     def encode(self, features: np.ndarray) -> Any:
         """Encoder states of a batch of log-mel windows (float32 [batch, mels, frames])."""
