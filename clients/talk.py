@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -712,8 +714,6 @@ async def converse(talk: Talk, credentials: Credentials) -> Talk:
 
 def cmd_talk(args: argparse.Namespace) -> None:
     if args.mic:
-        if args.record is not None:
-            raise CliError("--record records a talk from IN (an audio file), not --mic")
         from rtmedia.clients.talk_mic import cmd_talk_mic
 
         return cmd_talk_mic(args)
@@ -732,25 +732,29 @@ def cmd_talk(args: argparse.Namespace) -> None:
         raise CliError(f"--eagerness is for --mode semantic_vad, not {args.mode}")
     if args.preemptive is not None and args.mode not in VAD_MODES:
         raise CliError(f"--preemptive is for --mode server_vad or semantic_vad, not {args.mode}")
-    recording = open_recording(args.record)
-    try:
+    with recorded(args.record) as recording:
         talk = asyncio.run(converse(Talk(args, audio, toolbox=toolbox, recording=recording), credentials))
-    finally:
-        if recording is not None and (error := recording.close()) is not None:
-            raise CliError(f"--record {args.record}: the recording stopped: {error}")
     if sys.stderr.isatty() and not args.json and talk.partial:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     finish(talk, args, out_format)
 
 
-def open_recording(path: Path | None) -> TalkRecording | None:
-    """The --record file, opened (owner-only); a path it cannot be is a one-line error."""
+@contextlib.contextmanager
+def recorded(path: Path | None) -> Iterator[TalkRecording | None]:
+    """The --record file (owner-only) for the talk run inside; a path it cannot be, or a
+    recording that stopped (a full disk), is a one-line error."""
     if path is None:
-        return None
+        yield None
+        return
     try:
-        return TalkRecording(path)
+        recording = TalkRecording(path)
     except OSError as exc:
         raise CliError(f"--record {path}: {exc.strerror or exc}") from None
+    try:
+        yield recording
+    finally:
+        if (error := recording.close()) is not None:
+            raise CliError(f"--record {path}: the recording stopped: {error}")
 
 
 def output_and_tools(args: argparse.Namespace) -> tuple[str | None, Any]:

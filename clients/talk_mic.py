@@ -37,6 +37,7 @@ from rtmedia.clients.talk import (
     converse,
     finish,
     output_and_tools,
+    recorded,
 )
 from rtmedia.protocol.events import client_event
 
@@ -156,6 +157,8 @@ class MicTalk(Talk):
                     self.sent_t.append(chunk.captured_t)  # latencies are from the capture
                     self.samples_sent += len(pcm) // 2
                     await self.session.send(client_event("input_audio_buffer.append", audio=pcm))
+                    if self.recording is not None:  # what was sent: silence while muted
+                        self.recording.sent(pcm, self.mic.rate, chunk.captured_t)
                 self.last_chunk_t = chunk.captured_t
         finally:
             stop.cancel()
@@ -231,6 +234,8 @@ class MicTalk(Talk):
         self.received_t.setdefault(ev.response_id, now)
         reply.add_received(len(ev.audio) // (2 * max(1, ev.channels)), ev.sample_rate)
         self.speaker.play(ev.response_id, ev.audio)
+        if self.recording is not None:
+            self.recording.played(ev.response_id, ev.audio, ev.sample_rate, now)
 
     def on_cleared(self, ev: Any, now: float) -> None:
         reply = self.replies.get(ev.response_id)
@@ -239,6 +244,8 @@ class MicTalk(Talk):
         reply.cleared = True
         self.speaker.paused = False
         self.speaker.clear(ev.response_id)  # the ack loop reports what still comes out, then the end
+        if self.recording is not None:
+            self.recording.cleared(ev.response_id, now)
 
     def heard_ms(self, reply: Reply, now: float) -> int:
         return reply.acked_ms if self.speaker is None else min(reply.received_ms,
@@ -406,9 +413,10 @@ def cmd_talk_mic(args: argparse.Namespace) -> None:
     check_mic_args(args)
     credentials = from_args(args)
     out_format, toolbox = output_and_tools(args)
-    talk = MicTalk(args, InputAudio(0, 0, [], [], [], args.chunk_ms), toolbox=toolbox)
-    try:
-        asyncio.run(_live(talk, credentials))
-    except DeviceError as exc:
-        raise CliError(str(exc)) from None
+    with recorded(args.record) as recording:
+        talk = MicTalk(args, InputAudio(0, 0, [], [], [], args.chunk_ms), toolbox=toolbox, recording=recording)
+        try:
+            asyncio.run(_live(talk, credentials))
+        except DeviceError as exc:
+            raise CliError(str(exc)) from None
     finish(talk, args, out_format)

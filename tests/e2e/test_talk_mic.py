@@ -65,8 +65,8 @@ def played_samples(recording: np.ndarray, sent: np.ndarray) -> int:
 
 @pytest.mark.serial
 def test_mic_turn_reply_barge_in_and_ctrl_c(served, pulse, speech, tmp_path):
-    out = tmp_path / "reply.wav"
-    live = LiveTalk(served, pulse, "-o", str(out))
+    out, record = tmp_path / "reply.wav", tmp_path / "talk.ogg"
+    live = LiveTalk(served, pulse, "-o", str(out), "--record", str(record))
     live.wait(lambda: live.events("session.updated"), why="session.updated")
     pulse.voice.say(np.concatenate([np.zeros(MIC_RATE // 2, np.int16), speech[SENTENCE]]))
     live.wait(lambda: any(e["played_ms"] >= 1500 for e in live.events("playback.acknowledged")), why="reply playing")
@@ -106,6 +106,18 @@ def test_mic_turn_reply_barge_in_and_ctrl_c(served, pulse, speech, tmp_path):
     assert abs(played * 1000 / MIC_RATE - heard_ms) <= 40, (played, heard_ms)
     # ... and the answer to the interruption came out of the speaker too.
     assert len(voiced_spans(recording)) >= 2
+
+    # --record: the microphone as sent on the left, the replies as played on the right, the
+    # interrupted one cut where the speaker stopped it, then the answer after the user's words.
+    with av.open(str(record)) as container:
+        stereo = np.concatenate([f.to_ndarray() for f in container.decode(audio=0)], axis=1)
+        rate = container.streams.audio[0].rate
+    left, right = (np.clip(channel * 32767, -32768, 32767).astype(np.int16) for channel in stereo)
+    said, replies = voiced_spans(left, rate), voiced_spans(right, rate)
+    assert len(said) >= 2 and len(replies) >= 2, (said, replies)
+    cut = replies[0][0] + heard_ms / 1000
+    assert replies[0][1] <= cut + 0.15, (replies, heard_ms)
+    assert replies[1][0] > said[1][0], "the answer follows the interruption"
 
 
 def test_confirmed_mode_holds_the_speaker_over_a_backchannel_and_plays_on(served, pulse, speech):
