@@ -16,7 +16,6 @@ from typing import Any
 from rtmedia.engines.resample import make_resampler, pcm16_to_float
 from rtmedia.protocol.recording import RATE, InputClock, OggOpusFile, Timeline, open_private
 
-HOLD_MS = 2000  # the replies' channel is encoded this far behind the input: time for a cut to come
 USER, AGENT = 0, 1
 
 
@@ -72,8 +71,7 @@ class TalkRecording:
 
     def _user(self, pcm16: bytes, rate: int, at: int, end: int) -> None:
         self._timeline.add(USER, "user", pcm16_to_float(pcm16), rate, at)
-        upto = end - HOLD_MS * RATE // 1000
-        if upto - self._timeline.taken >= RATE // 5:
+        if upto := self._timeline.due(end):
             self._file.write(self._timeline.take(upto))
 
     def close(self) -> BaseException | None:

@@ -5,10 +5,10 @@ the user heard it, and `DIR/<session_id>.jsonl`, the session's events with their
 
 The clock is the session's: milliseconds of the user's input audio. The user's audio lies where
 it is in the input; the agent's audio lies from when it went to the client, mapped onto the input
-clock by when the input arrived (`_Live.clock_ms`), continuous after that, and it is cut where
+clock by when the input arrived (`_Live.clock`), continuous after that, and it is cut where
 the user stopped hearing it: at an output_audio_buffer.cleared (where playback was then), at a
-conversation.item.truncate (its audio_end_ms). The agent's channel is encoded HOLD_MS behind the
-input, so a cut removes audio not yet written.
+conversation.item.truncate (its audio_end_ms). The timeline is encoded HOLD_MS behind the input
+(`Timeline.due`), so a cut removes audio not yet written.
 
 On the event loop the hooks only note the time and enqueue what they saw (a bounded queue: a
 writer that falls behind makes them drop, counted, never wait). One writer thread decodes,
@@ -38,14 +38,20 @@ import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 from rtmedia.engines.resample import make_resampler, pcm16_to_float
 from rtmedia.protocol.events import to_json
-from rtmedia.protocol.recording import FILE_RATE, RATE, InputClock, OggOpusFile, Timeline, open_private
+from rtmedia.protocol.recording import (
+    FILE_RATE,
+    RATE,
+    WRITE_EVERY_MS,
+    InputClock,
+    OggOpusFile,
+    Timeline,
+    open_private,
+)
 from rtmedia.server.audio_input import DECODERS
 from rtmedia.server.metrics import Metrics
 from rtmedia.server.session_config import ConfigError, SessionSettings
 
 log = logging.getLogger(__name__)
-HOLD_MS = 2000  # the agent's channel is encoded this far behind the input: time for a cut to come
-WRITE_EVERY_MS = 200  # audio is encoded once this much more is ready
 LINES_BUFFER = 64 * 1024  # JSON lines are written with the audio, or once this many bytes wait
 INPUT_BATCH = 10  # input chunks queued as one item (200 ms of 20 ms chunks; the audio is held 2 s anyway)
 QUEUE_ITEMS = 8192  # what the writer may fall behind by (all sessions), before the hooks drop
@@ -94,14 +100,10 @@ class _Live:
     """The loop's side of one session's recording: the clock and whether it still records."""
 
     def __init__(self, session: Any) -> None:
-        self.session = session
         self.origin_ms = session.input_ms  # the recording's start on the session clock
         self.clock = InputClock(session.input_ms)  # the session clock from when the input arrived
         self.stopped = False  # set by the writer (a bound, a failure) or at the session's end
         self.inputs: list[tuple[Any, ...]] = []  # input chunks not queued yet (`Recordings._input`)
-
-    def clock_ms(self, now: float) -> float:
-        return self.clock.ms(now)
 
     def position(self, clock_ms: float) -> int:
         """A session-clock time as a sample of the recording's timeline."""
@@ -109,7 +111,7 @@ class _Live:
 
 
 class Recordings:
-    """The server's recordings: the policy, the loop's hooks (`opened`, `received`, `sent`,
+    """The server's recordings: the policy, the loop's hooks (`sync`, `received`, `sent`,
     `closed`), the writer thread, retention and metrics."""
 
     def __init__(self, policy: RecordingPolicy, metrics: Metrics) -> None:
@@ -212,9 +214,9 @@ class Recordings:
                 if len(live.inputs) >= INPUT_BATCH:
                     self._input(live)
             else:
-                self._event(live, ("event", live, "client", request, live.clock_ms(now), time.time()))
+                self._event(live, ("event", live, "client", request, live.clock.ms(now), time.time()))
             return
-        self._event(live, ("event", live, "client", request, live.clock_ms(now), time.time()))
+        self._event(live, ("event", live, "client", request, live.clock.ms(now), time.time()))
         if kind == "conversation_item_truncate":
             item_id = request.conversation_item_truncate.item_id
             response = next((r for r in session.responses.values() if r.item_id == item_id), None)
@@ -239,7 +241,7 @@ class Recordings:
         if live is None or live.stopped:
             return
         now = time.perf_counter()
-        clock = live.clock_ms(now)
+        clock = live.clock.ms(now)
         kind = event.WhichOneof("event")
         if kind == "response_output_audio_delta":
             self._event(live, ("out", live, event, live.position(clock), clock, time.time()))
@@ -437,8 +439,7 @@ class _Writer:
         samples = DECODERS[encoding](audio)
         file.user_audio(samples, rate, pos)
         file.input_end = pos + samples.size * RATE // rate
-        upto = min(file.input_end - HOLD_MS * RATE // 1000, self.max_samples)
-        if upto - file.timeline.taken >= WRITE_EVERY_MS * RATE // 1000:
+        if upto := file.timeline.due(file.input_end, self.max_samples):
             self._count(file.encode(upto))
         if file.input_end >= self.max_samples:
             self._stop(file, live, "max_duration", f"the recording reached its duration bound of "

@@ -340,10 +340,10 @@ def pjsua_call(uri: str, *args: str) -> None:
 
 def test_a_speakerphone_does_not_interrupt_the_agent_with_its_echo(served, words, tmp_path):
     """The caller's phone sends back what it plays at -6 dB. With echo cancellation (the number
-    `speaker`) the reply is heard whole and next to none of it comes back as words; without it
-    (the default) the agent's own voice barges in on it and becomes the caller's next turns. (AEC3
-    leaves a residue now and then: 2 turns of a word or two in 12 replies in BENCHMARKS' run, so
-    the bound is on the echo's words, not on their turns.)"""
+    `speaker`) the reply is heard whole and its echo makes next to no turns; without it (the
+    default) the agent's own voice barges in on it again and again and becomes the caller's next
+    turns. (AEC3 leaves a residue now and then: 2 echo turns in 12 replies in BENCHMARKS' run,
+    against 81 without it; so the bound is a ratio, not none.)"""
     import soundfile
 
     def speakerphone(number: str) -> tuple[list[str], str]:
@@ -355,14 +355,13 @@ def test_a_speakerphone_does_not_interrupt_the_agent_with_its_echo(served, words
         audio, rate = soundfile.read(heard, dtype="int16")
         return info["transcript"], transcribe(served.target, audio, rate).lower()
 
-    def echo_words(turns: list[str]) -> int:
-        return sum(len(turn.split()) for turn in turns[1:])
 
     turns, heard = speakerphone("speaker")
     assert wer(SENTENCE, turns[0]) < 0.2, turns
     assert "home" in heard, heard  # the reply's last word: it was not cut
     cancelled, _ = speakerphone("rtmedia")
-    assert len(cancelled) >= 2 and echo_words(turns) * 4 <= echo_words(cancelled), (turns, cancelled)
+    echoes, echoes_without = len(turns) - 1, len(cancelled) - 1  # the turns after the caller's own
+    assert echoes_without >= 1 and echoes * 3 <= echoes_without, (turns, cancelled)
 
 
 def test_a_g722_call_is_wideband(served, speaker, tmp_path):

@@ -211,18 +211,22 @@ async def test_a_session_is_recorded_in_stereo_as_it_was_heard(server, channel, 
     assert '"audio":' not in text and all("wall" in line for line in lines)
 
 
+async def spoken_turn(c: Conversation, speaker, text: str) -> dict:
+    """One sentence spoken into a server_vad session; its reply's response.done."""
+    c.send("session.update", session={"input_audio_format": {"encoding": "pcm16", "sample_rate": RATE},
+                                      "turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS}})
+    await c.wait_for("session.updated")
+    pcm = np.concatenate([speaker.silence(0.3), speaker.say(text), speaker.silence(1.0)])
+    await c.stream(pcm.tobytes(), RATE)
+    return await c.wait_for("response.done", timeout=30)
+
+
 async def test_a_size_bound_stops_the_recording_and_the_session_goes_on(server, channel, speaker, tmp_path):
     stopped = server.metrics.recordings_total.labels("max_bytes")._value.get()
     async with recorded(server, tmp_path, max_bytes=20_000):
         async with Conversation(channel) as c:
             created = await c.wait_for("session.created")
-            c.send("session.update", session={
-                "input_audio_format": {"encoding": "pcm16", "sample_rate": RATE},
-                "turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS}})
-            await c.wait_for("session.updated")
-            pcm = np.concatenate([speaker.silence(0.3), speaker.say(FIRST), speaker.silence(1.0)])
-            await c.stream(pcm.tobytes(), RATE)
-            done = await c.wait_for("response.done", timeout=30)
+            done = await spoken_turn(c, speaker, FIRST)
             assert done["status"] == "completed"
     lines = events_of(tmp_path / f"{created['session_id']}.jsonl")
     assert lines[-1]["type"] == "recording.stopped" and lines[-1]["outcome"] == "max_bytes", lines[-1]
@@ -238,13 +242,7 @@ async def test_an_unwritable_directory_leaves_the_session_working(server, channe
     async with recorded(server, blocker / "recordings"):
         async with Conversation(channel) as c:
             await c.wait_for("session.created")
-            c.send("session.update", session={
-                "input_audio_format": {"encoding": "pcm16", "sample_rate": RATE},
-                "turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS}})
-            await c.wait_for("session.updated")
-            pcm = np.concatenate([speaker.silence(0.3), speaker.say(SECOND), speaker.silence(1.0)])
-            await c.stream(pcm.tobytes(), RATE)
-            done = await c.wait_for("response.done", timeout=30)
+            done = await spoken_turn(c, speaker, SECOND)
             assert done["status"] == "completed" and c.of_type("response.output_audio.delta")
     assert server.metrics.recording_failures.labels("io_error")._value.get() >= failures + 1
 

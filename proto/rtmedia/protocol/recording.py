@@ -39,6 +39,8 @@ FILE_RATE = 48000  # what a decoder of the file gives
 # resampling a 48 kHz one would cost.
 BIT_RATE = 40_000
 COMPLEXITY = 0
+HOLD_MS = 2000  # the agent's channel is encoded this far behind the input: time for a cut to come
+WRITE_EVERY_MS = 200  # and once this much more is ready
 PAGE_US = 1_000_000  # an Ogg page per second: a recording cut short loses at most the last second
 
 
@@ -265,6 +267,14 @@ class Timeline:
             if not any(p.key == key for p in self._pieces):
                 return 0
         return self.cut(key, max(0, heard))
+
+    def due(self, input_end: int, limit: int | None = None) -> int:
+        """Where to `take` to now that the input reached `input_end`: HOLD_MS behind it (time for a
+        cut to come), at most `limit`, once WRITE_EVERY_MS more is ready; 0 while not due."""
+        upto = input_end - HOLD_MS * RATE // 1000
+        if limit is not None:
+            upto = min(upto, limit)
+        return upto if upto - self.taken >= WRITE_EVERY_MS * RATE // 1000 else 0
 
     def take(self, upto: int) -> np.ndarray:
         """The mixed int16 stereo samples from `taken` to `upto`, shape (n, 2); they can no
