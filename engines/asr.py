@@ -178,6 +178,8 @@ class AsrEvent:
     # Partials: the latest decode's words of the utterance, agreed or not (what a caller that
     # must decide early reads; `text` holds only the agreed words).
     hypothesis: str = ""
+    # Finals: the utterance's language (ISO 639-1), asked for or detected; "" when unknown.
+    language: str = ""
 
 
 def _words(hyp: Any) -> list[str]:

@@ -183,6 +183,11 @@ class GraphRunner:
     def eligible(self, inputs: Sequence[torch.Tensor]) -> bool:
         return not self.config.enforce_eager and self.backend.eligible(inputs)
 
+    def has_tag(self, tag: Hashable) -> bool:
+        """Whether a graph is captured under `tag` (of any shape)."""
+        with self._lock:
+            return any(key[0] == tag for key in self._graphs)  # type: ignore[index]
+
     def run(self, fn: Callable[..., Any], *inputs: torch.Tensor, tag: Hashable = None) -> Any:
         """`fn(*inputs)`, from a graph when one is captured or admitted for this key, else eager.
         One `fn` per tag: a key's graph replays whatever `fn` it was captured from."""

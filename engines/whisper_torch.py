@@ -23,7 +23,16 @@ The decoding follows CTranslate2's Whisper, so both backends give the same text:
   edges), averaged over the heads, and a DTW path through its negation; the text tokens'
   probabilities are softmaxed over the text vocabulary only.
 
-On a CPU it runs eagerly in float32 (float16 files are widened).
+On a CPU it runs eagerly in float32 (float16 files are widened), the decoder's KV cache grown
+by concatenation. On CUDA (float16 by default) both halves are fixed-shape steps a CUDA graph can
+replay, through the engine's `GraphRunner` (`engines/graphs.py`: capture on a shape's second
+call, a cap on graphs and a free-memory floor, eager fallback, counted replays and misses):
+- the encoder, per (batch, frames) bucket: a batch is padded to a power of two up to 16 (the
+  padding rows repeat the first and are dropped), the frames are the engine's whole seconds;
+- the decoder step on a static KV cache (`_StaticDecode`), per (batch, encoder positions,
+  cache length) shape: the cache and the cross-attention keys and values are buffers the step
+  reads and writes in place, the position a device tensor; the prompt fills the cache eagerly.
+A shape's buffers live as long as its graph; without one (a miss) they are the call's own.
 """
 
 from __future__ import annotations
@@ -31,16 +40,21 @@ from __future__ import annotations
 import json
 import math
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .whisper import Decoded, embedded_model_dir
+from .base import EngineError
+from .whisper import Decoded, embedded_model_dir, language_tables
 
 _MEDIAN_WIDTH = 7  # CTranslate2's and openai-whisper's median filter over the attention
 _CT2_DTYPES = ("float32", "int8", "int16", "int32", "float16", "bfloat16")  # the file's type ids
+COMPUTE_TYPES = ("float32", "float16", "bfloat16")
+_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # graphed batches are padded up to one of these
+_CACHE_BLOCK = 64  # a static KV cache's length is a multiple of this
 
 
 def read_ctranslate2(path: Path) -> dict[str, np.ndarray]:
@@ -182,16 +196,22 @@ class _Tokens:
     suppress: list[int]
     suppress_begin: list[int]
     alignment_heads: list[tuple[int, int]]
+    languages: list[int]  # the language tokens' ids, and their texts ("<|fr|>")
+    language_tokens: list[str]
 
 
 class TorchBackend:
-    """Whisper on torch (eager): the engine's `WhisperBackend` (module docstring). `path` is a
+    """Whisper on torch: the engine's `WhisperBackend` (module docstring). `path` is a
     CTranslate2 Whisper directory (`model.bin`, `config.json`) or a transformers one; special
-    tokens come from its tokenizer or vocabulary (`_token_ids`). `threads` sets torch's
-    intra-op threads, which are the whole process's."""
+    tokens come from its tokenizer or vocabulary (`_token_ids`). `compute_type`: float32 (the
+    CPU's default), float16 (CUDA's) or bfloat16. `threads` sets torch's intra-op threads, which
+    are the whole process's. `graphs`: a `GraphRunner` for the encoder and the decoder step;
+    `static`: decode on a static KV cache (default: on CUDA)."""
 
-    def __init__(self, path: Path | None = None, device: str = "cpu", dtype: Any = None,
-                 threads: int | None = None) -> None:
+    runtime = "torch"
+
+    def __init__(self, path: Path | None = None, device: str = "cpu", compute_type: str = "",
+                 threads: int | None = None, graphs: Any = None, static: bool | None = None) -> None:
         import torch
 
         if threads:
@@ -199,31 +219,61 @@ class TorchBackend:
         self._torch = torch
         path = Path(path or embedded_model_dir())
         self.device = torch.device(device)
-        self.dtype = dtype or torch.float32
+        cuda = self.device.type == "cuda"
+        self.compute_type = compute_type or ("float16" if cuda else "float32")
+        if self.compute_type not in COMPUTE_TYPES:
+            raise EngineError(f"compute type {self.compute_type!r}: the torch backend runs {', '.join(COMPUTE_TYPES)} "
+                              "(int8 is the ct2 backend's)")
+        self.dtype = getattr(torch, self.compute_type)
         self.model, config = _load(path)
         self.model.to(self.device, self.dtype).eval()
         self.heads = self.model.config.decoder_attention_heads
+        self.n_mels = self.model.config.num_mel_bins
+        self.multilingual = self.model.config.vocab_size >= 51865  # English-only Whisper has 51864
         self.tokens = _special_tokens(path, config, self.model.config)
+        self.graphs = graphs
+        self.static = cuda if static is None else static
+        self._states: dict[tuple[int, int, int], _StaticDecode] = {}  # the shapes that have a graph
+        self._states_mu = threading.Lock()
 
     # -- the backend protocol ----------------------------------------------------------------
 
     def encode(self, features: np.ndarray) -> Any:
         """Encoder states [batch, frames / 2, d_model] of log-mel windows of any length up to
-        the model's (the position table is sliced to the window)."""
-        torch, F = self._torch, self._torch.nn.functional
-        encoder = self.model.model.encoder
+        the model's (the position table is sliced to the window); graphed per padded batch."""
+        torch = self._torch
+        if features.shape[-1] // 2 > self.model.model.encoder.embed_positions.weight.shape[0]:
+            raise ValueError(f"a window of {features.shape[-1]} frames is longer than the model's")
         with torch.inference_mode():
             x = torch.as_tensor(np.ascontiguousarray(features), device=self.device, dtype=self.dtype)
-            x = F.gelu(encoder.conv1(x))
-            x = F.gelu(encoder.conv2(x)).transpose(1, 2)
-            if x.shape[1] > encoder.embed_positions.weight.shape[0]:
-                raise ValueError(f"a window of {features.shape[-1]} frames is longer than the model's")
-            x = x + encoder.embed_positions.weight[: x.shape[1]]
-            for layer in encoder.layers:
-                h = layer.self_attn_layer_norm(x)
-                x = x + layer.self_attn.out_proj(self._attend(layer.self_attn, h, h))
-                x = x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
-            return encoder.layer_norm(x)
+            if self.graphs is None:
+                return self._encode(x)
+            n = x.shape[0]
+            return self.graphs.run(self._encode, _pad_rows(x, padded_batch(n)), tag="encoder")[:n]
+
+    def _encode(self, x: Any) -> Any:
+        F = self._torch.nn.functional
+        encoder = self.model.model.encoder
+        x = F.gelu(encoder.conv1(x))
+        x = F.gelu(encoder.conv2(x)).transpose(1, 2)
+        x = x + encoder.embed_positions.weight[: x.shape[1]]
+        for layer in encoder.layers:
+            h = layer.self_attn_layer_norm(x)
+            x = x + layer.self_attn.out_proj(self._attend(layer.self_attn, h, h))
+            x = x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
+        return encoder.layer_norm(x)
+
+    def detect_language(self, encoded: Any) -> list[str]:
+        """Each window's most probable language token: the first step's logits after
+        `<|startoftranscript|>`, over the language tokens."""
+        torch, tk = self._torch, self.tokens
+        if not tk.languages:
+            raise ValueError("an English-only model detects no language")
+        with torch.inference_mode():
+            ids = torch.full((encoded.shape[0], 1), tk.sot, device=self.device)
+            hidden, _ = self._decoder(ids, 0, self._cross(encoded), None)
+            best = self._logits(hidden[:, -1])[:, tk.languages].argmax(-1)
+        return [tk.language_tokens[i] for i in best.tolist()]
 
     def generate(self, encoded: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[Decoded]:
         """Greedy decodes as CTranslate2's `generate(beam_size=1, return_scores=True,
@@ -243,6 +293,13 @@ class TorchBackend:
         total = max(max_tokens) + 4 + length
         max_length = min(total // 2, total - (length - 1))
         batch = len(prompts)
+        if self.static:
+            padded = padded_batch(batch) if self.graphs is not None else batch
+            prompts = prompts + [prompts[0]] * (padded - batch)
+            encoded = _pad_rows(encoded, padded)
+            if length + max_length > self.model.config.max_target_positions:
+                raise ValueError(f"a prompt of {length} tokens and {max_length} more pass the model's "
+                                 f"{self.model.config.max_target_positions} positions")
         with torch.inference_mode():
             cross = self._cross(encoded)
             cache: list[list[Any]] = [[None, None] for _ in self.model.model.decoder.layers]
@@ -251,17 +308,23 @@ class TorchBackend:
             if length > 1:
                 hidden, _ = self._decoder(ids[:, :-1], 0, cross, cache)
                 no_speech = self._logits(hidden[:, sot]).softmax(-1)[:, tk.no_speech]
+            state = self._static(len(prompts), cross, cache, length + max_length) if self.static else None
+            position = torch.tensor([length - 1], device=self.device)
             mask = torch.zeros(self.model.config.vocab_size, device=self.device, dtype=torch.bool)
             mask[tk.suppress] = True
             mask_begin = mask.clone()
             mask_begin[tk.suppress_begin] = True
             step_ids = ids[:, -1:]
-            scores = torch.zeros(batch, dtype=torch.float64)
-            done = torch.zeros(batch, dtype=torch.bool)
-            out: list[list[int]] = [[] for _ in range(batch)]
+            scores = torch.zeros(len(prompts), dtype=torch.float64)
+            done = torch.zeros(len(prompts), dtype=torch.bool)
+            out: list[list[int]] = [[] for _ in range(len(prompts))]
             for step in range(max_length):
-                hidden, _ = self._decoder(step_ids, length - 1 + step, cross, cache)
-                logits = self._logits(hidden[:, -1]).float()
+                if state is None:
+                    hidden, _ = self._decoder(step_ids, length - 1 + step, cross, cache)
+                    logits = self._logits(hidden[:, -1]).float()
+                else:
+                    logits = state.run(step_ids, position)
+                    position += 1
                 if no_speech is None:
                     no_speech = logits.softmax(-1)[:, tk.no_speech]
                 logits = logits.masked_fill(mask_begin if step == 0 else mask, -math.inf)
@@ -276,12 +339,14 @@ class TorchBackend:
                         done[i] = True
                     else:
                         out[i].append(token)
-                if bool(done.all()):
+                if bool(done[:batch].all()):
                     break
                 step_ids = best[:, None]
+            if state is not None:
+                state.release()
         results = []
         probs = no_speech.float().cpu().tolist()
-        for tokens, score, cap, prob in zip(out, scores.tolist(), max_tokens, probs, strict=True):
+        for tokens, score, cap, prob in zip(out, scores.tolist(), max_tokens, probs[:batch], strict=True):
             score = score / len(tokens) if tokens else -math.inf  # CTranslate2's length penalty 1
             results.append(Decoded(tokens[:cap], score / max(1, len(tokens)), prob))
         return results
@@ -372,6 +437,113 @@ class TorchBackend:
 
     def _logits(self, hidden: Any) -> Any:
         return self._torch.nn.functional.linear(hidden, self.model.model.decoder.embed_tokens.weight)
+
+
+    def _static(self, batch: int, cross: list[tuple[Any, Any]], cache: list[list[Any]], needed: int) -> _StaticDecode:
+        """The static buffers of this shape, filled with the cross-attention keys and values and
+        the prompt's cache, and held (`release`) until the decode ends: the ones a graph reads
+        when the runner has captured this shape, else new ones."""
+        length = min(self.model.config.max_target_positions, -(-needed // _CACHE_BLOCK) * _CACHE_BLOCK)
+        key = (batch, cross[0][0].shape[2], length)
+        with self._states_mu:
+            state = self._states.get(key)
+            if state is None:
+                self._prune()
+                state = self._states[key] = _StaticDecode(self, key, graphed=self.graphs is not None)
+            if not state.take():  # another decode of this shape holds them: eager on buffers of its own
+                state = _StaticDecode(self, key, graphed=False)
+                state.take()
+        state.fill(cross, cache)
+        return state
+
+    def _prune(self) -> None:
+        """Drop the idle buffers of shapes without a graph once there are as many as the
+        runner may capture (a graph's buffers stay: it reads and writes them)."""
+        limit = max(4, self.graphs.config.max_graphs) if self.graphs is not None else 0
+        if len(self._states) < limit:
+            return
+        for key, state in list(self._states.items()):
+            if not (self.graphs is not None and self.graphs.has_tag(("decoder", *key))) and state.take():
+                del self._states[key]  # held forever: a decode that still had them has ended
+
+
+class _StaticDecode:
+    """The decoder step of one (batch, encoder positions, cache length) shape on buffers it
+    reads and writes in place (module docstring): the self-attention KV cache [layers, batch,
+    heads, length, head size] and the cross-attention keys and values. One decode at a time
+    holds it (`take` / `release`)."""
+
+    def __init__(self, backend: TorchBackend, key: tuple[int, int, int], graphed: bool) -> None:
+        torch = backend._torch
+        batch, positions, length = key
+        config = backend.model.config
+        size = config.d_model // backend.heads
+        shape = (config.decoder_layers, batch, backend.heads)
+        make = dict(device=backend.device, dtype=backend.dtype)
+        self.backend, self.key, self.graphed = backend, key, graphed  # graphed: the shape's runner buffers
+        self.k, self.v = torch.zeros(*shape, length, size, **make), torch.zeros(*shape, length, size, **make)
+        self.ck, self.cv = torch.zeros(*shape, positions, size, **make), torch.zeros(*shape, positions, size, **make)
+        self.slots = torch.arange(length, device=backend.device)
+        self._busy = threading.Lock()
+
+    def take(self) -> bool:
+        return self._busy.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._busy.release()
+
+    def fill(self, cross: list[tuple[Any, Any]], cache: list[list[Any]]) -> None:
+        for i, ((ck, cv), (k, v)) in enumerate(zip(cross, cache, strict=True)):
+            self.ck[i].copy_(ck)
+            self.cv[i].copy_(cv)
+            if k is not None:
+                self.k[i, :, :, : k.shape[2]].copy_(k)
+                self.v[i, :, :, : v.shape[2]].copy_(v)
+
+    def run(self, ids: Any, position: Any) -> Any:
+        """The next-token logits (float32 [batch, vocab]) of `ids` [batch, 1] at `position` [1]:
+        through the runner (a graph of this shape, or eagerly) when these are the shape's
+        runner buffers, else eagerly."""
+        graphs = self.backend.graphs
+        if graphs is None:
+            return self.step(ids, position)
+        if not self.graphed:
+            return graphs.eager(self.step, ids, position)
+        return graphs.run(self.step, ids, position, tag=("decoder", *self.key))
+
+    def step(self, ids: Any, position: Any) -> Any:
+        b = self.backend
+        F = b._torch.nn.functional
+        decoder = b.model.model.decoder
+        x = decoder.embed_tokens(ids) + decoder.embed_positions.weight.index_select(0, position)
+        visible = (self.slots <= position)[None]  # the cache's filled positions, this one's included
+        for i, layer in enumerate(decoder.layers):
+            h = layer.self_attn_layer_norm(x)
+            q, k, v = (b._split(p) for p in (layer.self_attn.q_proj(h), layer.self_attn.k_proj(h),
+                                             layer.self_attn.v_proj(h)))
+            self.k[i].index_copy_(2, position, k)
+            self.v[i].index_copy_(2, position, v)
+            x = x + layer.self_attn.out_proj(b._merge(F.scaled_dot_product_attention(q, self.k[i], self.v[i],
+                                                                                     attn_mask=visible)))
+            h = layer.encoder_attn_layer_norm(x)
+            q = b._split(layer.encoder_attn.q_proj(h))
+            x = x + layer.encoder_attn.out_proj(b._merge(F.scaled_dot_product_attention(q, self.ck[i], self.cv[i])))
+            x = x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
+        return b._logits(decoder.layer_norm(x)[:, -1]).float()
+
+
+def padded_batch(n: int) -> int:
+    """The graphed batch size a batch of `n` runs as: the next of `_BATCH_BUCKETS` (beyond 16, `n`)."""
+    return next((b for b in _BATCH_BUCKETS if b >= n), n)
+
+
+def _pad_rows(x: Any, rows: int) -> Any:
+    """`x` with its first row repeated up to `rows` rows."""
+    if x.shape[0] >= rows:
+        return x
+    import torch
+
+    return torch.cat([x, x[:1].expand(rows - x.shape[0], *x.shape[1:])])
 
 
 def _median_filter(x: Any, width: int) -> Any:
@@ -485,6 +657,9 @@ def _special_tokens(path: Path, config: dict[str, Any], model_config: Any) -> _T
     if not heads:
         heads = [(i, h) for i in range(layers // 2, layers) for h in range(model_config.decoder_attention_heads)]
     vocab = model_config.vocab_size
+    languages = [(ids(f"<|{code}|>"), f"<|{code}|>") for code in language_tables()[0]] \
+        if vocab >= 51865 else []
+    languages = [(token, text) for token, text in languages if token is not None]
     return _Tokens(ids("<|startoftranscript|>"), ids("<|notimestamps|>"), ids("<|endoftext|>"), no_speech,
                    [t for t in suppress if 0 <= t < vocab], [t for t in begin if 0 <= t < vocab],
-                   [(int(a), int(b)) for a, b in heads])
+                   [(int(a), int(b)) for a, b in heads], [t for t, _ in languages], [x for _, x in languages])

@@ -62,6 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", dest="grace_s", type=float, default=None, help="drain grace period in seconds (30)")
     p.add_argument("--asr", default=None, choices=ASR_ENGINES,
                    help="the recogniser: Whisper tiny.en on CTranslate2 (whisper, the default) or pocketsphinx")
+    p.add_argument("--asr-model", default=None, metavar="DIR",
+                   help="Whisper: a CTranslate2 (faster-whisper) or transformers Whisper directory "
+                        "(default: the embedded tiny.en)")
+    p.add_argument("--asr-backend", default=None, choices=("auto", "ct2", "torch"),
+                   help="Whisper's runtime: CTranslate2 or torch (auto: torch on CUDA, else ct2)")
+    p.add_argument("--asr-compute-type", default=None, metavar="TYPE",
+                   help="Whisper's precision (ct2: int8, int8_float16, float16, float32, ...; torch: float32, "
+                        "float16, bfloat16); default: the runtime's on the device")
+    p.add_argument("--asr-max-graphs", type=int, default=None, metavar="N",
+                   help="Whisper on torch and CUDA: CUDA graphs captured at most (48)")
     p.add_argument("--asr-threads", type=int, default=None, help="Whisper: cores one decode batch uses (1)")
     p.add_argument("--asr-parallel", type=int, default=None,
                    help="Whisper: decode batches that run at once, each on its share of the streams (2)")

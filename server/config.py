@@ -18,6 +18,7 @@ MiB = 1024 * 1024
 # local `transformers` model may be large for a CPU) or one decode step; a video step decodes one latent
 # frame, which at the largest frame the limits admit takes long on a CPU.
 ASR_ENGINES = ("whisper", "pocketsphinx")
+ASR_BACKENDS = ("auto", "ct2", "torch")
 STEP_DEADLINES_S: dict[str, float] = {
     "vad": 5.0, "turn_audio": 10.0, "asr": 30.0, "asr_final": 30.0, "tts": 30.0, "video": 300.0, "llm": 60.0,
     "transformers": 120.0,
@@ -55,6 +56,15 @@ class ServerConfig:
     # Whisper: cores one decode batch uses, and batches that run at once (the asr lane's runners).
     asr_threads: int = 1
     asr_parallel: int = 2
+    # Whisper's model: a CTranslate2 (faster-whisper) or transformers Whisper directory; "" is the
+    # embedded tiny.en. Its runtime: "ct2" (CTranslate2), "torch" (engines/whisper_torch.py;
+    # CUDA graphs on a GPU, at most asr_max_graphs) or "auto" (torch on CUDA, else ct2); its
+    # precision: "" for the runtime's default on the device (ct2: int8 on a CPU, float16 on
+    # CUDA; torch: float32, float16), else e.g. int8_float16, float32, bfloat16.
+    asr_model: str = ""
+    asr_backend: str = "auto"
+    asr_compute_type: str = ""
+    asr_max_graphs: int = 48
     asr_workers: int = 2
     # Fast-final PocketSphinx decoders built per worker at start: the user turns a worker
     # decodes at once before building more on demand (building one stalls the worker, and
@@ -224,6 +234,12 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.asr not in ASR_ENGINES:
             raise ValueError(f"asr must be one of {', '.join(ASR_ENGINES)}, got {self.asr!r}")
+        if self.asr_backend not in ASR_BACKENDS:
+            raise ValueError(f"asr_backend must be one of {', '.join(ASR_BACKENDS)}, got {self.asr_backend!r}")
+        if self.asr_max_graphs < 0:
+            raise ValueError(f"asr_max_graphs must be 0 or more, got {self.asr_max_graphs}")
+        if self.asr != "whisper" and (self.asr_model or self.asr_backend != "auto" or self.asr_compute_type):
+            raise ValueError("asr_model, asr_backend and asr_compute_type are Whisper's: they need asr whisper")
         if self.asr_threads < 1 or self.asr_parallel < 1:
             raise ValueError(f"asr_threads and asr_parallel must be at least 1, got {self.asr_threads} and "
                              f"{self.asr_parallel}")
