@@ -237,8 +237,9 @@ class Vocabulary:
         self.transcribe = ids("<|transcribe|>")
         self.multilingual = multilingual
         # the languages it transcribes: every language token of a multilingual tokenizer
-        self.languages = tuple(code for code in language_tables()[0] if ids(f"<|{code}|>") is not None) \
-            if multilingual else ("en",)
+        self._language_tokens = language_tokens(ids) if multilingual else {}
+        self._codes = {text: code for code, (text, _) in self._language_tokens.items()}
+        self.languages = tuple(self._language_tokens) if multilingual else ("en",)
         if None in (self.eot, self.sot, self.no_timestamps, self.previous) or not self.languages or \
                 (multilingual and self.transcribe is None):
             raise EngineError(f"{file}: not a Whisper tokenizer (no <|startoftranscript|>, <|notimestamps|>, "
@@ -261,7 +262,11 @@ class Vocabulary:
         """The start sequence (before `<|notimestamps|>`) for `language` (a served code)."""
         if not self.multilingual:
             return [self.sot]
-        return [self.sot, self._tokenizer.token_to_id(f"<|{language or 'en'}|>"), self.transcribe]
+        return [self.sot, self._language_tokens[language or "en"][1], self.transcribe]
+
+    def code_of(self, token: str) -> str:
+        """The language code of a language token's text ("<|fr|>" -> "fr")."""
+        return self._codes[token]
 
     def prompt(self, previous: list[int], language: str = "") -> list[int]:
         return ([self.previous, *previous[-_PROMPT_TOKENS:]] if previous else []) + \
@@ -291,6 +296,20 @@ class Vocabulary:
             else:
                 words.append((piece, [i]))
         return [(text.strip(), members) for text, members in words if text.strip()]
+
+
+_TOKEN_ALIASES = {"he": "iw"}  # Hebrew's token is <|iw|> in some Whisper tokenizers
+
+
+def language_tokens(token_to_id: Callable[[str], int | None]) -> dict[str, tuple[str, int]]:
+    """A tokenizer's language tokens: code -> (token text, id), for every Whisper language it has."""
+    found = {}
+    for code in language_tables()[0]:
+        for text in (f"<|{code}|>", f"<|{_TOKEN_ALIASES.get(code, code)}|>"):
+            if (token := token_to_id(text)) is not None:
+                found[code] = (text, token)
+                break
+    return found
 
 
 @functools.cache
@@ -755,7 +774,7 @@ class WhisperEngine:
             # a stream that named no language: this window's most probable one (Whisper's own
             # detection, from the first decoder step); a long utterance keeps its first window's
             for d, token in zip(batch, backend.detect_language(encoded), strict=True):
-                d.language = d.language or token.strip("<|>")
+                d.language = d.language or vocab.code_of(token)
         for d in batch:
             d.utt.language = d.language or d.utt.language
         prompts = [vocab.prompt(d.context, d.language) for d in batch]

@@ -38,6 +38,7 @@ A shape's buffers live as long as its graph; without one (a miss) they are the c
 from __future__ import annotations
 
 import json
+import logging
 import math
 import struct
 import threading
@@ -48,7 +49,9 @@ from typing import Any
 import numpy as np
 
 from .base import EngineError
-from .whisper import Decoded, embedded_model_dir, language_tables
+from .whisper import Decoded, embedded_model_dir, language_tokens
+
+log = logging.getLogger(__name__)
 
 _MEDIAN_WIDTH = 7  # CTranslate2's and openai-whisper's median filter over the attention
 _CT2_DTYPES = ("float32", "int8", "int16", "int32", "float16", "bfloat16")  # the file's type ids
@@ -249,7 +252,22 @@ class TorchBackend:
             if self.graphs is None:
                 return self._encode(x)
             n = x.shape[0]
-            return self.graphs.run(self._encode, _pad_rows(x, padded_batch(n)), tag="encoder")[:n]
+            return self.graphed(self._encode, _pad_rows(x, padded_batch(n)), tag="encoder")[:n]
+
+    def graphed(self, fn: Any, *inputs: Any, tag: Any) -> Any:
+        """`fn(*inputs)` through the graph runner; a capture that fails runs the call eagerly
+        (the runner records the failure and captures nothing more: every later call is eager)."""
+        graphs = self.graphs
+        if graphs is None or graphs.failed:
+            return fn(*inputs)
+        try:
+            return graphs.run(fn, *inputs, tag=tag)
+        except Exception:
+            if not graphs.failed:
+                raise
+            log.warning("Whisper: a CUDA-graph capture failed; the recogniser runs eagerly from now on",
+                        exc_info=True)
+            return fn(*inputs)
 
     def _encode(self, x: Any) -> Any:
         F = self._torch.nn.functional
@@ -293,13 +311,13 @@ class TorchBackend:
         total = max(max_tokens) + 4 + length
         max_length = min(total // 2, total - (length - 1))
         batch = len(prompts)
+        if length + max_length > self.model.config.max_target_positions:
+            raise ValueError(f"a prompt of {length} tokens and {max_length} more pass the model's "
+                             f"{self.model.config.max_target_positions} positions")
         if self.static:
             padded = padded_batch(batch) if self.graphs is not None else batch
             prompts = prompts + [prompts[0]] * (padded - batch)
             encoded = _pad_rows(encoded, padded)
-            if length + max_length > self.model.config.max_target_positions:
-                raise ValueError(f"a prompt of {length} tokens and {max_length} more pass the model's "
-                                 f"{self.model.config.max_target_positions} positions")
         with torch.inference_mode():
             cross = self._cross(encoded)
             cache: list[list[Any]] = [[None, None] for _ in self.model.model.decoder.layers]
@@ -308,7 +326,6 @@ class TorchBackend:
             if length > 1:
                 hidden, _ = self._decoder(ids[:, :-1], 0, cross, cache)
                 no_speech = self._logits(hidden[:, sot]).softmax(-1)[:, tk.no_speech]
-            state = self._static(len(prompts), cross, cache, length + max_length) if self.static else None
             position = torch.tensor([length - 1], device=self.device)
             mask = torch.zeros(self.model.config.vocab_size, device=self.device, dtype=torch.bool)
             mask[tk.suppress] = True
@@ -318,35 +335,39 @@ class TorchBackend:
             scores = torch.zeros(len(prompts), dtype=torch.float64)
             done = torch.zeros(len(prompts), dtype=torch.bool)
             out: list[list[int]] = [[] for _ in range(len(prompts))]
-            for step in range(max_length):
-                if state is None:
-                    hidden, _ = self._decoder(step_ids, length - 1 + step, cross, cache)
-                    logits = self._logits(hidden[:, -1]).float()
-                else:
-                    logits = state.run(step_ids, position)
-                    position += 1
-                if no_speech is None:
-                    no_speech = logits.softmax(-1)[:, tk.no_speech]
-                logits = logits.masked_fill(mask_begin if step == 0 else mask, -math.inf)
-                logprobs = logits.log_softmax(-1)
-                best = logprobs.argmax(-1)
-                best_lp = logprobs.gather(1, best[:, None])[:, 0].double().cpu()
-                for i, token in enumerate(best.tolist()):
-                    if done[i]:
-                        continue
-                    scores[i] += best_lp[i]
-                    if token == tk.eot:
-                        done[i] = True
+            state = self._static(len(prompts), cross, cache, length + max_length) if self.static else None
+            try:
+                for step in range(max_length):
+                    if state is None:
+                        hidden, _ = self._decoder(step_ids, length - 1 + step, cross, cache)
+                        logits = self._logits(hidden[:, -1]).float()
                     else:
-                        out[i].append(token)
-                if bool(done[:batch].all()):
-                    break
-                step_ids = best[:, None]
-            if state is not None:
-                state.release()
+                        logits = state.run(step_ids, position)
+                        position += 1
+                    if no_speech is None:
+                        no_speech = logits.softmax(-1)[:, tk.no_speech]
+                    logits = logits.masked_fill(mask_begin if step == 0 else mask, -math.inf)
+                    logprobs = logits.log_softmax(-1)
+                    best = logprobs.argmax(-1)
+                    best_lp = logprobs.gather(1, best[:, None])[:, 0].double().cpu()
+                    for i, token in enumerate(best.tolist()):
+                        if done[i]:
+                            continue
+                        scores[i] += best_lp[i]
+                        if token == tk.eot:
+                            done[i] = True
+                        else:
+                            out[i].append(token)
+                    if bool(done[:batch].all()):
+                        break
+                    step_ids = best[:, None]
+            finally:
+                if state is not None:
+                    state.release()
         results = []
         probs = no_speech.float().cpu().tolist()
-        for tokens, score, cap, prob in zip(out, scores.tolist(), max_tokens, probs[:batch], strict=True):
+        for tokens, score, cap, prob in zip(out[:batch], scores.tolist()[:batch], max_tokens, probs[:batch],
+                                             strict=True):
             score = score / len(tokens) if tokens else -math.inf  # CTranslate2's length penalty 1
             results.append(Decoded(tokens[:cap], score / max(1, len(tokens)), prob))
         return results
@@ -449,9 +470,9 @@ class TorchBackend:
             state = self._states.get(key)
             if state is None:
                 self._prune()
-                state = self._states[key] = _StaticDecode(self, key, graphed=self.graphs is not None)
+                state = self._states[key] = _StaticDecode(self, key, runner_buffers=self.graphs is not None)
             if not state.take():  # another decode of this shape holds them: eager on buffers of its own
-                state = _StaticDecode(self, key, graphed=False)
+                state = _StaticDecode(self, key, runner_buffers=False)
                 state.take()
         state.fill(cross, cache)
         return state
@@ -471,16 +492,17 @@ class _StaticDecode:
     """The decoder step of one (batch, encoder positions, cache length) shape on buffers it
     reads and writes in place (module docstring): the self-attention KV cache [layers, batch,
     heads, length, head size] and the cross-attention keys and values. One decode at a time
-    holds it (`take` / `release`)."""
+    holds it (`take` / `release`). `runner_buffers`: the shape's buffers in the backend, which
+    its graph (once captured) reads and writes; others run eagerly."""
 
-    def __init__(self, backend: TorchBackend, key: tuple[int, int, int], graphed: bool) -> None:
+    def __init__(self, backend: TorchBackend, key: tuple[int, int, int], runner_buffers: bool) -> None:
         torch = backend._torch
         batch, positions, length = key
         config = backend.model.config
         size = config.d_model // backend.heads
         shape = (config.decoder_layers, batch, backend.heads)
         make = dict(device=backend.device, dtype=backend.dtype)
-        self.backend, self.key, self.graphed = backend, key, graphed  # graphed: the shape's runner buffers
+        self.backend, self.key, self.runner_buffers = backend, key, runner_buffers
         self.k, self.v = torch.zeros(*shape, length, size, **make), torch.zeros(*shape, length, size, **make)
         self.ck, self.cv = torch.zeros(*shape, positions, size, **make), torch.zeros(*shape, positions, size, **make)
         self.slots = torch.arange(length, device=backend.device)
@@ -505,11 +527,11 @@ class _StaticDecode:
         through the runner (a graph of this shape, or eagerly) when these are the shape's
         runner buffers, else eagerly."""
         graphs = self.backend.graphs
-        if graphs is None:
+        if graphs is None or graphs.failed:
             return self.step(ids, position)
-        if not self.graphed:
+        if not self.runner_buffers:
             return graphs.eager(self.step, ids, position)
-        return graphs.run(self.step, ids, position, tag=("decoder", *self.key))
+        return self.backend.graphed(self.step, ids, position, tag=("decoder", *self.key))
 
     def step(self, ids: Any, position: Any) -> Any:
         b = self.backend
@@ -657,9 +679,7 @@ def _special_tokens(path: Path, config: dict[str, Any], model_config: Any) -> _T
     if not heads:
         heads = [(i, h) for i in range(layers // 2, layers) for h in range(model_config.decoder_attention_heads)]
     vocab = model_config.vocab_size
-    languages = [(ids(f"<|{code}|>"), f"<|{code}|>") for code in language_tables()[0]] \
-        if vocab >= 51865 else []
-    languages = [(token, text) for token, text in languages if token is not None]
+    languages = [(token, text) for text, token in language_tokens(ids).values()] if vocab >= 51865 else []
     return _Tokens(ids("<|startoftranscript|>"), ids("<|notimestamps|>"), ids("<|endoftext|>"), no_speech,
                    [t for t in suppress if 0 <= t < vocab], [t for t in begin if 0 <= t < vocab],
                    [(int(a), int(b)) for a, b in heads], [t for t, _ in languages], [x for _, x in languages])

@@ -22,6 +22,7 @@ from rtmedia.engines.whisper import (
 from rtmedia.engines.whisper_torch import TorchBackend, negative_dtw, read_ctranslate2
 
 from tests.support.speech import Speaker
+from tests.support.whisper_models import tiny_whisper
 
 FOX = "The quick brown fox jumps over the lazy dog."
 SPIDER = "How many legs does a spider have?"
@@ -104,8 +105,8 @@ def test_alignments_agree(backends, features, speech) -> None:
     encoded = ct2.encode(features)
     tokens = [vocab.encode(FOX), vocab.encode(SPIDER)]
     frames = [speech[FOX].size // 160, speech[SPIDER].size // 160]
-    ours = torch_backend.align(torch.from_numpy(np.array(encoded)), vocab.start, tokens, frames)
-    theirs = ct2.align(encoded, vocab.start, tokens, frames)
+    ours = torch_backend.align(torch.from_numpy(np.array(encoded)), vocab.sot_sequence(), tokens, frames)
+    theirs = ct2.align(encoded, vocab.sot_sequence(), tokens, frames)
     for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_allclose(a.text_token_probs, b.text_token_probs, atol=1e-3)
         path, other = np.array(a.alignments), np.array(b.alignments)
@@ -153,21 +154,8 @@ def test_engine_text_and_word_times_agree(engines, speech, text) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny random transformers Whisper directory (no download), with the embedded model's
-    tokenizer (CTranslate2's converter needs one)."""
-    import shutil
-
-    from transformers import WhisperConfig, WhisperForConditionalGeneration, WhisperTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny-whisper")
-    torch.manual_seed(0)
-    config = WhisperConfig(vocab_size=51864, num_mel_bins=80, d_model=64, encoder_layers=2, decoder_layers=2,
-                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
-                           decoder_ffn_dim=128, max_source_positions=1500, max_target_positions=448)
-    WhisperForConditionalGeneration(config).save_pretrained(path)
-    shutil.copy(embedded_model_dir() / "tokenizer.json", path / "tokenizer.json")
-    WhisperTokenizerFast(tokenizer_file=str(path / "tokenizer.json")).save_pretrained(path)
-    return path
+    """A tiny random transformers Whisper directory (no download) with the embedded tokenizer."""
+    return tiny_whisper(tmp_path_factory.mktemp("tiny-whisper"))
 
 
 def test_transformers_directory_loads(tiny) -> None:
@@ -190,7 +178,7 @@ def test_transformers_directory_loads(tiny) -> None:
     assert short.shape == (1, 150, 64)
     [decoded] = backend.generate(short, [vocab.start], [5])
     assert len(decoded.tokens) <= 5 and 0 <= decoded.no_speech_prob <= 1
-    [aligned] = backend.align(short, vocab.start, [[1000, 2000]], [300])
+    [aligned] = backend.align(short, vocab.sot_sequence(), [[1000, 2000]], [300])
     assert len(aligned.text_token_probs) == 2 and aligned.alignments[-1] == (2, 149)
 
 
