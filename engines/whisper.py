@@ -571,11 +571,18 @@ class WhisperEngine:
         return self._vocab_().languages
 
     @property
+    def graph_stats(self) -> Any:
+        """The torch backend's graph runner statistics (`GraphStats`), None without graphs."""
+        graphs = getattr(self._backend, "graphs", None)
+        return graphs.stats if graphs is not None else None
+
+    @property
     def describe(self) -> dict[str, str]:
-        """The loaded model: its name, directory, runtime, precision and languages."""
+        """The loaded model: its name, directory, runtime, device, precision and languages."""
         backend = self._backend
         return {"model": self.model, "path": str(self._dir or embedded_model_dir()),
-                "runtime": getattr(backend, "runtime", ""), "compute_type": getattr(backend, "compute_type", ""),
+                "runtime": getattr(backend, "runtime", ""), "device": self._device,
+                "compute_type": getattr(backend, "compute_type", ""),
                 "languages": "multilingual" if self._vocab and self._vocab.multilingual else "en"}
 
     def warmup(self) -> None:

@@ -660,9 +660,9 @@ def _token_ids(path: Path) -> Any:
 
 
 def _special_tokens(path: Path, config: dict[str, Any], model_config: Any) -> _Tokens:
-    """The special tokens (`_token_ids`), the
-    suppression lists and the alignment heads (CTranslate2's config, else transformers'
-    generation config, else the decoder's last half of layers, every head)."""
+    """The special tokens (`_token_ids`), the suppression lists (CTranslate2's config, else
+    transformers' generation config, else the embedded model's) and the alignment heads (either
+    config, else the decoder's last half of layers, every head)."""
     ids = _token_ids(path)
     no_speech = ids("<|nospeech|>")
     if no_speech is None:
@@ -670,10 +670,11 @@ def _special_tokens(path: Path, config: dict[str, Any], model_config: Any) -> _T
     generation: dict[str, Any] = {}
     if (path / "generation_config.json").exists():
         generation = json.loads((path / "generation_config.json").read_text())
-    embedded = json.loads((embedded_model_dir() / "config.json").read_text())
-    suppress = config.get("suppress_ids") or generation.get("suppress_tokens") or embedded["suppress_ids"]
-    begin = config.get("suppress_ids_begin") or generation.get("begin_suppress_tokens") or \
-        embedded["suppress_ids_begin"]
+    suppress = config.get("suppress_ids") or generation.get("suppress_tokens")
+    begin = config.get("suppress_ids_begin") or generation.get("begin_suppress_tokens")
+    if not suppress or not begin:  # the embedded tiny.en's lists (English Whisper's)
+        embedded = json.loads((embedded_model_dir() / "config.json").read_text())
+        suppress, begin = suppress or embedded["suppress_ids"], begin or embedded["suppress_ids_begin"]
     heads = config.get("alignment_heads") or generation.get("alignment_heads")
     layers = model_config.decoder_layers
     if not heads:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -19,7 +18,6 @@ import socket
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,13 +25,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_tts_pb2, riva_tts_pb2_grpc
 from rtmedia.engines.asr import AsrEngine
-from rtmedia.engines.base import EngineError
 from rtmedia.engines.denoise import Denoiser
 from rtmedia.engines.openai_chat import OpenAIResponder
 from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
 from rtmedia.engines.turn import AcousticTurnModel
 from rtmedia.engines.vad import VadEngine
-from rtmedia.engines.whisper import WhisperEngine
 from rtmedia.protocol.tokens import TokenTable
 from rtmedia.server.audio_input import WINDOW_MS, VadTick
 from rtmedia.server.auth import AuthInterceptor
@@ -42,7 +38,7 @@ from rtmedia.server.engine_access import ASR, ASR_FINAL, TTS, TURN_AUDIO, VAD, V
 from rtmedia.server.interceptors import ServerInterceptor
 from rtmedia.server.metrics import Metrics
 from rtmedia.server.metrics_http import start_metrics_http
-from rtmedia.server.placement import build_lm_engines, build_video_engine, graph_runner, placement
+from rtmedia.server.placement import build_lm_engines, build_video_engine, build_whisper_engine, placement
 from rtmedia.server.realtime_service import RealtimeService
 from rtmedia.server.recording import RecordingPolicy, Recordings
 from rtmedia.server.responders import build_responders
@@ -205,23 +201,6 @@ class RtmediaServer:
         self.metrics.asr_decodes.labels(kind).inc(decodes)
         self.metrics.asr_batch.labels(kind).observe(decodes)
 
-    def _whisper(self, config: ServerConfig) -> WhisperEngine:
-        """The Whisper engine of the settings (server/config.py): its model directory, runtime
-        (`auto`: torch with CUDA graphs on CUDA, CTranslate2 on a CPU) and precision; a
-        directory that is no Whisper model is a ValueError naming the file."""
-        where = self.placement
-        runtime = config.asr_backend if config.asr_backend != "auto" else "torch" if where.cuda else "ct2"
-        graphs = None
-        if runtime == "torch":
-            asr_graphs = dataclasses.replace(where.graphs, max_graphs=config.asr_max_graphs)
-            graphs = graph_runner(ASR, dataclasses.replace(where, graphs=asr_graphs), self.metrics)
-        try:
-            return WhisperEngine(Path(config.asr_model) if config.asr_model else None, intra_threads=config.asr_threads,
-                                 inter_threads=config.asr_parallel, on_batch=self._asr_batch, runtime=runtime,
-                                 device=str(where.device), compute_type=config.asr_compute_type, graphs=graphs)
-        except EngineError as exc:
-            raise ValueError(f"asr_model: {exc}") from None
-
     def _add_asr(self, config: ServerConfig, scheduler: Scheduler, deadline: Callable[[str], float | None]) -> None:
         """The recogniser's two lanes: `asr` for audio, `asr_final` for the items that only end
         an utterance, so a turn's final never queues behind other streams' audio."""
@@ -229,7 +208,7 @@ class RtmediaServer:
             # One model in this process, running `asr_parallel` batches at once. The `asr` lane has
             # as many runners, each stepping the items of its share of the streams as one batch
             # (sharded by stream, so a stream's items stay in order); `asr_final` has one.
-            whisper = self._whisper(config)
+            whisper = build_whisper_engine(config, self.placement, self.metrics, self._asr_batch)
             self.metrics.asr_streams.labels("0").set_function(functools.partial(whisper.streams_on, 0))
             self.metrics.asr_partial_cadence.set_function(lambda: whisper.partial_cadence_ms)
             scheduler.add(ASR, whisper, LanePolicy(Priority.REALTIME, max_batch=256, concurrency=config.asr_parallel,

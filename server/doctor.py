@@ -129,13 +129,28 @@ def check_speech() -> tuple[str, str, float | None]:
 
 
 def check_asr() -> tuple[str, str, float | None]:
-    from rtmedia.engines.whisper import WhisperEngine, embedded_model_dir
+    from rtmedia.server.config import ServerConfig
+    from rtmedia.server.placement import build_whisper_engine, placement
 
-    engine = WhisperEngine()
+    config = ServerConfig()  # what `rtmedia serve` picks on this machine by default
+    engine = build_whisper_engine(config, placement(config), None)
     engine.load()
-    engine.warmup()  # one decode
-    engine.close()
-    return "pass", f"Whisper tiny.en (CTranslate2, CPU, int8) loads and decodes, from {embedded_model_dir()}", None
+    try:
+        engine.warmup()  # one decode
+        engine.warmup()  # a second: a shape's graph is captured on its second call
+        about = engine.describe
+        where = f"{about['runtime']}, {about['device']}, {about['compute_type']}"
+        graphs = engine.graph_stats
+        if graphs is None:
+            mode = "no CUDA graphs (CTranslate2)"
+        else:
+            mode = f"CUDA graphs: {graphs.graphs} captured, replays {graphs.hits}, eager steps {graphs.miss_total} " \
+                f"({', '.join(f'{k} {v}' for k, v in graphs.misses.items() if v) or 'none'})"
+            if graphs.capture_failures:
+                return "fail", f"Whisper ({where}): a capture failed: {graphs.capture_failures[0]}", None
+        return "pass", f"Whisper {about['model']} ({where}) loads and decodes, from {about['path']}; {mode}", None
+    finally:
+        engine.close()
 
 
 def check_graphs() -> tuple[str, str, float | None]:

@@ -11,6 +11,10 @@ built from the result:
 | cpu | float32, int8 linear layers unless `lm_quantize none`; eager | float32, eager |
 | cuda | bfloat16; the decode step captured as CUDA graphs at warm-up for each padded batch size (`lm_batch_sizes`) | float32; steady-state decode steps admitted as graphs (`max_graphs`, `min_free_bytes`); `video_fast_path fused`: Triton decoder kernels |
 
+Whisper (`build_whisper_engine`) runs on CTranslate2 (int8) on a CPU and on torch (float16) on
+CUDA, its encoder and decoder step admitted as graphs up to `asr_max_graphs`
+(`asr_backend`, `asr_compute_type` and `asr_model` choose otherwise).
+
 `cuda_graphs: false` (`--no-cuda-graphs`) runs everything eagerly. Each
 engine's graph runner counts its replays and its misses by reason into
 `rtmedia_graph_replays_total{engine}` / `rtmedia_graph_misses_total{engine,reason}`
@@ -20,13 +24,17 @@ engine's graph runner counts its replays and its misses by reason into
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
+from rtmedia.engines.base import EngineError
 from rtmedia.engines.graphs import MISS_REASONS, GraphConfig, GraphRunner
 from rtmedia.engines.lm import EmbeddedLmEngine, LmEngine
 from rtmedia.engines.video import VideoEngine
+from rtmedia.engines.whisper import WhisperEngine
 from rtmedia.server.config import ServerConfig
 from rtmedia.server.metrics import Metrics
 
@@ -92,8 +100,10 @@ def placement(config: ServerConfig) -> Placement:
     return Placement(device, torch.bfloat16 if device.type == "cuda" else torch.float32, quantize, graphs)
 
 
-def graph_runner(engine: str, where: Placement, metrics: Metrics) -> GraphRunner:
+def graph_runner(engine: str, where: Placement, metrics: Metrics | None) -> GraphRunner:
     """A graph runner whose replays and misses count into the metrics (docs/operations.md#metrics) under `engine`."""
+    if metrics is None:
+        return GraphRunner(engine, where.graphs)
     replays = metrics.graph_replays.labels(engine)
     misses = {reason: metrics.graph_misses.labels(engine, reason) for reason in MISS_REASONS}
     return GraphRunner(engine, where.graphs, on_replay=replays.inc, on_miss=lambda reason: misses[reason].inc())
@@ -133,3 +143,21 @@ def build_video_engine(config: ServerConfig, where: Placement, metrics: Metrics)
                     "references (each fallback is recorded); it pays off on CUDA only")
     return VideoEngine(config.video_vae, threads=config.video_threads, device=str(where.device),
                        graphs=graph_runner("video", where, metrics), fast_path=config.video_fast_path)
+
+
+def build_whisper_engine(config: ServerConfig, where: Placement, metrics: Metrics | None,
+                         on_batch: Callable[[str, int], None] | None = None) -> WhisperEngine:
+    """The Whisper recogniser of the settings: its model directory, runtime (`auto`: torch with
+    CUDA graphs, at most `asr_max_graphs`, on CUDA; CTranslate2 on a CPU) and precision. A
+    directory that is no Whisper model is a ValueError naming the file."""
+    runtime = config.asr_backend if config.asr_backend != "auto" else "torch" if where.cuda else "ct2"
+    graphs = None
+    if runtime == "torch":
+        asr = replace(where, graphs=replace(where.graphs, max_graphs=config.asr_max_graphs))
+        graphs = graph_runner("asr", asr, metrics)
+    try:
+        return WhisperEngine(Path(config.asr_model) if config.asr_model else None, intra_threads=config.asr_threads,
+                             inter_threads=config.asr_parallel, on_batch=on_batch, runtime=runtime,
+                             device=str(where.device), compute_type=config.asr_compute_type, graphs=graphs)
+    except EngineError as exc:
+        raise ValueError(f"asr_model: {exc}") from None

