@@ -1,6 +1,7 @@
 """The recognisers side by side, at the engine: word error rate, final latency, CPU, batching.
 
-    .venv/bin/python tests/perf/bench_asr.py [--engines whisper,pocketsphinx] [--limit N]
+    .venv/bin/python tests/perf/bench_asr.py [--engines whisper,pocketsphinx] [--limit N] [--model DIR]
+    .venv/bin/python tests/perf/bench_asr.py --engines whisper,whisper-ct2-float32,whisper-torch
     .venv/bin/python tests/perf/bench_asr.py --capacity talk:12 [--rounds 4] [--duration 30]
 
 Utterances: the sentences of `asr_sentences.txt` (46), said by Piper (`en_US-joe-medium`) and,
@@ -139,11 +140,15 @@ class Cpu:
         return own + children
 
 
-def engine_of(name: str):
-    if name == "whisper":
+def engine_of(name: str, model: str | None = None):
+    """`whisper` (CTranslate2, int8), `whisper-RUNTIME[-PRECISION]` (e.g. whisper-torch,
+    whisper-ct2-float32; `model`: a Whisper directory instead of the embedded tiny.en), or
+    `pocketsphinx`."""
+    if name.startswith("whisper"):
         from rtmedia.engines.whisper import WhisperEngine
 
-        engine = WhisperEngine()
+        _, runtime, compute_type = [*name.split("-", 2), "", ""][:3]
+        engine = WhisperEngine(Path(model) if model else None, runtime=runtime or "ct2", compute_type=compute_type)
         engine.load()
         engine.warmup()
         return engine, Cpu([])
@@ -255,7 +260,9 @@ def capacity(engines: list[str], profile: str, sessions: int, rounds: int, durat
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", default="whisper,pocketsphinx")
+    parser.add_argument("--engines", default="whisper,pocketsphinx",
+                        help="whisper, whisper-RUNTIME[-PRECISION] (whisper-torch, whisper-ct2-float32), pocketsphinx")
+    parser.add_argument("--model", default=None, metavar="DIR", help="the Whisper engines' model directory")
     parser.add_argument("--limit", type=int, default=0, help="the first N sentences only")
     parser.add_argument("--capacity", default=None, metavar="PROFILE:SESSIONS", help="server capacity runs instead")
     parser.add_argument("--rounds", type=int, default=4, help="--capacity: runs per engine (4)")
@@ -276,7 +283,7 @@ def main() -> None:
     result: dict = {"benchmark": "asr", "machine": machine(), "utterances": len(sentences),
                     "voices": sorted(voices), "engines": {}}
     for name in args.engines.split(","):
-        engine, cpu = engine_of(name)
+        engine, cpu = engine_of(name, args.model)
         figures: dict = {"wer": {}}
         latencies, partial_cpu, final_cpu, speech_s = [], 0.0, 0.0, 0.0
         for (voice, condition), pcms in sets.items():
@@ -294,7 +301,7 @@ def main() -> None:
                                        "finals": round(final_cpu / speech_s, 4),
                                        "all": round((partial_cpu + final_cpu) / speech_s, 4)}
         figures["batch_of_8"] = batching(engine, sets["piper", "clean"][:8])
-        if name == "whisper":
+        if name.startswith("whisper"):
             figures["gil"] = gil(engine, sets["piper", "clean"][:4])
         engine.close()
         result["engines"][name] = figures
