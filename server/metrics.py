@@ -180,6 +180,12 @@ class Metrics:
             "rtmedia_graph_misses_total", "Engine steps run eagerly, by reason (ineligible, capacity, warmup, memory)",
             ["engine", "reason"], registry=r,
         )
+        self.graphs = Gauge("rtmedia_graphs", "CUDA graphs an engine holds (captured, never evicted)", ["engine"],
+                            registry=r)
+        self.graph_capture_failures = Gauge(
+            "rtmedia_graph_capture_failures", "CUDA-graph captures that failed (an engine then runs eagerly)",
+            ["engine"], registry=r,
+        )
         self.grpc_handled = Counter(
             "grpc_server_handled_total", "RPCs completed on the server",
             ["grpc_type", "grpc_service", "grpc_method", "grpc_code"], registry=r,

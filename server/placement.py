@@ -106,7 +106,10 @@ def graph_runner(engine: str, where: Placement, metrics: Metrics | None) -> Grap
         return GraphRunner(engine, where.graphs)
     replays = metrics.graph_replays.labels(engine)
     misses = {reason: metrics.graph_misses.labels(engine, reason) for reason in MISS_REASONS}
-    return GraphRunner(engine, where.graphs, on_replay=replays.inc, on_miss=lambda reason: misses[reason].inc())
+    runner = GraphRunner(engine, where.graphs, on_replay=replays.inc, on_miss=lambda reason: misses[reason].inc())
+    metrics.graphs.labels(engine).set_function(lambda: runner.stats.graphs)
+    metrics.graph_capture_failures.labels(engine).set_function(lambda: len(runner.stats.capture_failures))
+    return runner
 
 
 def build_lm_engines(config: ServerConfig, where: Placement, metrics: Metrics) -> dict[str, LmEngine]:

@@ -13,7 +13,13 @@ from rtmedia.server import cli
 from rtmedia.server.app import RtmediaServer
 from rtmedia.server.config import ServerConfig
 from rtmedia.server.metrics import Metrics
-from rtmedia.server.placement import build_lm_engines, build_video_engine, graph_runner, placement
+from rtmedia.server.placement import (
+    build_lm_engines,
+    build_video_engine,
+    build_whisper_engine,
+    graph_runner,
+    placement,
+)
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 
@@ -119,3 +125,30 @@ def test_graph_runner_counts_replays_and_misses_into_metrics() -> None:
     assert sample("rtmedia_graph_misses_total", {"engine": "video", "reason": "ineligible"}) == 1
     runner._on_replay()  # what a replay on a GPU calls
     assert sample("rtmedia_graph_replays_total", {"engine": "video"}) == 1
+
+
+def test_whisper_runtime_follows_the_device(fake_cuda) -> None:
+    """`asr_backend auto`: torch with a graph runner of its own cap on CUDA, CTranslate2 on a CPU."""
+    metrics = Metrics()
+    where = placement(ServerConfig(max_graphs=3, min_free_bytes=5))
+    engine = build_whisper_engine(ServerConfig(asr_max_graphs=7), where, metrics)
+    assert engine._runtime == "torch" and engine._device == "cuda" and engine._graphs.engine == "asr"
+    assert engine._graphs.config.max_graphs == 7 and engine._graphs.config.min_free_bytes == 5
+    assert metrics.registry.get_sample_value("rtmedia_graphs", {"engine": "asr"}) == 0
+    assert metrics.registry.get_sample_value("rtmedia_graph_capture_failures", {"engine": "asr"}) == 0
+    assert build_whisper_engine(ServerConfig(asr_backend="ct2"), where, Metrics())._runtime == "ct2"
+    cpu = build_whisper_engine(ServerConfig(), placement(ServerConfig(device="cpu")), Metrics())
+    assert cpu._runtime == "ct2" and cpu._device == "cpu" and cpu._graphs is None
+
+
+def test_serve_flags_choose_the_whisper_model() -> None:
+    config = serve_config("--asr-model", "/models/w", "--asr-backend", "torch", "--asr-compute-type", "bfloat16",
+                          "--asr-max-graphs", "9")
+    assert (config.asr_model, config.asr_backend, config.asr_compute_type, config.asr_max_graphs) == \
+        ("/models/w", "torch", "bfloat16", 9)
+    with pytest.raises(ValueError, match="asr_backend must be one of auto, ct2, torch, got 'onnx'"):
+        ServerConfig(asr_backend="onnx")
+    with pytest.raises(ValueError, match="need asr whisper"):
+        ServerConfig(asr="pocketsphinx", asr_model="/models/w")
+    with pytest.raises(ValueError, match=r"asr_model: .*no such directory"):
+        build_whisper_engine(ServerConfig(asr_model="/nonexistent/w"), placement(ServerConfig(device="cpu")), None)
