@@ -16,7 +16,8 @@ The decoding follows CTranslate2's Whisper, so both backends give the same text:
   `suppress_ids` masked at every step and `suppress_ids_begin` (blank and end of text) at the
   first (`suppress_blank`); a decode's score is the sum of its tokens' log-probabilities (end of
   text included, after masking) over its length, as CTranslate2 returns it, and `Decoded`'s
-  `avg_logprob` is that over the length again, as `CTranslate2Backend` reports it.
+  `avg_logprob` is that over the length again, as `CTranslate2Backend` reports it. On the
+  growing cache, a decode that has ended leaves the batch (the static one keeps its shape).
 - `align`: the sequence `start + <|notimestamps|> + text + <|endoftext|>` in one pass; the
   alignment heads' cross-attention over the window's content (softmax over the content's
   positions), standardised along the tokens, median-filtered along time (width 7, reflected
@@ -335,6 +336,7 @@ class TorchBackend:
             scores = torch.zeros(len(prompts), dtype=torch.float64)
             done = torch.zeros(len(prompts), dtype=torch.bool)
             out: list[list[int]] = [[] for _ in range(len(prompts))]
+            rows = list(range(len(prompts)))  # the rows each step computes (eager: the unfinished ones)
             state = self._static(len(prompts), cross, cache, length + max_length) if self.static else None
             try:
                 for step in range(max_length):
@@ -350,16 +352,23 @@ class TorchBackend:
                     logprobs = logits.log_softmax(-1)
                     best = logprobs.argmax(-1)
                     best_lp = logprobs.gather(1, best[:, None])[:, 0].double().cpu()
-                    for i, token in enumerate(best.tolist()):
+                    for j, token in enumerate(best.tolist()):
+                        i = rows[j]
                         if done[i]:
                             continue
-                        scores[i] += best_lp[i]
+                        scores[i] += best_lp[j]
                         if token == tk.eot:
                             done[i] = True
                         else:
                             out[i].append(token)
                     if bool(done[:batch].all()):
                         break
+                    keep = [j for j, i in enumerate(rows) if not done[i]]
+                    if state is None and len(keep) < len(rows):  # finished decodes leave the batch
+                        index = torch.tensor(keep, device=self.device)
+                        cross = [(k[index], v[index]) for k, v in cross]
+                        cache = [[k[index], v[index]] for k, v in cache]
+                        rows, best = [rows[j] for j in keep], best[index]
                     step_ids = best[:, None]
             finally:
                 if state is not None:
