@@ -156,6 +156,14 @@ class SpeechClient:
         except grpc.RpcError as exc:
             raise RtmediaError.from_rpc(exc) from None
 
+    def describe_recognizer(self) -> speech_pb2.DescribeRecognizerResponse:
+        """The server's recogniser: `name`, `languages` (ISO 639-1), `runtime`, `compute_type`,
+        `multilingual`; `transcribe(language=...)` takes one of its languages."""
+        try:
+            return self.stub.DescribeRecognizer(speech_pb2.DescribeRecognizerRequest(), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise RtmediaError.from_rpc(exc) from None
+
     def synthesize(self, text: str, voice: str = "", sample_rate: int = 0, *, speed: float = 0.0,
                    numpy: bool = False) -> Iterator[SpeechChunk]:
         """Speech for `text`, chunk by chunk as it is made, at `sample_rate` (any rate; default the
@@ -173,7 +181,10 @@ class SpeechClient:
     def transcribe(self, audio: Audio, sample_rate: int, *, chunk_ms: int = 100, partial_results: bool = True,
                    language: str = "") -> Iterator[speech_pb2.TranscribeResponse]:
         """Transcripts of `audio` (PCM16 bytes, numpy samples, or an iterable of PCM16 chunks) as they
-        come: partial results, then each utterance's final one (`is_final`)."""
+        come: partial results, then each utterance's final one (`is_final`, with its `language`).
+        `language`: what it is said in ("fr", "fr-FR", "french"); "" for English on an
+        English-only recogniser, detected on a multilingual one; one not served raises
+        RtmediaError (reason BAD_LANGUAGE, naming the languages served)."""
         requests = _transcribe_requests(audio, sample_rate, chunk_ms, partial_results, language)
         try:
             yield from self.stub.Transcribe(requests, timeout=self.timeout)
@@ -203,6 +214,12 @@ class AsyncSpeechClient:
     async def list_voices(self) -> speech_pb2.ListVoicesResponse:
         try:
             return await self.stub.ListVoices(speech_pb2.ListVoicesRequest(), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise RtmediaError.from_rpc(exc) from None
+
+    async def describe_recognizer(self) -> speech_pb2.DescribeRecognizerResponse:
+        try:
+            return await self.stub.DescribeRecognizer(speech_pb2.DescribeRecognizerRequest(), timeout=self.timeout)
         except grpc.RpcError as exc:
             raise RtmediaError.from_rpc(exc) from None
 

@@ -102,6 +102,7 @@ _ALTERNATE = re.compile(r"\(\d+\)$")
 # pocketsphinx finds no hypothesis in fewer than ~7 frames (and logs an error when asked for one)
 _MIN_FRAMES = 10
 _CLOSED_REMEMBERED = 65536  # stream ids a worker remembers as closed (a few MB)
+ENGLISH = ("en",)  # the languages of an English-only recogniser (ISO 639-1)
 
 # Settings of the fast-final decoders, used by the duplex sessions (the default-mode decoders keep
 # PocketSphinx's defaults: beam=pbeam=1e-48, wbeam=lponlybeam=7e-29, maxhmmpf=30000, topn=4).
@@ -180,6 +181,32 @@ class AsrEvent:
     hypothesis: str = ""
     # Finals: the utterance's language (ISO 639-1), asked for or detected; "" when unknown.
     language: str = ""
+
+
+def language_code(code: str, served: Sequence[str], field: str = "language") -> str:
+    """The ISO 639-1 code of the served language `code` names: an ISO 639-1 code ("fr"), a BCP-47
+    tag ("fr-FR", "en_US") or Whisper's name for it ("french"), in any case; "" (none asked)
+    stays "". ValueError names what `served` holds (an English-only recogniser's ("en",), or a
+    multilingual one's codes), and the request's `field`. The one rule every recogniser and door
+    applies."""
+    plain = code.strip().lower().replace("_", "-")
+    base = plain.split("-")[0]
+    if base not in served:  # a name ("french", "english") or a code not served
+        base = _language_names().get(plain, base)
+    if base and base not in served:
+        what = "en (an English-only model)" if tuple(served) == ENGLISH else \
+            f"{len(served)} languages ({', '.join(served[:8])}{', ...' if len(served) > 8 else ''})"
+        quoted = repr(code) if len(code) <= 32 else f"{code[:32]!r}... ({len(code)} characters)"  # clients choose it
+        raise ValueError(f"{field} {quoted} is not served by this recogniser; it serves {what}")
+    return base
+
+
+def _language_names() -> dict[str, str]:
+    """Whisper's language names (and their aliases) -> codes: transformers' table, imported only
+    when a name is asked for."""
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+    return TO_LANGUAGE_CODE
 
 
 def _words(hyp: Any) -> list[str]:
@@ -381,7 +408,7 @@ class _Worker:
             self._finish(st, events)
         else:  # a turn without audio still gets its one (empty) final
             at = st.samples * 1000 // SAMPLE_RATE
-            events.append(AsrEvent(st.next_index, True, "", "", at, at))
+            events.append(AsrEvent(st.next_index, True, "", "", at, at, language="en"))
             st.next_index += 1
 
     def _speech(self, st: _StreamState, speech: bytes | None, events: list[AsrEvent]) -> None:
@@ -450,7 +477,7 @@ class _Worker:
         text = " ".join(_words(hyp))
         st.cmn = decoder.get_cmn()
         self._free[st.fast].append(decoder)
-        events.append(AsrEvent(utt.index, True, text, "", utt.start_ms, utt.end_ms, words))
+        events.append(AsrEvent(utt.index, True, text, "", utt.start_ms, utt.end_ms, words, language="en"))
 
 
 def _answer(worker: _Worker, conn: Any) -> bool:
@@ -522,6 +549,7 @@ class AsrEngine:
 
     name = "asr"
     model = "pocketsphinx"
+    languages = ENGLISH  # the en-us acoustic model, dictionary and LM
     finds_utterances = True  # segment=True streams: PocketSphinx's endpointer cuts the utterances
     takes_prompt = False  # open_stream's prompt is ignored
 
@@ -584,12 +612,19 @@ class AsrEngine:
         self.load()
         self._call(dict.fromkeys(range(self._n), ("warmup", (1, self._decoders))), timeout=_WARMUP_TIMEOUT_S)
 
+    @property
+    def describe(self) -> dict[str, str]:
+        """The recogniser: its name, runtime and languages (as WhisperEngine.describe gives them)."""
+        return {"model": self.model, "path": "", "runtime": "pocketsphinx", "compute_type": "", "languages": "en"}
+
     def open_stream(self, segment: bool = True, fast_final: bool = False, partials: bool = True,
-                    prompt: str = "") -> AsrStream:
+                    prompt: str = "", language: str = "") -> AsrStream:
         """A new stream. `segment=False`: no endpointer, each `end=True` ends one utterance (a turn)
         and yields its final; `fast_final=True`: the final comes faster for slightly lower accuracy;
-        `partials` and `prompt` (Whisper's) change nothing here. It goes to the least-loaded worker
-        that is up (EngineUnavailable when none is)."""
+        `partials` and `prompt` (Whisper's) change nothing here; `language`: English or "" (any
+        other is a ValueError naming what is served: `language_code`). It goes to the least-loaded
+        worker that is up (EngineUnavailable when none is)."""
+        language_code(language, self.languages)
         with self._mu:
             if not self._procs:
                 raise EngineError("ASR engine is not loaded")

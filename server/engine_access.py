@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem, AsrStream
+from rtmedia.engines.asr import AsrEngine, AsrEvent, AsrItem, AsrStream, language_code
 from rtmedia.engines.denoise import DenoiseStream
 from rtmedia.engines.responder import CallDelta, Incomplete, ReplyRequest, Responder, Waiting, calls_tools
 from rtmedia.engines.tts import TtsEngine, TtsItem, TtsStream, VoiceSpec
@@ -109,9 +109,33 @@ class Asr:
         """Whether the recogniser uses a stream's prompt (the text said before its audio)."""
         return self._engine.takes_prompt
 
+    @property
+    def languages(self) -> tuple[str, ...]:
+        """The languages the recogniser transcribes (ISO 639-1): ("en",) for an English-only one."""
+        return tuple(self._engine.languages)
+
+    @property
+    def multilingual(self) -> bool:
+        return len(self.languages) > 1
+
+    def language(self, code: str, field: str = "language") -> str:
+        """The served language `code` names, as its ISO 639-1 code ("fr-FR", "fr" and "french" are
+        "fr"; "" stays "": detected, or English); ValueError names the request's `field` and what
+        is served."""
+        return language_code(code, self.languages, field)
+
+    @property
+    def describe(self) -> dict[str, str | bool | tuple[str, ...]]:
+        """The recogniser for the APIs: its name, languages, runtime and precision."""
+        described = self._engine.describe
+        return {"model": self.model, "languages": self.languages, "multilingual": self.multilingual,
+                "runtime": str(described.get("runtime", "")), "compute_type": str(described.get("compute_type", ""))}
+
     def open(self, segment: bool = True, fast_final: bool = False, partials: bool = True,
-             prompt: str = "") -> AsrStream:
-        return self._engine.open_stream(segment, fast_final, partials, prompt)
+             prompt: str = "", language: str = "") -> AsrStream:
+        """A stream; `language`: what it is said in (a code `language()` accepts), "" to detect
+        each utterance's (English on an English-only recogniser)."""
+        return self._engine.open_stream(segment, fast_final, partials, prompt, language)
 
     async def close(self, stream: AsrStream) -> None:
         await asyncio.to_thread(self._engine.close_stream, stream)

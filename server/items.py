@@ -264,6 +264,7 @@ class ConversationItems:
                     s.access.asr, fast_final=True, priority=Priority.INTERACTIVE,
                     on_delta=s.on_transcript_delta, on_complete=self._complete, on_error=s.on_recognition_error)
                 s.track(self._recognizer.start(f"session-{s.id}-item-asr"))
+            self._recognizer.language = self.session.settings.language  # the session's, as it is now
             turn.input_offset_ms, turn.asr_offset_ms = 0, self._asr_samples // 16  # word times within the item
             self._asr_samples += len(pcm) // 2
             self._recognizer.send("audio", turn, pcm)

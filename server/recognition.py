@@ -119,10 +119,14 @@ class Recognizer:
     `fast_final`: the stream's finals come faster for a little accuracy (the sessions);
     `partials`: whether partial results are wanted (else the recogniser may skip them);
     `prompt`: text said before the stream's audio, the recogniser's context;
+    `language`: what the turns are said in, a code the recogniser serves (checked by the caller:
+    `Asr.language`), "" to detect each one's (English on an English-only recogniser); set it
+    anew and the next segment goes to a fresh stream in that language (its results' offsets
+    still count the audio of the streams before);
     `priority`: of the submissions on the ASR lanes."""
 
     def __init__(self, asr: Asr, *, fast_final: bool = False, partials: bool = True, prompt: str = "",
-                 priority: Priority = Priority.REALTIME,
+                 language: str = "", priority: Priority = Priority.REALTIME,
                  on_event: Callable[[Turn, AsrEvent], None] | None = None,
                  on_delta: Callable[[Turn, str], None] | None = None,
                  on_complete: Callable[[Turn], None] | None = None,
@@ -131,6 +135,7 @@ class Recognizer:
         self.fast_final = fast_final
         self.partials = partials
         self.prompt = prompt
+        self.language = language
         self.priority = priority
         self._on_event = on_event
         self._on_delta = on_delta
@@ -139,6 +144,9 @@ class Recognizer:
         self._queue: deque[tuple[str, Turn, bytes]] = deque()
         self._ready = asyncio.Event()
         self._stream: Any = None  # opened with the first submission
+        self._stream_language = ""  # the language the stream was opened with
+        self._sent = 0  # bytes of audio submitted, on every stream so far
+        self._base_ms = 0  # where the stream's time starts in that audio
         self._task: asyncio.Task[None] | None = None
 
     def start(self, name: str) -> asyncio.Task[None]:
@@ -182,11 +190,17 @@ class Recognizer:
                 pcm += more
             if pcm or turn.segment_open:  # else nothing to send: a pause cut the segment already
                 try:
+                    if self._stream is not None and not turn.segment_open and self._stream_language != self.language:
+                        stream, self._stream = self._stream, None  # a new language: a new stream
+                        await self._asr.close(stream)
                     if self._stream is None:
                         self._stream = self._asr.open(segment=False, fast_final=self.fast_final,
-                                                      partials=self.partials, prompt=self.prompt)
+                                                      partials=self.partials, prompt=self.prompt,
+                                                      language=self.language)
+                        self._stream_language, self._base_ms = self.language, self._sent // 32
                     item = AsrItem(self._stream, pcm, end=kind != "audio", eager=turn.eager)
                     turn.segment_open = kind == "audio"
+                    self._sent += len(pcm)
                     events = await self._asr.recognize(item, self.priority)
                 except EngineError as exc:
                     if self._on_error is None:
@@ -196,7 +210,7 @@ class Recognizer:
                 if kind == "abort":  # an aborted (cleared) turn's transcript is dropped
                     continue
                 for event in events:
-                    self._transcribed(turn, event)
+                    self._transcribed(turn, self._shifted(event))
             if kind == "cut" and turn.cut_done is not None and not turn.cut_done.done():
                 turn.cut_done.set_result(None)
             if kind == "end":
@@ -212,6 +226,14 @@ class Recognizer:
         if stream is not None:  # a close may wait on a stuck worker: it goes on without us after a moment
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._asr.close(stream), 1.0)
+
+    def _shifted(self, event: AsrEvent) -> AsrEvent:
+        """The event's offsets in the audio of every stream so far (a stream's own start at 0)."""
+        if self._base_ms:
+            base = self._base_ms
+            event.start_ms, event.end_ms = event.start_ms + base, event.end_ms + base
+            event.words = [(w, s + base, e + base, c) for w, s, e, c in event.words]
+        return event
 
     def _transcribed(self, turn: Turn, event: AsrEvent) -> None:
         """A partial becomes a delta; a segment's final is kept for the turn's transcript, and

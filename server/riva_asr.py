@@ -12,7 +12,10 @@ Options rtmedia does not serve are rejected with a status naming them
 `enable_automatic_punctuation` a final transcript has the recogniser's casing and punctuation
 (Whisper's own; sentence case and a closing period where the recogniser gives none), without
 it lowercase words without punctuation, as Riva gives them. The one model is named after
-the server's recogniser (`riva_model`).
+the server's recogniser (`riva_model`). `language_code` is checked against the recogniser's
+languages (`Asr.language`: "en-US" on an English-only one; "fr-FR", "fr", ... on a multilingual
+one, whose empty `language_code` detects each utterance's) and goes to the recognition; a
+final's alternative carries its language (`language_code`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 
 import grpc
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_audio_pb2
-from rtmedia.engines.asr import AsrEvent
+from rtmedia.engines.asr import ENGLISH, AsrEvent, language_code
 from rtmedia.engines.whisper import normal_words
 from rtmedia.protocol.errors import shown
 from rtmedia.server.endpointing import DEFAULTS, check_endpointing
@@ -42,7 +45,6 @@ from rtmedia.server.riva_common import (
     Rejected,
     abort_rejected,
     check_custom_configuration,
-    check_language,
     listed,
 )
 from rtmedia.server.scheduler import Priority
@@ -68,13 +70,16 @@ class RecognitionOptions:
     punctuation: bool
     endpointing: dict[str, float]
     prompt: str = ""  # the speech contexts' phrases, as the recogniser's previous-text prompt
+    language: str = ""  # the ISO 639-1 code of language_code ("" detects each utterance's)
+    language_code: str = ""  # as the request named it
 
     @classmethod
     def from_config(cls, config: riva_asr_pb2.RecognitionConfig, model: str, wav_rate: int = 0,
-                    prompted: bool = True) -> RecognitionOptions:
+                    prompted: bool = True, languages: tuple[str, ...] = ENGLISH) -> RecognitionOptions:
         """The options of `config`, or Rejected naming the first one not served. `wav_rate`: the
         rate of a WAV header in the audio (Recognize), which stands in for `sample_rate_hertz`;
-        `prompted`: whether the recogniser takes a prompt (speech contexts are refused if not)."""
+        `prompted`: whether the recogniser takes a prompt (speech contexts are refused if not);
+        `languages`: the recogniser's (ISO 639-1)."""
         name = riva_audio_pb2.AudioEncoding.Name(config.encoding) \
             if config.encoding in riva_audio_pb2.AudioEncoding.values() else str(config.encoding)
         if config.encoding not in ENCODINGS:
@@ -89,7 +94,10 @@ class RecognitionOptions:
         if rate not in rates:
             raise Rejected(INVALID, "BAD_SAMPLE_RATE", f"sample_rate_hertz={config.sample_rate_hertz} is not "
                            f"supported for {name}; supported: {', '.join(map(str, rates))}")
-        check_language(config.language_code)
+        try:
+            language = language_code(config.language_code, languages, "language_code")
+        except ValueError as exc:
+            raise Rejected(INVALID, "UNSUPPORTED_LANGUAGE", str(exc)) from None
         if config.model not in ("", model):
             raise Rejected(INVALID, "UNKNOWN_MODEL", f"model={shown(config.model)} is not served; models: {model}")
         if config.max_alternatives < 0:
@@ -108,7 +116,7 @@ class RecognitionOptions:
                 raise Rejected(UNIMPLEMENTED, "UNSUPPORTED_OPTION", f"{option} is not supported by rtmedia")
         check_custom_configuration(config.custom_configuration)
         return cls(encoding, rate, config.enable_word_time_offsets, config.enable_automatic_punctuation,
-                   _endpointing(config), _context_prompt(config.speech_contexts))
+                   _endpointing(config), _context_prompt(config.speech_contexts), language, config.language_code)
 
 
 def _context_prompt(contexts: Any) -> str:
@@ -161,9 +169,21 @@ def parse_wav(audio: bytes) -> tuple[bytes, int]:
     return samples, rate
 
 
-def riva_model(recogniser: str) -> str:
-    """The Riva model name of the server's recogniser, e.g. whisper-tiny-en-US-asr-streaming."""
-    return f"{recogniser}-en-US-asr-streaming"
+def riva_model(recogniser: str, languages: tuple[str, ...] = ENGLISH) -> str:
+    """The Riva model name of the server's recogniser, e.g. whisper-tiny-en-US-asr-streaming
+    (English-only), whisper-small-multi-asr-streaming (multilingual)."""
+    return f"{recogniser}-{'en-US' if tuple(languages) == ENGLISH else 'multi'}-asr-streaming"
+
+
+def result_language(options: RecognitionOptions, event: AsrEvent) -> list[str]:
+    """A final's language for its alternative's `language_code`: the request's tag or code where
+    it is that language's ("fr-FR", "fr"), else the recogniser's ISO 639-1 code ("fr": detected,
+    or asked for by name); none when unknown."""
+    if not event.language:
+        return []
+    asked = options.language_code.strip()
+    tagged = asked.lower().replace("_", "-").split("-")[0] == event.language
+    return [asked if tagged else event.language]
 
 
 def punctuate(text: str) -> str:
@@ -187,6 +207,7 @@ def riva_result(options: RecognitionOptions, interim: bool, event: AsrEvent, tur
     alternative = riva_asr_pb2.SpeechRecognitionAlternative(
         transcript=event.text if options.punctuation else plain(event.text))
     if event.is_final:
+        alternative.language_code.extend(result_language(options, event))
         if options.punctuation:
             alternative.transcript = punctuate(event.text)
         if event.words:
@@ -208,18 +229,31 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
     def __init__(self, access: EngineAccess) -> None:
         self.access = access
         self.bytes_in = access.metrics.bytes_total.labels("in")
-        self.model = riva_model(access.asr.model)
+
+    @property
+    def model(self) -> str:
+        """The one model's name (the recogniser is loaded once the server serves)."""
+        return riva_model(self.access.asr.model, self.access.asr.languages)
+
+    def _options(self, config: riva_asr_pb2.RecognitionConfig, wav_rate: int = 0) -> RecognitionOptions:
+        asr = self.access.asr
+        return RecognitionOptions.from_config(config, self.model, wav_rate, asr.takes_prompt, asr.languages)
 
     def _recognition(self, options: RecognitionOptions, interim: bool, priority: Priority) -> VadRecognition:
         return VadRecognition(self.access, options.encoding, options.sample_rate,
                               functools.partial(riva_result, options, interim), options.endpointing, priority,
-                              "riva-recognition", partials=interim, prompt=options.prompt)
+                              "riva-recognition", partials=interim, prompt=options.prompt, language=options.language)
 
     async def GetRivaSpeechRecognitionConfig(self, request, context):
         configs = []
-        if request.model_name in ("", self.model):
-            configs.append(riva_asr_pb2.RivaSpeechRecognitionConfigResponse.Config(model_name=self.model, parameters={
-                "type": "online", "streaming": "true", "offline": "true", "language_code": "en-US",
+        model, languages = self.model, self.access.asr.languages
+        if request.model_name in ("", model):
+            # Riva's one language_code for an English-only model; a multilingual one's every code
+            served = "en-US" if languages == ENGLISH else ",".join(languages)
+            configs.append(riva_asr_pb2.RivaSpeechRecognitionConfigResponse.Config(model_name=model, parameters={
+                "type": "online", "streaming": "true", "offline": "true", "language_code": served,
+                "languages": ",".join(languages),
+                "language_detection": "true" if languages != ENGLISH else "false",
                 "engine": self.access.asr.model, "endpointing": "silero-vad",
                 "sample_rates": ",".join(map(str, RATES)), "encodings": "LINEAR_PCM,MULAW,ALAW",
                 "verbatim_transcripts": "always", "automatic_punctuation": "the recogniser's, else sentence case and a final period",
@@ -233,8 +267,7 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
         try:
             if audio[:4] == b"RIFF" and audio[8:12] == b"WAVE":
                 audio, wav_rate = parse_wav(audio)
-            options = RecognitionOptions.from_config(request.config, self.model, wav_rate,
-                                                     self.access.asr.takes_prompt)
+            options = self._options(request.config, wav_rate)
         except Rejected as exc:
             await abort_rejected(context, exc)
         self.bytes_in.inc(len(request.audio))
@@ -261,8 +294,7 @@ class RivaAsrService(riva_asr_pb2_grpc.RivaSpeechRecognitionServicer):
                 raise Rejected(INVALID, "CONFIG_FIRST", "the first StreamingRecognizeRequest must carry "
                                "streaming_config")
             _check_runtime_config(first, 0)
-            options = RecognitionOptions.from_config(first.streaming_config.config, self.model,
-                                                     prompted=self.access.asr.takes_prompt)
+            options = self._options(first.streaming_config.config)
         except Rejected as exc:
             await abort_rejected(context, exc)
         recognition = self._recognition(options, first.streaming_config.interim_results, Priority.REALTIME)

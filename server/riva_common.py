@@ -9,7 +9,7 @@ from rtmedia.protocol.errors import abort, shown
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
-LANGUAGES = ("en-US",)
+LANGUAGES = ("en-US",)  # the voices' (synthesis); recognition checks the recogniser's (riva_asr.py)
 
 
 class Rejected(Exception):
@@ -26,7 +26,8 @@ async def abort_rejected(context: grpc.aio.ServicerContext, exc: Rejected) -> No
 
 
 def check_language(language_code: str, field: str = "language_code") -> None:
-    """Empty means en-US; anything else but en-US (any case) is rejected."""
+    """A synthesis request's language: empty means en-US; anything else but en-US (any case) is
+    rejected."""
     if language_code and language_code.lower() not in (code.lower() for code in LANGUAGES):
         raise Rejected(INVALID, "UNSUPPORTED_LANGUAGE",
                        f"{field}={shown(language_code)} is not served; languages: {', '.join(LANGUAGES)}")

@@ -136,7 +136,8 @@ class Session:
         self._fillers = itertools.cycle(self.limits.tool_fillers)
         self.idle = IdleTimer(self._idle_since, lambda: self.settings.idle_timeout_ms, self._idle_expired)
         self.recognizer = Recognizer(
-            access.asr, fast_final=True, priority=Priority.REALTIME, on_event=self._on_asr_event,
+            access.asr, fast_final=True, language=settings.language, priority=Priority.REALTIME,
+            on_event=self._on_asr_event,
             on_delta=self.on_transcript_delta, on_complete=self._complete, on_error=self.on_recognition_error,
         )
         self.input = AudioInput(settings, self.limits.inbox_ms, self.on_audio, access.vad.open())
@@ -267,11 +268,12 @@ class Session:
         try:
             new = self.settings.updated(event.session, self.access.tts.rates, self.access.replies.names,
                                         self.limits.max_id_bytes, self.limits.max_instructions_chars,
-                                        self.limits.session_caps, self.access.replies.tool_callers)
+                                        self.limits.session_caps, self.access.replies.tool_callers,
+                                        self.access.asr.languages)
             if new.recording != self.settings.recording:
                 new = self.context.recording.checked(new)
         except ConfigError as exc:
-            self.error("invalid_value", str(exc), event_id, exc.param)
+            self.error(exc.code, str(exc), event_id, exc.param)
             return
         if new.turn_type == "semantic_vad" and not self.access.turns.available:
             self.error("invalid_value", "turn_detection.type semantic_vad needs an LM to score the user's words, and "
@@ -285,6 +287,7 @@ class Session:
                        "audio buffer first", event_id, "input_audio_format")
             return
         old, self.settings = self.settings, new
+        self.recognizer.language = new.language  # from the next turn (or segment) on
         self.input.reconfigure(new, reset=False)
         if old.noise_reduction != new.noise_reduction:
             self._noise_reduction(new.noise_reduction)

@@ -9,6 +9,7 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from rtmedia.engines.asr import ENGLISH, language_code
 from rtmedia.engines.responder import FunctionTool
 from rtmedia.engines.tts import MAX_SPEED, MIN_SPEED
 from rtmedia.server.interruptions import BOUNDS as INTERRUPTION_BOUNDS
@@ -79,11 +80,11 @@ def check_output_modality(value: str, param: str = "output_modality") -> None:
 
 
 class ConfigError(ValueError):
-    """An invalid session setting; `param` names the field."""
+    """An invalid session setting; `param` names the field, `code` is the error event's."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class SessionSettings:
     input_rate: int = 24000
     output_rate: int = 0  # 0: the voice's native rate
     transcription: bool = True
+    language: str = ""  # input_audio_transcription.language (ISO 639-1); "": detected, or English
     turn_type: str = "server_vad"
     threshold: float = 0.5
     prefix_padding_ms: int = 300
@@ -139,13 +141,14 @@ class SessionSettings:
     def updated(self, config: realtime_pb2.SessionConfig, voices: dict[str, list[int]],
                 responders: Collection[str], max_name_chars: int = 256,
                 max_instructions_chars: int = 2000, caps: dict[str, int] | None = None,
-                tool_responders: Collection[str] = ()) -> SessionSettings:
+                tool_responders: Collection[str] = (), languages: tuple[str, ...] = ENGLISH) -> SessionSettings:
         """The settings with `config`'s set fields applied; ConfigError names the first bad field.
         `voices` maps voice names (first: the default) to their supported output rates. A name
         (voice, responder) over `max_name_chars` or instructions over `max_instructions_chars`
         is refused without being echoed. `caps` lowers the upper bounds of SESSION_BOUNDS (the
         server's maxima: max_session_s, idle_timeout_s). `tool_responders`: the responders that
-        can call functions (tools on any other are refused)."""
+        can call functions (tools on any other are refused). `languages`: the recogniser's (ISO
+        639-1); another input_audio_transcription.language is refused (unsupported_language)."""
         for name, limit in (("voice", max_name_chars), ("responder", max_name_chars),
                             ("instructions", max_instructions_chars)):
             if config.HasField(name) and len(getattr(config, name)) > limit:
@@ -168,6 +171,12 @@ class SessionSettings:
             changes.update(input_encoding=encoding, input_rate=rate)
         if config.HasField("input_audio_transcription") and config.input_audio_transcription.HasField("enabled"):
             changes["transcription"] = config.input_audio_transcription.enabled
+        if config.HasField("input_audio_transcription") and config.input_audio_transcription.HasField("language"):
+            param = "input_audio_transcription.language"
+            try:
+                changes["language"] = language_code(config.input_audio_transcription.language, languages, param)
+            except ValueError as exc:
+                raise ConfigError(param, str(exc), "unsupported_language") from None
         if config.HasField("turn_detection"):
             changes.update(_turn_changes(config.turn_detection))
             if config.turn_detection.HasField("interruption"):
@@ -229,7 +238,8 @@ class SessionSettings:
             input_audio_format=common_pb2.AudioFormat(encoding=self.input_encoding, sample_rate=self.input_rate,
                                                       channels=1),
             output_sample_rate=self.output_rate,
-            input_audio_transcription=realtime_pb2.InputAudioTranscription(enabled=self.transcription),
+            input_audio_transcription=realtime_pb2.InputAudioTranscription(enabled=self.transcription,
+                                                                           language=self.language),
             turn_detection=realtime_pb2.TurnDetection(
                 type=turn_type, threshold=self.threshold, prefix_padding_ms=self.prefix_padding_ms,
                 silence_duration_ms=self.silence_duration_ms, create_response=self.create_response,

@@ -1,4 +1,4 @@
-"""SpeechService: ListVoices, streaming Synthesize and streaming Transcribe."""
+"""SpeechService: ListVoices, streaming Synthesize, streaming Transcribe and DescribeRecognizer."""
 
 from __future__ import annotations
 
@@ -76,6 +76,12 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         ]
         return speech_pb2.ListVoicesResponse(voices=voices, max_text_chars=self.max_text_chars)
 
+    async def DescribeRecognizer(self, request, context):
+        described = self.asr.describe
+        return speech_pb2.DescribeRecognizerResponse(
+            name=described["model"], languages=described["languages"], runtime=described["runtime"],
+            compute_type=described["compute_type"], multilingual=described["multilingual"])
+
     async def Synthesize(self, request, context) -> AsyncIterator[speech_pb2.SynthesizeResponse]:
         started = time.perf_counter()
         if (problem := text_problem(request.text, self.max_text_chars)) is not None:
@@ -139,13 +145,14 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
             await abort(context, INVALID, "EMPTY_STREAM", "the stream ended before its first request (the config)")
         if first.WhichOneof("request") != "config":
             await abort(context, INVALID, "CONFIG_FIRST", "the first TranscribeRequest must carry config")
-        decode, resampler, partials = await self._transcribe_setup(first.config, context)
+        decode, resampler, partials, language = await self._transcribe_setup(first.config, context)
         if first.config.vad_segmentation or not self.asr.finds_utterances:
-            async for response in self._transcribe_by_vad(first.config, partials, request_iterator, context):
+            async for response in self._transcribe_by_vad(first.config, partials, language, request_iterator,
+                                                          context):
                 yield response
             return
         try:
-            stream = self.asr.open()
+            stream = self.asr.open(language=language)
         except EngineError as exc:  # no recogniser worker is up
             await abort_fault(context, exc, "transcription failed")
         # What the client sent while the last piece was being recognised goes to the recogniser as
@@ -188,7 +195,7 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
                 await reader
             await self.asr.close(stream)
 
-    async def _transcribe_by_vad(self, config, partials: bool, requests,
+    async def _transcribe_by_vad(self, config, partials: bool, language: str, requests,
                                  context) -> AsyncIterator[speech_pb2.TranscribeResponse]:
         """Transcribe with `vad_segmentation`: the VAD cuts the utterances (server/vad_recognition.py);
         results are in the input's time."""
@@ -200,7 +207,7 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         recognition = VadRecognition(self.access, fmt.encoding or common_pb2.AUDIO_ENCODING_PCM16,
                                      fmt.sample_rate or 24000, convert, priority=Priority.INTERACTIVE,
                                      name="transcribe-vad", parallel=self.access.asr.workers, partials=partials,
-                                     prompt=config.prompt)
+                                     prompt=config.prompt, language=language)
         reader = asyncio.create_task(self._feed(recognition, requests), name="transcribe-vad-reader")
         try:
             while (result := await recognition.results.get()) is not None:
@@ -252,9 +259,11 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
         if len(config.prompt) > MAX_PROMPT_CHARS:
             await abort(context, INVALID, "PROMPT_TOO_LONG",
                         f"prompt has {len(config.prompt)} characters; at most {MAX_PROMPT_CHARS}")
-        if config.language not in ("", "en-US", "en-us", "en"):
-            await abort(context, INVALID, "BAD_LANGUAGE", f"language={shown(config.language)} is not served; only en-US")
-        return DECODERS[encoding], make_resampler(rate, ASR_RATE), not config.disable_partial_results
+        try:
+            language = self.asr.language(config.language)
+        except ValueError as exc:
+            await abort(context, INVALID, "BAD_LANGUAGE", str(exc), language=config.language)
+        return DECODERS[encoding], make_resampler(rate, ASR_RATE), not config.disable_partial_results, language
 
 
 def _transcript(event: AsrEvent, shift_ms: int = 0) -> speech_pb2.TranscribeResponse:
@@ -264,7 +273,7 @@ def _transcript(event: AsrEvent, shift_ms: int = 0) -> speech_pb2.TranscribeResp
         start_ms=event.start_ms + shift_ms, end_ms=event.end_ms + shift_ms,
         words=[common_pb2.WordInfo(word=w, start_ms=s + shift_ms, end_ms=e + shift_ms, confidence=c)
                for w, s, e, c in event.words],
-        tokens=token_infos(event.tokens), no_speech_prob=event.no_speech_prob,
+        tokens=token_infos(event.tokens), no_speech_prob=event.no_speech_prob, language=event.language,
     )
 
 

@@ -43,12 +43,13 @@ PIECE_MS = 500
 class VadRecognition:
     """One recognition: audio in (`feed`, `finish`), converted results out (`results`, None at
     the end). `convert(event, turn)` makes a result of a partial or final, or None to skip it;
-    `turn.shift_ms` maps the event's offsets to the stream's time."""
+    `turn.shift_ms` maps the event's offsets to the stream's time. `language`: what the audio is
+    said in, a code the recogniser serves (`Asr.language`), "" to detect it."""
 
     def __init__(self, access: EngineAccess, encoding: int, sample_rate: int,
                  convert: Callable[[AsrEvent, Turn], Any], endpointing: dict[str, float] | None = None,
                  priority: Priority = Priority.REALTIME, name: str = "vad-recognition", parallel: int = 1,
-                 partials: bool = True, prompt: str = "") -> None:
+                 partials: bool = True, prompt: str = "", language: str = "") -> None:
         self.access = access
         self.convert = convert
         self.width = BYTES_PER_SAMPLE[encoding]
@@ -68,7 +69,7 @@ class VadRecognition:
         self._turns = 0  # utterances begun
         self._on = 0  # the recogniser of the utterance being spoken
         self.recognizers = [Recognizer(access.asr, priority=priority, partials=partials, prompt=prompt,
-                                       on_event=self._on_event)
+                                       language=language, on_event=self._on_event)
                             for _ in range(max(1, parallel))]
         self._asr_ms = [0] * len(self.recognizers)  # audio sent to each recogniser
         # Utterances in order, each with its results not yet put out and whether its final came.

@@ -72,6 +72,8 @@ def test_streaming_recognition_interim_and_final_results(served, two_sentences) 
     assert len(texts) == 2, texts  # the 1.2 s pause ends the first utterance (stop_history 800 ms)
     assert wer(f"{FIRST} {SECOND}", " ".join(texts)) < 0.4, texts
     assert all(t[0].isupper() and t.endswith(".") for t in texts)  # automatic punctuation
+    # a final's language: the request's tag, which names the recogniser's language
+    assert [list(r.alternatives[0].language_code) for r in results if r.is_final] == [["en-US"]] * 2
     interim = [r for r in results if not r.is_final]
     # interim results come before the first final (a partial decode per 500 ms of new speech,
     # stretched under load; a partial commits the words two decodes agree on), only with words
@@ -107,6 +109,7 @@ def test_streaming_mulaw_8k_without_interim_results(served, speaker: Speaker) ->
                      chunk=800)
     assert len(results) == 1 and results[0].is_final, results
     assert wer(SECOND, results[0].alternatives[0].transcript) < 0.1, results
+    assert list(results[0].alternatives[0].language_code) == ["en-US"]
     words = results[0].alternatives[0].words
     speech_end_ms = 1000 + len(speech) * 1000 // 8000
     assert abs(words[0].start_time - 1000) < 400 and abs(words[-1].end_time - speech_end_ms) < 600, words
@@ -120,6 +123,14 @@ def test_streaming_at_11025_hz(served, speaker: Speaker) -> None:
     texts = finals(stream(served["asr"], audio.tobytes(), config(sample_rate_hertz=11025), interim=False,
                           chunk=22050))
     assert len(texts) == 1 and wer(FIRST, texts[0]) < 0.5, texts
+
+def test_english_by_tag_code_or_name_and_the_finals_language(served, speaker: Speaker) -> None:
+    audio = np.concatenate([speaker.silence(0.3), speaker.say(FIRST), speaker.silence(0.5)]).tobytes()
+    for language, said in (("english", "en"), ("en", "en"), ("", "en"), ("EN-us", "EN-us")):
+        response = served["asr"].offline_recognize(audio, config(language_code=language))
+        alternative = response.results[0].alternatives[0]
+        assert wer(FIRST, alternative.transcript) < 0.4 and list(alternative.language_code) == [said], alternative
+
 
 def test_offline_recognize_raw_and_wav(served, speaker: Speaker, two_sentences) -> None:
     response = served["asr"].offline_recognize(two_sentences.tobytes(), config(enable_word_time_offsets=True))
@@ -179,6 +190,7 @@ def test_config_queries_health_reflection_and_metrics(served) -> None:
     (model,) = asr_config.model_config
     assert model.model_name == "whisper-tiny-en-US-asr-streaming" and model.parameters["engine"] == "whisper-tiny"
     assert model.parameters["type"] == "online" and model.parameters["language_code"] == "en-US"
+    assert (model.parameters["languages"], model.parameters["language_detection"]) == ("en", "false")
     tts_config = served["tts"].stub.GetRivaSynthesisConfig(riva_tts_pb2.RivaSynthesisConfigRequest())
     voices = {c.model_name: c.parameters for c in tts_config.model_config}
     assert voices["en_US-joe-medium"]["sample_rate"] == "22050"
@@ -232,7 +244,8 @@ def _asr_rejections():
         ("rate", cfg(sample_rate_hertz=12345), bad, "sample_rate_hertz=12345"),
         ("no rate", cfg(sample_rate_hertz=0), bad, "sample_rate_hertz=0"),
         ("mulaw rate", cfg(encoding=riva.client.AudioEncoding.MULAW), bad, "sample_rate_hertz=16000"),
-        ("language", cfg(language_code="de-DE"), bad, "language_code='de-DE'"),
+        ("language", cfg(language_code="de-DE"), bad,
+         "language_code 'de-DE' is not served by this recogniser; it serves en (an English-only model)"),
         ("model", cfg(model="conformer-en-US-asr-streaming"), bad, "model="),
         ("profanity", cfg(profanity_filter=True), unimplemented, "profanity_filter"),
         ("negative boosting", boosted, unimplemented, "speech_contexts[0].boost=-4"),

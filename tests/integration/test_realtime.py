@@ -448,6 +448,8 @@ BAD = [
      "turn_detection.interruption.min_speech_ms", "outside 200..10000"),
     ("session.update", {"session": {"turn_detection": {"interruption": {"backchannels": ["ok", ""]}}}},
      "invalid_value", "turn_detection.interruption.backchannels[1]", "must be 1..64 characters"),
+    ("session.update", {"session": {"input_audio_transcription": {"language": "fr-FR"}}}, "unsupported_language",
+     "input_audio_transcription.language", "'fr-FR' is not served by this recogniser; it serves en (an English-only"),
 ]
 
 
@@ -461,6 +463,20 @@ async def test_bad_input_is_an_error_event_and_the_session_goes_on(channel, name
         c.send("conversation.item.create", item={"text": "still here"})
         c.send("response.create")
         assert (await c.wait_for("response.done", timeout=20))["status"] == "completed"
+
+
+async def test_an_english_transcription_language_is_echoed_as_its_code_and_turns_are_heard(channel, speaker):
+    pcm, *_ = utterance(speaker, SENTENCE)
+    async with Conversation(channel) as c:
+        created = await c.wait_for("session.created")
+        assert created["session"]["input_audio_transcription"] == {"enabled": True, "language": ""}
+        for asked in ("english", "en-US"):
+            c.send("session.update", session={"input_audio_transcription": {"language": asked}})
+            updated = await c.wait_for("session.updated", count=1 if asked == "english" else 2)
+            assert updated["session"]["input_audio_transcription"]["language"] == "en"
+        await c.stream(pcm, RATE, speed=2.0)
+        completed = await c.wait_for("conversation.item.input_audio_transcription.completed", timeout=20)
+        assert wer(SENTENCE, completed["transcript"]) < 0.4, completed["transcript"]
 
 
 async def test_unknown_event_and_mode_errors(channel, speaker):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from rtmedia.protocol.errors import error_reason
+from rtmedia.protocol.errors import error_metadata, error_reason
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 
 from tests.support.speech import wer
@@ -253,10 +253,32 @@ async def test_transcribe_rejects_bad_input(stub, requests, reason, message):
     await expect_invalid(raw_transcribe(stub, requests), reason, message)
 
 
-async def test_transcribe_rejects_other_languages(stub):
-    request = speech_pb2.TranscribeRequest(config=speech_pb2.TranscribeConfig(
-        audio_format=common_pb2.AudioFormat(sample_rate=16000), language="fr-FR"))
-    await expect_invalid(raw_transcribe(stub, [request]), "BAD_LANGUAGE", "language='fr-FR' is not served")
+async def test_transcribe_refuses_a_language_not_served_naming_those_that_are(stub):
+    for other in ("fr-FR", "fr", "french"):
+        request = speech_pb2.TranscribeRequest(config=speech_pb2.TranscribeConfig(
+            audio_format=common_pb2.AudioFormat(sample_rate=16000), language=other))
+        error = await expect_invalid(raw_transcribe(stub, [request]), "BAD_LANGUAGE",
+                                     f"language {other!r} is not served by this recogniser; it serves en "
+                                     "(an English-only model)")
+        assert error_metadata(error) == {"language": other}
+
+
+async def test_english_by_code_tag_or_name_is_transcribed_and_each_final_says_its_language(stub, speaker):
+    pcm = np.concatenate([speaker.silence(0.5, 16000), speaker.say(SENTENCES[1], 16000),
+                          speaker.silence(1.0, 16000)]).tobytes()
+    for language in ("en-US", "en", "english"):
+        config = speech_pb2.TranscribeConfig(audio_format=common_pb2.AudioFormat(sample_rate=16000),
+                                             language=language, disable_partial_results=True)
+        assert await raw_transcribe(stub, [speech_pb2.TranscribeRequest(config=config)]) == []  # no audio, no error
+    results = await raw_transcribe(stub, [speech_pb2.TranscribeRequest(config=config),
+                                          speech_pb2.TranscribeRequest(audio=pcm)])
+    assert len(results) == 1 and results[0].language == "en" and wer(SENTENCES[1], results[0].text) < 0.2, results
+
+
+async def test_describe_recognizer_names_the_model_and_its_languages(stub):
+    described = await stub.DescribeRecognizer(speech_pb2.DescribeRecognizerRequest())
+    assert (described.name, list(described.languages), described.multilingual) == ("whisper-tiny", ["en"], False)
+    assert described.runtime in ("ct2", "torch") and described.compute_type
 
 
 async def test_a_prompt_over_its_limit_is_refused_and_one_within_it_is_the_context(stub, speaker):

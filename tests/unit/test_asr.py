@@ -21,6 +21,7 @@ from rtmedia.engines.asr import (
     AsrStream,
     _Worker,
     _worker_main,
+    language_code,
 )
 from rtmedia.engines.base import EngineError
 
@@ -265,12 +266,44 @@ def _check_turn(steps: list[list[AsrEvent]], index: int, start_ms: int, pcm: np.
     for ev in partials:
         assert ev.text == " ".join(p for p in (text, ev.delta) if p), (text, ev.delta, ev.text)
         text = ev.text
-    assert final.delta == ""
+    assert final.delta == "" and final.language == "en"
     assert " ".join(w for w, *_ in final.words) == final.text
     for _, w_start, w_end, conf in final.words:
         assert final.start_ms <= w_start < w_end <= final.end_ms
         assert 0.0 <= conf <= 1.0
     return final
+
+
+@pytest.mark.parametrize(("asked", "served", "code"), [
+    ("", ("en",), ""), ("en", ("en",), "en"), ("en-US", ("en",), "en"), ("EN_us", ("en",), "en"),
+    ("english", ("en",), "en"), (" English ", ("en",), "en"), ("fr-FR", ("en", "fr"), "fr"),
+    ("french", ("en", "fr"), "fr"), ("mandarin", ("en", "zh"), "zh"), ("yue", ("en", "yue"), "yue"),
+])
+def test_a_language_is_named_by_code_tag_or_name(asked: str, served: tuple[str, ...], code: str) -> None:
+    assert language_code(asked, served) == code
+
+
+def test_a_language_not_served_names_what_is() -> None:
+    with pytest.raises(ValueError, match=r"^language 'fr-FR' is not served by this recogniser; it serves en "
+                                         r"\(an English-only model\)$"):
+        language_code("fr-FR", ("en",))
+    many = tuple(f"{a}{b}" for a in "abc" for b in "xyz")
+    with pytest.raises(ValueError, match=r"^language_code 'klingon' is not served by this recogniser; it serves 9 "
+                                         r"languages \(ax, ay, az, bx, by, bz, cx, cy, \.\.\.\)$"):
+        language_code("klingon", many, "language_code")
+    with pytest.raises(ValueError, match=r"^language 'x{32}'\.\.\. \(300 characters\) is not served"):
+        language_code("x" * 300, ("en",))
+
+
+def test_pocketsphinx_serves_english_only() -> None:
+    engine = AsrEngine(workers=1)  # not loaded: the language is checked first
+    assert engine.languages == ("en",) and engine.describe["runtime"] == "pocketsphinx"
+    for other in ("fr", "de-DE", "german"):
+        with pytest.raises(ValueError, match="it serves en"):
+            engine.open_stream(segment=False, language=other)
+    for english in ("", "en", "en-US", "english"):
+        with pytest.raises(EngineError, match="not loaded"):
+            engine.open_stream(segment=False, language=english)
 
 
 def test_default_stream_mode(engine: AsrEngine) -> None:

@@ -5,11 +5,19 @@ from __future__ import annotations
 import grpc
 import pytest
 from riva.client.proto import riva_asr_pb2, riva_audio_pb2
+from rtmedia.engines.asr import AsrEvent
 from rtmedia.server.app import RtmediaServer
 from rtmedia.server.cli import build_parser
 from rtmedia.server.config import ServerConfig
 from rtmedia.server.endpointing import START_MARGIN_MS, HistoryEndpointer
-from rtmedia.server.riva_asr import RecognitionOptions, Rejected, plain, punctuate, riva_model
+from rtmedia.server.riva_asr import (
+    RecognitionOptions,
+    Rejected,
+    plain,
+    punctuate,
+    result_language,
+    riva_model,
+)
 from rtmedia.server.turns import WINDOW_MS, TurnEvent
 
 
@@ -79,6 +87,31 @@ def test_wav_rate_must_agree_with_the_config() -> None:
     assert RecognitionOptions.from_config(config, MODEL, wav_rate=16000).sample_rate == 16000
     with pytest.raises(Rejected, match="differs from the WAV header's 24000 Hz"):
         RecognitionOptions.from_config(config, MODEL, wav_rate=24000)
+
+
+def test_the_language_code_is_one_the_recogniser_serves_and_the_finals_say_theirs() -> None:
+    config = riva_asr_pb2.RecognitionConfig(sample_rate_hertz=16000, language_code="fr-FR")
+    with pytest.raises(Rejected) as rejected:
+        RecognitionOptions.from_config(config, MODEL)  # English-only
+    assert (rejected.value.code, rejected.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "UNSUPPORTED_LANGUAGE")
+    assert rejected.value.message == ("language_code 'fr-FR' is not served by this recogniser; it serves en "
+                                      "(an English-only model)")
+    for code in ("en-US", "en", "english", ""):
+        config.language_code = code
+        assert RecognitionOptions.from_config(config, MODEL).language == ("en" if code else "")
+    multi = riva_model("whisper-small", ("en", "fr"))
+    assert (MODEL, multi) == ("whisper-tiny-en-US-asr-streaming", "whisper-small-multi-asr-streaming")
+    config.language_code = "fr-FR"
+    options = RecognitionOptions.from_config(config, multi, languages=("en", "fr"))
+    assert (options.language, options.language_code) == ("fr", "fr-FR")
+    assert result_language(options, AsrEvent(0, True, "bonjour", "", 0, 500, language="fr")) == ["fr-FR"]
+    config.language_code = "french"  # a name: the recogniser's code
+    options = RecognitionOptions.from_config(config, multi, languages=("en", "fr"))
+    assert result_language(options, AsrEvent(0, True, "bonjour", "", 0, 500, language="fr")) == ["fr"]
+    config.language_code = ""  # detected: the recogniser's code
+    options = RecognitionOptions.from_config(config, multi, languages=("en", "fr"))
+    assert result_language(options, AsrEvent(0, True, "hello", "", 0, 500, language="en")) == ["en"]
+    assert result_language(options, AsrEvent(0, True, "", "", 0, 500)) == []
 
 
 def test_punctuation_is_the_recognisers_else_sentence_case_and_a_period() -> None:

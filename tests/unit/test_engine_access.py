@@ -1,6 +1,7 @@
 """The typed handles sessions and servicers use (server/engine_access.py), on a real
-scheduler with fake engines: which lane an ASR item takes, and that a reply of a responder
-that is not an LM's runs as a call its stream lane owns."""
+scheduler with fake engines: which lane an ASR item takes, the recogniser's languages and the
+language a stream opens with, and that a reply of a responder that is not an LM's runs as a
+call its stream lane owns."""
 
 from __future__ import annotations
 
@@ -47,6 +48,45 @@ async def test_an_item_that_only_ends_an_utterance_takes_the_final_lane(schedule
     await asr.recognize(AsrItem(stream, b"", end=True))
     await asr.recognize(AsrItem(stream, b"\0\0", end=True))  # an end behind audio travels with it
     assert [kind for kind, _ in engine.steps] == ["step", "urgent", "step"]
+
+
+class Multilingual(Recorder):
+    """A stand-in for a multilingual recogniser: what the facade asks of it, and the streams opened."""
+
+    model = "whisper-small"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.languages = ("en", "fr", "de")
+        self.describe = {"model": "whisper-small", "path": "/models/whisper-small", "runtime": "ct2",
+                         "compute_type": "int8", "languages": "multilingual"}
+        self.opened: list[dict] = []
+
+    def open_stream(self, segment=True, fast_final=False, partials=True, prompt="", language=""):
+        self.opened.append({"segment": segment, "prompt": prompt, "language": language})
+        return AsrStream(len(self.opened), 0, segment)
+
+
+def test_the_recognisers_languages_and_a_language_asked_for(scheduler):
+    engine = Multilingual()
+    scheduler.add(ASR, engine, LanePolicy(Priority.REALTIME))
+    asr = Asr(scheduler)
+    assert asr.languages == ("en", "fr", "de") and asr.multilingual
+    assert [asr.language(code) for code in ("fr-FR", "FR", "fr_CA", "french", "", "en-US")] == \
+        ["fr", "fr", "fr", "fr", "", "en"]
+    with pytest.raises(ValueError, match=r"language 'es-ES' is not served by this recogniser; it serves 3 "
+                                         r"languages \(en, fr, de\)"):
+        asr.language("es-ES")
+    with pytest.raises(ValueError, match=r"^language_code 'x'"):
+        asr.language("x", "language_code")
+    asr.open(segment=False, prompt="Bonjour.", language=asr.language("fr-FR"))
+    assert engine.opened == [{"segment": False, "prompt": "Bonjour.", "language": "fr"}]
+    assert asr.describe == {"model": "whisper-small", "languages": ("en", "fr", "de"), "multilingual": True,
+                            "runtime": "ct2", "compute_type": "int8"}
+    engine.languages = ("en",)  # an English-only model
+    assert not asr.multilingual and asr.language("english") == "en"
+    with pytest.raises(ValueError, match=r"it serves en \(an English-only model\)"):
+        asr.language("fr-FR")
 
 
 class Slow:

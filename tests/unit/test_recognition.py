@@ -1,5 +1,6 @@
 """Turn recognition (server/recognition.py) driven by a fake recogniser: segments, deltas,
-the transcript, and what is submitted for audio, pauses, ends and aborts."""
+the transcript, what is submitted for audio, pauses, ends and aborts, and the language a stream
+opens with."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ class FakeAsr:
 
     def __init__(self, reply=None) -> None:
         self.opened: list[dict] = []
+        self.languages: list[str] = []  # each opened stream's
         self.closed: list[object] = []
         self.reply = reply
 
     def open(self, segment: bool = True, fast_final: bool = False, partials: bool = True,
-             prompt: str = "") -> object:
+             prompt: str = "", language: str = "") -> object:
         self.opened.append({"segment": segment, "fast_final": fast_final})
+        self.languages.append(language)
         return f"stream{len(self.opened)}"
 
     async def close(self, stream: object) -> None:
@@ -155,6 +158,27 @@ async def test_a_turn_without_audio_completes_empty_without_opening_a_stream():
     await h.finish()
     assert h.submitted == [] and h.asr.opened == [] and h.asr.closed == []
     assert turn.transcript.result() == "" and h.completed == [(turn, "")]
+
+
+async def test_the_stream_opens_in_the_language_and_a_new_one_takes_a_new_stream_from_the_next_segment():
+    h = Harness([final("bonjour", [("bonjour", 100, 400, 0.9)], end_ms=500)],
+                [partial("hallo", "hallo")], [final("hallo welt", [("hallo", 50, 300, 0.9)], end_ms=400)],
+                language="fr")
+    first, second = Turn("item_1"), Turn("item_2", input_offset_ms=2000, asr_offset_ms=1000)
+    h.recognizer.send("audio", first, b"\0\0" * 16000)  # one second
+    h.recognizer.send("end", first)
+    await asyncio.wait_for(first.transcript, 1)
+    h.recognizer.language = "de"  # a session.update: from the next segment on
+    h.recognizer.send("audio", second, b"\0\0" * 8000)
+    await asyncio.sleep(0.01)  # the segment is open: the language stays until it ends
+    h.recognizer.language = "en"
+    h.recognizer.send("end", second)
+    await h.finish()
+    assert h.asr.languages == ["fr", "de"] and h.asr.closed == ["stream1", "stream2"]
+    assert second.transcript.result() == "hallo welt"
+    # the new stream's offsets count the audio of the one before: the turn's words are where they were said
+    assert second.segments[0].start_ms == 1000 and second.words == [("hallo", 2050, 2300, 0.9)]
+    assert first.words == [("bonjour", 100, 400, 0.9)]
 
 
 async def test_a_recogniser_failure_fails_the_task():

@@ -171,3 +171,29 @@ def test_bad_semantic_vad_settings_name_the_field(fields, param, part):
     with pytest.raises(ConfigError, match=part) as err:
         update(SessionSettings(), turn_detection=turn(type=SEMANTIC, **fields))
     assert err.value.param == param
+
+
+def transcription(language: str) -> realtime_pb2.InputAudioTranscription:
+    return realtime_pb2.InputAudioTranscription(language=language)
+
+
+def test_the_transcription_language_is_one_the_recogniser_serves_and_is_echoed_as_its_code():
+    settings = SessionSettings()
+    assert settings.language == "" and settings.to_proto().input_audio_transcription.language == ""
+    for asked in ("en-US", "en", "english", "EN_us"):
+        assert update(settings, input_audio_transcription=transcription(asked)).language == "en"
+    with pytest.raises(ConfigError, match=r"input_audio_transcription.language 'fr' is not served by this "
+                                          r"recogniser; it serves en \(an English-only model\)") as error:
+        update(settings, input_audio_transcription=transcription("fr"))
+    assert (error.value.param, error.value.code) == ("input_audio_transcription.language", "unsupported_language")
+    multilingual = settings.updated(realtime_pb2.SessionConfig(input_audio_transcription=transcription("fr-FR")),
+                                    VOICES, RESPONDERS, languages=("en", "fr"))
+    assert multilingual.language == "fr" and multilingual.to_proto().input_audio_transcription.language == "fr"
+    # a later update that does not name the language keeps it; "" goes back to detecting it
+    kept = multilingual.updated(realtime_pb2.SessionConfig(instructions="Hi."), VOICES, RESPONDERS,
+                                languages=("en", "fr"))
+    assert kept.language == "fr" and update(kept, input_audio_transcription=transcription("")).language == ""
+    assert update(settings, output_modality="text").language == ""  # other refusals keep invalid_value
+    with pytest.raises(ConfigError) as other:
+        update(settings, output_modality="smell")
+    assert other.value.code == "invalid_value"

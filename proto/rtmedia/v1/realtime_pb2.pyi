@@ -377,20 +377,35 @@ class InputAudioTranscription(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENABLED_FIELD_NUMBER: _builtins.int
+    LANGUAGE_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     """Transcribe user turns (default true)."""
+    language: _builtins.str
+    """What the user speaks: an ISO 639-1 code ("fr"), a BCP-47 tag ("fr-FR")
+    or Whisper's name ("french"); empty (the default) means English on an
+    English-only recogniser, each turn's language detected on a multilingual
+    one. One the recogniser does not serve is an error event
+    (unsupported_language, naming what is served). session_created and
+    session_updated carry the ISO 639-1 code in force.
+    """
     def __init__(
         self,
         *,
         enabled: _builtins.bool | None = ...,
+        language: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_enabled", b"_enabled", "enabled", b"enabled"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_enabled", b"_enabled", "_language", b"_language", "enabled", b"enabled", "language", b"language"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_enabled", b"_enabled", "enabled", b"enabled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_enabled", b"_enabled", "_language", b"_language", "enabled", b"enabled", "language", b"language"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__enabled: _TypeAlias = _typing.Literal["enabled"]  # noqa: Y015
     _WhichOneofArgType__enabled: _TypeAlias = _typing.Literal["_enabled", b"_enabled"]  # noqa: Y015
+    _WhichOneofReturnType__language: _TypeAlias = _typing.Literal["language"]  # noqa: Y015
+    _WhichOneofArgType__language: _TypeAlias = _typing.Literal["_language", b"_language"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__enabled) -> _WhichOneofReturnType__enabled | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__language) -> _WhichOneofReturnType__language | None: ...
 
 Global___InputAudioTranscription: _TypeAlias = InputAudioTranscription  # noqa: Y015
 

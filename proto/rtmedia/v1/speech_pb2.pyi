@@ -211,7 +211,13 @@ class TranscribeConfig(_message.Message):
     VAD_SEGMENTATION_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
     language: _builtins.str
-    """BCP-47 language; empty means "en-US", the only language served now."""
+    """What the audio is said in: an ISO 639-1 code ("fr"), a BCP-47 tag
+    ("fr-FR") or Whisper's name ("french"), in any case. Empty means
+    English on an English-only recogniser, and each utterance's language
+    detected on a multilingual one. A language the recogniser does not
+    serve is INVALID_ARGUMENT (BAD_LANGUAGE, the message naming what it
+    serves; DescribeRecognizer lists them).
+    """
     disable_partial_results: _builtins.bool
     """Send partial results while speech continues (default on: see
     disable_partial_results).
@@ -291,6 +297,7 @@ class TranscribeResponse(_message.Message):
     WORDS_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
     NO_SPEECH_PROB_FIELD_NUMBER: _builtins.int
+    LANGUAGE_FIELD_NUMBER: _builtins.int
     utterance_index: _builtins.int
     """Utterance number in the stream, from 0."""
     is_final: _builtins.bool
@@ -305,6 +312,10 @@ class TranscribeResponse(_message.Message):
     """Utterance bounds in the input stream, in milliseconds."""
     end_ms: _builtins.int
     no_speech_prob: _builtins.float
+    language: _builtins.str
+    """Final results: the utterance's language as an ISO 639-1 code ("en",
+    "fr"), the one asked for or the one detected; empty when unknown.
+    """
     @_builtins.property
     def words(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.WordInfo]:
         """Word timings (final results)."""
@@ -328,11 +339,71 @@ class TranscribeResponse(_message.Message):
         words: _abc.Iterable[_common_pb2.WordInfo] | None = ...,
         tokens: _abc.Iterable[_common_pb2.TokenInfo] | None = ...,
         no_speech_prob: _builtins.float = ...,
+        language: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "end_ms", b"end_ms", "is_final", b"is_final", "no_speech_prob", b"no_speech_prob", "start_ms", b"start_ms", "text", b"text", "tokens", b"tokens", "utterance_index", b"utterance_index", "words", b"words"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "end_ms", b"end_ms", "is_final", b"is_final", "language", b"language", "no_speech_prob", b"no_speech_prob", "start_ms", b"start_ms", "text", b"text", "tokens", b"tokens", "utterance_index", b"utterance_index", "words", b"words"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TranscribeResponse: _TypeAlias = TranscribeResponse  # noqa: Y015
+
+@_typing.final
+class DescribeRecognizerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeRecognizerRequest: _TypeAlias = DescribeRecognizerRequest  # noqa: Y015
+
+@_typing.final
+class DescribeRecognizerResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    LANGUAGES_FIELD_NUMBER: _builtins.int
+    RUNTIME_FIELD_NUMBER: _builtins.int
+    COMPUTE_TYPE_FIELD_NUMBER: _builtins.int
+    MULTILINGUAL_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The recogniser's name: "whisper-tiny" (the embedded Whisper tiny.en),
+    the model directory's name for another Whisper model, or "pocketsphinx".
+    """
+    runtime: _builtins.str
+    """How it runs: "ct2" (CTranslate2) or "torch" for Whisper, "pocketsphinx"."""
+    compute_type: _builtins.str
+    """Its precision on Whisper ("int8", "float16", ...); empty for PocketSphinx."""
+    multilingual: _builtins.bool
+    """It transcribes more than English (and detects the language when none is
+    asked for).
+    """
+    @_builtins.property
+    def languages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The languages it transcribes, ISO 639-1 codes: ["en"] for an
+        English-only model.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        languages: _abc.Iterable[_builtins.str] | None = ...,
+        runtime: _builtins.str = ...,
+        compute_type: _builtins.str = ...,
+        multilingual: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_type", b"compute_type", "languages", b"languages", "multilingual", b"multilingual", "name", b"name", "runtime", b"runtime"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeRecognizerResponse: _TypeAlias = DescribeRecognizerResponse  # noqa: Y015

@@ -50,6 +50,11 @@ class SpeechServiceStub:
                 request_serializer=rtmedia_dot_v1_dot_speech__pb2.TranscribeRequest.SerializeToString,
                 response_deserializer=rtmedia_dot_v1_dot_speech__pb2.TranscribeResponse.FromString,
                 _registered_method=True)
+        self.DescribeRecognizer = channel.unary_unary(
+                '/rtmedia.v1.SpeechService/DescribeRecognizer',
+                request_serializer=rtmedia_dot_v1_dot_speech__pb2.DescribeRecognizerRequest.SerializeToString,
+                response_deserializer=rtmedia_dot_v1_dot_speech__pb2.DescribeRecognizerResponse.FromString,
+                _registered_method=True)
 
 
 class SpeechServiceServicer:
@@ -79,6 +84,13 @@ class SpeechServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeRecognizer(self, request, context):
+        """The recogniser Transcribe runs: its name and the languages it serves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SpeechServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +108,11 @@ def add_SpeechServiceServicer_to_server(servicer, server):
                     servicer.Transcribe,
                     request_deserializer=rtmedia_dot_v1_dot_speech__pb2.TranscribeRequest.FromString,
                     response_serializer=rtmedia_dot_v1_dot_speech__pb2.TranscribeResponse.SerializeToString,
+            ),
+            'DescribeRecognizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeRecognizer,
+                    request_deserializer=rtmedia_dot_v1_dot_speech__pb2.DescribeRecognizerRequest.FromString,
+                    response_serializer=rtmedia_dot_v1_dot_speech__pb2.DescribeRecognizerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +197,33 @@ class SpeechService:
             '/rtmedia.v1.SpeechService/Transcribe',
             rtmedia_dot_v1_dot_speech__pb2.TranscribeRequest.SerializeToString,
             rtmedia_dot_v1_dot_speech__pb2.TranscribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeRecognizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rtmedia.v1.SpeechService/DescribeRecognizer',
+            rtmedia_dot_v1_dot_speech__pb2.DescribeRecognizerRequest.SerializeToString,
+            rtmedia_dot_v1_dot_speech__pb2.DescribeRecognizerResponse.FromString,
             options,
             channel_credentials,
             insecure,
