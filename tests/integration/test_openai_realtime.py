@@ -341,6 +341,25 @@ async def test_idle_timeout_triggers_a_response(connect, speaker):
     assert triggered.item_id and triggered.audio_end_ms >= triggered.audio_start_ms
 
 
+async def test_a_transcription_language_not_served_is_the_servers_error_and_the_session_goes_on(connect):
+    conn = await connect()
+    language = "session.audio.input.transcription.language"
+    await conn.send({"type": "session.update", "event_id": "french", "session": {"type": "realtime", "audio": {
+        "input": {"transcription": {"model": "whisper-1", "language": "fr"}}}}})
+    error = (await until(conn, "error")).error
+    assert (error.type, error.code, error.param, error.event_id) == \
+        ("invalid_request_error", "unsupported_language", language, "french")
+    assert "'fr' is not served by this recogniser; it serves en" in error.message
+    await conn.session.update(session={"type": "realtime", "audio": {"input": {
+        "transcription": {"model": "whisper-1", "language": "en-US"}}}})
+    updated = await until(conn, "session.updated")
+    assert updated.session.audio.input.transcription.language == "en-US"  # as the client set it
+    await conn.send({"type": "session.update", "session": {"type": "realtime", "audio": {
+        "input": {"transcription": {"language": 7}}}}})
+    error = (await until(conn, "error")).error
+    assert (error.code, error.param) == ("invalid_value", language)
+
+
 async def test_transcription_session(openai_client, speaker):
     async with openai_client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
         created = await until(conn, "session.created")

@@ -318,7 +318,9 @@ async def test_no_file_is_a_400(openai_client):
 
 @pytest.mark.parametrize(("kw", "cls", "status", "param", "part"), [
     ({"model": "whisper-9"}, openai.NotFoundError, 404, "model", "'whisper-9' does not exist"),
-    ({"language": "fr"}, openai.BadRequestError, 400, "language", "'fr' is not supported"),
+    ({"language": "fr"}, openai.BadRequestError, 400, "language",
+     "language 'fr' is not served by this recogniser; it serves en (an English-only model)"),
+    ({"language": "x" * 65}, openai.BadRequestError, 400, "language", "is not a language"),
     ({"response_format": "xml"}, openai.BadRequestError, 400, "response_format", "'xml' is not supported"),
     ({"temperature": "warm"}, openai.BadRequestError, 400, "temperature", "not a number"),
     ({"timestamp_granularities": ["char"]}, openai.BadRequestError, 400, "timestamp_granularities", "'char'"),
@@ -330,6 +332,23 @@ async def test_bad_fields_are_refused_naming_the_field(openai_client, one, kw, c
     kw = {"model": "whisper-1", **kw}
     call = openai_client.audio.transcriptions.create(file=("a.mp3", one.file("mp3")), **kw)
     await expect(call, cls, status, param, part)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_language_the_recogniser_does_not_serve_is_the_servers_400(openai_client, one, stream):
+    call = transcribe(openai_client, "a.mp3", one.file("mp3"), language="de-DE", stream=stream)
+    exc = await expect(call, openai.BadRequestError, 400, "language", "'de-DE' is not served", "it serves en")
+    assert exc.code == "unsupported_language"
+
+
+async def test_the_model_list_names_the_recogniser_and_transcriptions_take_its_name(openai_client, one):
+    names = [m.id async for m in openai_client.models.list()]
+    assert names[-1] == "whisper-tiny" and {"whisper-1", "rtmedia-asr", "tts-1"} <= set(names)
+    assert (await openai_client.models.retrieve("whisper-tiny")).id == "whisper-tiny"
+    result = await openai_client.audio.transcriptions.create(model="whisper-tiny", file=("a.mp3", one.file("mp3")),
+                                                             language="english", response_format="verbose_json")
+    assert result.language == "english"
+    assert_heard(ONE, result.text, ONE_KEYS)
 
 
 async def test_accepted_fields_are_ignored(openai_client, one):

@@ -23,6 +23,8 @@ def rpc_error(code: grpc.StatusCode, reason: str = "", message: str = "it went w
     (grpc.StatusCode.INVALID_ARGUMENT, "TEXT_TOO_LONG", 400, "invalid_request_error", "input", "text_too_long"),
     (grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_VOICE", 400, "invalid_request_error", "voice", "unknown_voice"),
     (grpc.StatusCode.INVALID_ARGUMENT, "BAD_SPEED", 400, "invalid_request_error", "speed", "bad_speed"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "BAD_LANGUAGE", 400, "invalid_request_error", "language",
+     "unsupported_language"),
     (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED", 401, "invalid_request_error", None, "invalid_api_key"),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "QUOTA", 429, "requests", None, "rate_limit_exceeded"),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "OUT_OF_MEMORY", 500, "server_error", None, "out_of_memory"),

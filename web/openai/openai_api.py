@@ -7,7 +7,8 @@ that speaks them) works against rtmedia by changing its base URL (docs/openai.md
   container PyAV reads to text, in json, text, verbose_json, srt or vtt, or streamed as SSE;
 - `GET /v1/realtime` (rtmedia.web.openai.realtime_ws): the Realtime API over a WebSocket, one
   `Converse` session per socket;
-- `GET /v1/models`, `GET /v1/models/{id}`: the model names these accept.
+- `GET /v1/models`, `GET /v1/models/{id}`: the model names these accept, the server's
+  recogniser's own name among them (asked of `SpeechService.DescribeRecognizer` once).
 
 Like the WebRTC bridge beside it, the front is a gRPC client of the rtmedia server
 (SpeechService): the same engines, scheduler, limits and metrics. Keys are the web port's
@@ -21,17 +22,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from aiohttp import web
+from rtmedia.v1 import speech_pb2, speech_pb2_grpc
 from rtmedia.web.openai.openai_errors import RETRY_AFTER_S, SERVER_ERROR, OpenAIError
 from rtmedia.web.openai.realtime_calls import ClientSecrets
 from rtmedia.web.openai.realtime_config import REALTIME_MODELS, unknown_model
 from rtmedia.web.openai.realtime_ws import RealtimeLimits
 
+log = logging.getLogger("rtmedia.web")
 PREFIX = "/v1/"
 OWNER = "rtmedia"
 # Model names each endpoint accepts: rtmedia's own, and OpenAI's, which map onto the same engines.
@@ -41,6 +45,7 @@ MODELS = (*SPEECH_MODELS, *TRANSCRIPTION_MODELS, *REALTIME_MODELS)
 MAX_UPLOAD_BYTES = 25 * 1024 * 1024  # OpenAI's own limit on a transcription upload
 MAX_REQUESTS = 16  # concurrent requests on the front; one more is a 429
 MAX_AUDIO_SECONDS = 3600.0  # a transcription's decoded audio (a small file of a low bitrate can hold hours)
+DESCRIBE_TIMEOUT_S = 2.0  # DescribeRecognizer's wait; past it, the model lists go on without the recogniser
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,33 @@ class OpenAIFront:
         self.sockets = 0  # Realtime sessions open
         self.realtime = self.config.realtime
         self.secrets = ClientSecrets()
+        self.recognizer: speech_pb2.DescribeRecognizerResponse | None = None  # asked once it answers
+        self.languages: set[str] = set()  # transcription `language` values the server accepted
+
+    async def describe_recognizer(self, request: web.Request) -> speech_pb2.DescribeRecognizerResponse | None:
+        """The server's recogniser (SpeechService.DescribeRecognizer, with the request's token),
+        kept once it answered; None while the server cannot say (the next request asks again)."""
+        if self.recognizer is None:
+            stub = speech_pb2_grpc.SpeechServiceStub(self.upstream.channel())
+            try:
+                self.recognizer = await stub.DescribeRecognizer(
+                    speech_pb2.DescribeRecognizerRequest(), metadata=self.upstream.metadata(request),
+                    timeout=DESCRIBE_TIMEOUT_S)
+            except Exception as exc:  # an RPC error, or a channel closed by a reload: today's list
+                why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+                log.warning("DescribeRecognizer failed (%s); the model list goes on without the recogniser's name",
+                            why)
+        return self.recognizer
+
+    async def transcription_models(self, request: web.Request) -> tuple[str, ...]:
+        """The names transcriptions accept: the aliases, and the recogniser's own name."""
+        described = await self.describe_recognizer(request)
+        own = () if described is None or not described.name or described.name in MODELS else (described.name,)
+        return (*TRANSCRIPTION_MODELS, *own)
+
+    async def model_names(self, request: web.Request) -> tuple[str, ...]:
+        transcription = await self.transcription_models(request)
+        return (*MODELS, *transcription[len(TRANSCRIPTION_MODELS):])
 
     def add_routes(self, app: web.Application) -> None:
         from rtmedia.web.openai.openai_speech import create_speech
@@ -149,11 +181,11 @@ class OpenAIFront:
             self.active -= 1
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [_model(m) for m in MODELS]})
+        return web.json_response({"object": "list", "data": [_model(m) for m in await self.model_names(request)]})
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        check_model(name, MODELS)
+        check_model(name, MODELS if name in MODELS else await self.model_names(request))
         return web.json_response(_model(name))
 
 

@@ -54,6 +54,8 @@ _PARAMS = {
     "UNKNOWN_VOICE": "voice", "UNSUPPORTED_SAMPLE_RATE": "sample_rate", "BAD_SPEED": "speed",
     "BAD_LANGUAGE": "language", "BAD_AUDIO": "file",
 }
+# ErrorInfo reasons -> OpenAI's code for the same refusal, where it has its own word.
+_CODES = {"BAD_LANGUAGE": "unsupported_language"}
 
 
 def from_rpc(exc: grpc.aio.AioRpcError | RtmediaError, params: dict[str, str] | None = None) -> OpenAIError:
@@ -65,7 +67,7 @@ def from_rpc(exc: grpc.aio.AioRpcError | RtmediaError, params: dict[str, str] | 
         code, reason, details, metadata = exc.code(), error_reason(exc) or "", exc.details(), error_metadata(exc)
     detail = details or code.name
     param = {**_PARAMS, **(params or {})}.get(reason)
-    word = reason.lower() or None
+    word = _CODES.get(reason, reason.lower()) or None
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return OpenAIError(400, detail, INVALID_REQUEST, param, word)
     if code == grpc.StatusCode.UNAUTHENTICATED:

@@ -3,7 +3,10 @@
 The request is multipart/form-data, read with aiohttp's streaming multipart reader: the `file`
 part is spooled (in memory, then a temporary file) and the whole body is bounded by the front's
 `max_upload_bytes` (over it: 413 at once, the rest unread). The other fields: `model`
-(required), `language` (en, en-US or empty), `response_format` (json, text, verbose_json, srt,
+(required: one of the aliases or the recogniser's own name), `language` (what the audio is said
+in, ISO 639-1 or BCP-47, as the server's recogniser serves it: the server refuses another, asked
+on a call of its own before the file is opened (`check_language`), a 400 `unsupported_language`
+naming what it serves; empty: English, or detected on a multilingual recogniser), `response_format` (json, text, verbose_json, srt,
 vtt), `timestamp_granularities[]` (segment, word), `stream`, `prompt` (its last 1000
 characters go to the recogniser as the text said before), `include[]` (`logprobs`: the
 recogniser's tokens with their log-probabilities; any other value is a 400), and `temperature`
@@ -20,9 +23,10 @@ says where decoding stopped); so is one with a few damaged packets, which are sk
 
 Answers, per `response_format`: json `{"text", "usage"}` (usage: the audio's duration, whole
 seconds rounded up, as OpenAI bills); text (the text and a newline); verbose_json (task,
-language "english", duration, text, usage, and `segments` unless only word timestamps were
+language, duration, text, usage, and `segments` unless only word timestamps were
 asked, `words` when they were); srt and vtt, one cue per utterance. The text is the utterances'
-final texts joined by spaces. A verbose segment is an utterance: its start and end are its
+final texts joined by spaces. verbose_json's language is the one most of the utterances were
+recognised in (asked for, or detected), named as OpenAI names it ("english", "french"). A verbose segment is an utterance: its start and end are its
 first and last words' (the utterance's own bounds when it has no word timings), `seek` is where
 its decoding began in hundredths of a second (Whisper's frames), `tokens` its text tokens' ids,
 `avg_logprob` their mean natural log-probability, `no_speech_prob` the model's probability that
@@ -71,7 +75,7 @@ log = logging.getLogger("rtmedia.web")
 T = TypeVar("T")
 
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
-LANGUAGES = ("", "en", "en-us")  # compared in lower case
+MAX_LANGUAGE_CHARS = 64  # a language code or name; a longer value is a 400 here, before the call
 GRANULARITIES = ("segment", "word")
 INCLUDES = ("logprobs",)
 PROMPT_CHARS = 1000  # the server's limit on TranscribeConfig.prompt
@@ -114,6 +118,7 @@ class Options:
     segments: bool  # segment timestamps asked (or no granularity named)
     prompt: str = ""  # its last PROMPT_CHARS characters, the recogniser's context
     logprobs: bool = False  # include[]=logprobs
+    language: str = ""  # as asked (the server checks it)
 
 
 async def read_upload(request: web.Request, limit: int) -> Upload:
@@ -182,19 +187,20 @@ def _too_large(limit: int) -> OpenAIError:
                             "send a shorter or more compressed file", param="file", code="file_too_large")
 
 
-def check_options(upload: Upload) -> Options:
-    """The fields checked, in OpenAI's errors: 400 naming the field (404 for an unknown model)."""
+def check_options(upload: Upload, models: tuple[str, ...] = TRANSCRIPTION_MODELS) -> Options:
+    """The fields checked, in OpenAI's errors: 400 naming the field (404 for a model not in
+    `models`). The language is the server's to check (the call's BAD_LANGUAGE)."""
     fields = upload.fields
     if upload.file is None:
         raise OpenAIError(400, "file is required: the audio to transcribe, as the form's file field", param="file",
                           code="missing_file")
     if upload.file_bytes == 0:
         raise OpenAIError(400, "the file is empty", param="file", code="empty_file")
-    model = check_model(fields.get("model"), TRANSCRIPTION_MODELS)
-    language = fields.get("language", "")
-    if language.lower() not in LANGUAGES:
-        raise OpenAIError(400, f"language {language[:50]!r} is not supported; this server transcribes English: "
-                               "send en (or en-US), or leave it out", param="language", code="unsupported_language")
+    model = check_model(fields.get("model"), models)
+    language = fields.get("language", "").strip()
+    if len(language) > MAX_LANGUAGE_CHARS:
+        raise OpenAIError(400, f"language {language[:50]!r}... is not a language: send an ISO 639-1 code such as "
+                               "en or fr, or leave it out", param="language", code="unsupported_language")
     response_format = fields.get("response_format", "") or "json"
     if response_format not in RESPONSE_FORMATS:
         raise OpenAIError(400, f"response_format {response_format[:50]!r} is not supported; supported: "
@@ -220,7 +226,7 @@ def check_options(upload: Upload) -> Options:
                                f"{response_format}", param="include", code="invalid_value")
     return Options(model, response_format, streamed, "word" in granularities,
                    not granularities or "segment" in granularities, fields.get("prompt", "")[-PROMPT_CHARS:],
-                   "logprobs" in include)
+                   "logprobs" in include, language)
 
 
 def _is_number(text: str) -> bool:
@@ -231,15 +237,44 @@ def _is_number(text: str) -> bool:
 
 
 # ---- the recognition --------------------------------------------------------------------------------
+MAX_LANGUAGES_KEPT = 256  # accepted `language` values the front remembers
+
+
+async def check_language(front: OpenAIFront, request: web.Request, language: str) -> None:
+    """A language the server's recogniser does not serve is the server's refusal (BAD_LANGUAGE: a
+    400 `unsupported_language` naming what it serves), asked on a call that carries the config
+    alone: a call the server ends while the client is still writing audio can lose the server's
+    status to that write (grpc's asyncio client reports INTERNAL instead). A value once accepted
+    is not asked again."""
+    if not language or language in front.languages:
+        return
+    stub = speech_pb2_grpc.SpeechServiceStub(front.upstream.channel())
+    call = stub.Transcribe(metadata=front.upstream.metadata(request))
+    try:
+        await call.write(speech_pb2.TranscribeRequest(config=speech_pb2.TranscribeConfig(
+            audio_format=common_pb2.AudioFormat(encoding=common_pb2.AUDIO_ENCODING_PCM16, sample_rate=RATE,
+                                                channels=1), language=language, disable_partial_results=True)))
+        await call.done_writing()
+        while await call.read() is not grpc.aio.EOF:  # no audio, so no results
+            pass
+    except grpc.aio.AioRpcError as exc:
+        raise from_rpc(exc) from None
+    finally:
+        call.cancel()
+    if len(front.languages) >= MAX_LANGUAGES_KEPT:
+        front.languages.clear()
+    front.languages.add(language)
+
+
 class Recognition:
     """One `Transcribe` call fed by a decoder: `results()` yields the server's results while a
     task writes the audio and another watches the client's connection (a client that left ends
     the call). The decoder's first piece was read already (the file is checked before the call)."""
 
     def __init__(self, front: OpenAIFront, request: web.Request, decoder: PcmDecoder, first: bytes,
-                 prompt: str = "") -> None:
+                 prompt: str = "", language: str = "") -> None:
         self.front, self.request, self.decoder, self.first = front, request, decoder, first
-        self.prompt = prompt
+        self.prompt, self.language = prompt, language
         self._failure: BaseException | None = None  # why a helper task cancelled the call
 
     async def results(self) -> AsyncIterator[speech_pb2.TranscribeResponse]:
@@ -286,7 +321,7 @@ class Recognition:
         config = speech_pb2.TranscribeConfig(
             audio_format=common_pb2.AudioFormat(encoding=common_pb2.AUDIO_ENCODING_PCM16, sample_rate=RATE,
                                                 channels=1),
-            language="en-US", disable_partial_results=True, vad_segmentation=True, prompt=self.prompt)
+            language=self.language, disable_partial_results=True, vad_segmentation=True, prompt=self.prompt)
         limit = self.front.config.max_audio_seconds
         try:
             await call.write(speech_pb2.TranscribeRequest(config=config))
@@ -334,6 +369,7 @@ class Utterance:
     words: list[tuple[str, float, float, float]]  # word, start, end, confidence
     tokens: list[common_pb2.TokenInfo] = field(default_factory=list)
     no_speech_prob: float = 0.0
+    language: str = ""  # ISO 639-1, "" when unknown
 
 
 def utterance(result: speech_pb2.TranscribeResponse, duration: float) -> Utterance:
@@ -343,7 +379,24 @@ def utterance(result: speech_pb2.TranscribeResponse, duration: float) -> Utteran
     words = [(w.word, at(w.start_ms), at(w.end_ms), w.confidence) for w in result.words]
     start, end = (words[0][1], words[-1][2]) if words else (at(result.start_ms), at(result.end_ms))
     return Utterance(result.text.strip(), start, max(start, end), at(result.start_ms), words, list(result.tokens),
-                     result.no_speech_prob)
+                     result.no_speech_prob, result.language)
+
+
+def spoken_language(utterances: list[Utterance]) -> str:
+    """The language (ISO 639-1) most of the spoken utterances were recognised in; "" when none says."""
+    codes = [u.language for u in utterances if u.text and u.language]
+    return max(codes, key=codes.count) if codes else ""
+
+
+def language_name(code: str) -> str:
+    """A language code as OpenAI's verbose_json names it: Whisper's lowercase name ("english",
+    "french"); English when none is known (an English-only recogniser's); the code itself for
+    one Whisper has no name for."""
+    if code in ("", "en"):
+        return "english"
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES  # a large import: off the loop
+
+    return LANGUAGES.get(code, code)
 
 
 def logprobs(tokens: list[common_pb2.TokenInfo]) -> list[dict[str, Any]]:
@@ -352,7 +405,9 @@ def logprobs(tokens: list[common_pb2.TokenInfo]) -> list[dict[str, Any]]:
 
 
 # ---- the answers ------------------------------------------------------------------------------------
-def render(options: Options, utterances: list[Utterance], duration: float) -> web.Response:
+def render(options: Options, utterances: list[Utterance], duration: float, language: str = "english"
+           ) -> web.Response:
+    """The answer in `options.response_format`; `language`: verbose_json's name of it."""
     spoken = [u for u in utterances if u.text]
     text = " ".join(u.text for u in spoken)
     usage = {"type": "duration", "seconds": math.ceil(duration)}
@@ -369,7 +424,7 @@ def render(options: Options, utterances: list[Utterance], duration: float) -> we
         if fmt == "srt":
             return web.Response(text=srt(cues), content_type="text/plain")
         return web.Response(text=vtt(cues), content_type="text/vtt")
-    body: dict[str, Any] = {"task": "transcribe", "language": "english", "duration": round(duration, 3),
+    body: dict[str, Any] = {"task": "transcribe", "language": language, "duration": round(duration, 3),
                             "text": text, "usage": usage}
     if options.segments:
         body["segments"] = [_segment(n, u) for n, u in enumerate(spoken)]
@@ -437,18 +492,23 @@ async def create_transcription(request: web.Request, front: OpenAIFront) -> web.
     try:
         upload = await read_upload(request, front.config.max_upload_bytes)
         facts["bytes"] = upload.file_bytes
-        options = check_options(upload)
+        options = check_options(upload, await front.transcription_models(request))
         facts.update(model=options.model, response_format=options.response_format, stream=options.stream)
+        await check_language(front, request, options.language)
         decoder, first = await open_audio(upload)
         facts["codec"] = decoder.codec
-        recognition = Recognition(front, request, decoder, first, options.prompt)
+        recognition = Recognition(front, request, decoder, first, options.prompt, options.language)
         if options.stream:
             response = await stream_events(request, recognition, facts, options.logprobs)
         else:
             finals = [r async for r in recognition.results() if r.is_final]
             duration = decoder.seconds
             facts["utterances"] = sum(1 for r in finals if r.text.strip())
-            response = render(options, [utterance(r, duration) for r in finals], duration)
+            utterances = [utterance(r, duration) for r in finals]
+            name = "english"
+            if options.response_format == "verbose_json":
+                name = await asyncio.to_thread(language_name, spoken_language(utterances))
+            response = render(options, utterances, duration, name)
         facts["status"] = 200
         return response
     except OpenAIError as exc:

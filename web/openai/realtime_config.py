@@ -355,8 +355,8 @@ class RealtimeConfig:
         if model not in TRANSCRIPTION_MODELS:
             raise RealtimeError("model_not_found", f"{param}.model: {unknown_model(model, TRANSCRIPTION_MODELS)}",
                                 param + ".model")
-        if spec.get("language") not in (None, "en"):
-            raise refuse(param + ".language", f"the language {str(spec['language'])[:16]!r} (served: en)")
+        if spec.get("language") is not None and not isinstance(spec["language"], str):
+            raise _invalid(param + ".language", "must be a string (ISO 639-1, as \"en\" or \"fr\") or null")
         for name in ("prompt", "delay", "keywords", "languages"):
             if spec.get(name) not in (None, "", []):
                 raise refuse(f"{param}.{name}", f"transcription {name}")
@@ -427,8 +427,10 @@ class RealtimeConfig:
             "input_audio_format": {"encoding": ENCODINGS[encoding], "sample_rate": rate, "channels": 1},
             "output_sample_rate": out_rate,
             # rtmedia's responders answer the user's words: the session always transcribes, and the
-            # front passes the transcription events on only when the client asked for them.
-            "input_audio_transcription": {"enabled": True},
+            # front passes the transcription events on only when the client asked for them. The
+            # server checks the language against its recogniser's (unsupported_language).
+            "input_audio_transcription": {"enabled": True,
+                                          "language": (self.transcription or {}).get("language") or ""},
             "noise_reduction": {"type": self.noise_reduction or ""},
             "turn_detection": turn,
             "instructions": self.instructions,

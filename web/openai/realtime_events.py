@@ -54,7 +54,8 @@ PARAMS = {"audio": "audio", "item_id": "item_id", "audio_end_ms": "audio_end_ms"
           "instructions": "session.instructions", "item.text": "item.content", "item.id": "item.id",
           "tools": "session.tools", "tool_choice.name": "session.tool_choice", "tool_filler_ms": "session.tool_filler_ms",
           "tool_timeout_ms": "session.tool_timeout_ms", "turn_detection.type": "session.audio.input.turn_detection.type",
-          "recording": "session.recording"}
+          "recording": "session.recording",
+          "input_audio_transcription.language": "session.audio.input.transcription.language"}
 
 
 @dataclass
