@@ -111,7 +111,9 @@ RUNTIMES = ("ct2", "torch")
 def model_name(model_dir: Path | None) -> str:
     """The recogniser's name as the APIs show it: whisper-tiny for the embedded model, else the
     directory's name ("whisper-small.en", "faster-distil-whisper-large-v3")."""
-    return "whisper-tiny" if model_dir is None else Path(model_dir).resolve().name
+    if model_dir is None:
+        return "whisper-tiny"
+    return Path(model_dir).name or Path(model_dir).resolve().name  # (the name as given: a link's own)
 
 
 def model_format(path: Path) -> str:
