@@ -1,7 +1,7 @@
 """Tiny random Whisper models saved as transformers directories (no download): English-only
 with the embedded model's tokenizer, or multilingual with that tokenizer's special tokens laid
-out as a multilingual Whisper's (one more text token, so `<|endoftext|>` is 50257 and the
-vocabulary 51865), optionally with 128 log-mel bins as large-v3's."""
+out as a multilingual Whisper's (one more text token, the empty one, so `<|endoftext|>` is 50257
+and the vocabulary 51865), optionally with 128 log-mel bins as large-v3's."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from rtmedia.engines.whisper import embedded_model_dir
 
 
 def multilingual_tokenizer(english: dict) -> dict:
-    """The embedded tokenizer.json with every special token one id later, the freed id a text
-    token (the multilingual vocabulary's layout; its text tokens are not the real ones)."""
+    """The embedded tokenizer.json with every special token one id later and the freed id the
+    empty text token (the multilingual vocabulary's layout; its text tokens are not the real ones)."""
     data = json.loads(json.dumps(english))
     eot = next(t["id"] for t in data["added_tokens"] if t["content"] == "<|endoftext|>")
     for token in data["added_tokens"]:
         token["id"] += token["id"] >= eot
     vocab = data["model"]["vocab"]
     vocab["<|endoftext|>"] = eot + 1
-    vocab["<|text50256|>"] = eot
+    vocab[""] = eot  # multilingual Whisper's empty text token: CTranslate2 tells the layouts apart by it
     for special in data["post_processor"]["special_tokens"].values():
         special["ids"] = [i + (i >= eot) for i in special["ids"]]
     return data

@@ -36,8 +36,11 @@ def models(tmp_path_factory) -> dict[str, object]:
     english = tiny_whisper(root / "tiny-en")
     ctranslate2.converters.TransformersConverter(str(english), copy_files=["tokenizer.json"]).convert(
         str(root / "tiny-en-ct2"), quantization="int8")
+    multilingual = tiny_whisper(root / "tiny-multi", multilingual=True)
+    ctranslate2.converters.TransformersConverter(str(multilingual), copy_files=["tokenizer.json"]).convert(
+        str(root / "tiny-multi-ct2"))
     return {"english": english, "english-ct2": root / "tiny-en-ct2",
-            "multilingual": tiny_whisper(root / "tiny-multi", multilingual=True),
+            "multilingual": multilingual, "multilingual-ct2": root / "tiny-multi-ct2",
             "mels128": tiny_whisper(root / "tiny-128", multilingual=True, mels=128, seed=1)}
 
 
@@ -111,6 +114,20 @@ def test_a_multilingual_model_detects_the_language(models, spider) -> None:
     vocab = Vocabulary(models["multilingual"], multilingual=True)
     assert final.language == vocab.code_of(token) and final.language in engine.languages
     assert backend.prompts[0][-3] == vocab._tokenizer.token_to_id(token)
+
+
+def test_a_multilingual_model_in_both_runtimes(models, spider) -> None:
+    """The converted multilingual model: CTranslate2 (float32) and torch detect the same language
+    and hear the same tokens, with a language asked for and without."""
+    engines = [WhisperEngine(models["multilingual-ct2"], runtime="ct2", compute_type="float32"),
+               WhisperEngine(models["multilingual-ct2"], runtime="torch")]
+    for engine in engines:
+        engine.load()
+        assert engine.describe["languages"] == "multilingual" and len(engine.languages) == 99
+    for asked in ("", "de"):
+        ct2, torch_ = (_final(engine, spider, asked) for engine in engines)
+        assert ct2.language == torch_.language == (asked or ct2.language) and ct2.language
+        assert ct2.tokens and [t for t, _, _ in ct2.tokens] == [t for t, _, _ in torch_.tokens]
 
 
 def test_128_mel_bins(models, spider) -> None:
