@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 _MEDIAN_WIDTH = 7  # CTranslate2's and openai-whisper's median filter over the attention
 _CT2_DTYPES = ("float32", "int8", "int16", "int32", "float16", "bfloat16")  # the file's type ids
-COMPUTE_TYPES = ("float32", "float16", "bfloat16")
+COMPUTE_TYPES = ("float32", "float16", "bfloat16", "int8")
 _BATCH_BUCKETS = (1, 2, 4, 8, 16)  # graphed batches are padded up to one of these
 _CACHE_BLOCK = 64  # a static KV cache's length is a multiple of this
 
@@ -208,7 +208,8 @@ class TorchBackend:
     """Whisper on torch: the engine's `WhisperBackend` (module docstring). `path` is a
     CTranslate2 Whisper directory (`model.bin`, `config.json`) or a transformers one; special
     tokens come from its tokenizer or vocabulary (`_token_ids`). `compute_type`: float32 (the
-    CPU's default), float16 (CUDA's) or bfloat16. `threads` sets torch's intra-op threads, which
+    CPU's default), float16 (CUDA's), bfloat16, or int8 on a CPU (every linear layer per-row
+    int8, `engines/lm_quant.py`). `threads` sets torch's intra-op threads, which
     are the whole process's. `graphs`: a `GraphRunner` for the encoder and the decoder step;
     `static`: decode on a static KV cache (default: on CUDA)."""
 
@@ -226,11 +227,17 @@ class TorchBackend:
         cuda = self.device.type == "cuda"
         self.compute_type = compute_type or ("float16" if cuda else "float32")
         if self.compute_type not in COMPUTE_TYPES:
-            raise EngineError(f"compute type {self.compute_type!r}: the torch backend runs {', '.join(COMPUTE_TYPES)} "
-                              "(int8 is the ct2 backend's)")
-        self.dtype = getattr(torch, self.compute_type)
+            raise EngineError(f"compute type {self.compute_type!r}: the torch backend runs {', '.join(COMPUTE_TYPES)}")
+        if self.compute_type == "int8" and cuda:
+            raise EngineError("compute type 'int8' is the torch backend's CPU path (per-row int8 matmuls); on CUDA "
+                              "it runs float16, bfloat16 or float32")
+        self.dtype = torch.float32 if self.compute_type == "int8" else getattr(torch, self.compute_type)
         self.model, config = _load(path)
         self.model.to(self.device, self.dtype).eval()
+        if self.compute_type == "int8":  # every linear layer, the output projection included
+            from .lm_quant import quantize_linears
+
+            quantize_linears(self.model)
         self.heads = self.model.config.decoder_attention_heads
         self.n_mels = self.model.config.num_mel_bins
         self.multilingual = self.model.config.vocab_size >= 51865  # English-only Whisper has 51864
@@ -466,7 +473,7 @@ class TorchBackend:
         return decoder.layer_norm(x), (torch.cat(picked, 1) if picked else None)
 
     def _logits(self, hidden: Any) -> Any:
-        return self._torch.nn.functional.linear(hidden, self.model.model.decoder.embed_tokens.weight)
+        return self.model.proj_out(hidden)  # (tied to the token embeddings)
 
 
     def _static(self, batch: int, cross: list[tuple[Any, Any]], cache: list[list[Any]], needed: int) -> _StaticDecode:

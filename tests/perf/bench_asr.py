@@ -1,7 +1,7 @@
 """The recognisers side by side, at the engine: word error rate, final latency, CPU, batching.
 
     .venv/bin/python tests/perf/bench_asr.py [--engines whisper,pocketsphinx] [--limit N] [--model DIR]
-    .venv/bin/python tests/perf/bench_asr.py --engines whisper,whisper-ct2-float32,whisper-torch
+    .venv/bin/python tests/perf/bench_asr.py --engines whisper,whisper-ct2-float32,whisper-torch,whisper-torch-int8
     .venv/bin/python tests/perf/bench_asr.py --capacity talk:12 [--rounds 4] [--duration 30]
 
 Utterances: the sentences of `asr_sentences.txt` (46), said by Piper (`en_US-joe-medium`) and,
@@ -261,7 +261,7 @@ def capacity(engines: list[str], profile: str, sessions: int, rounds: int, durat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", default="whisper,pocketsphinx",
-                        help="whisper, whisper-RUNTIME[-PRECISION] (whisper-torch, whisper-ct2-float32), pocketsphinx")
+                        help="whisper, whisper-RUNTIME[-PRECISION] (whisper-torch, whisper-torch-int8, whisper-ct2-float32), pocketsphinx")
     parser.add_argument("--model", default=None, metavar="DIR", help="the Whisper engines' model directory")
     parser.add_argument("--limit", type=int, default=0, help="the first N sentences only")
     parser.add_argument("--capacity", default=None, metavar="PROFILE:SESSIONS", help="server capacity runs instead")

@@ -130,6 +130,14 @@ def test_a_multilingual_model_in_both_runtimes(models, spider) -> None:
         assert ct2.tokens and [t for t, _, _ in ct2.tokens] == [t for t, _, _ in torch_.tokens]
 
 
+def test_int8_linears_on_a_cpu(spider) -> None:
+    """The torch backend's int8 path (every linear layer per-row int8) hears the sentence."""
+    engine = WhisperEngine(runtime="torch", compute_type="int8")
+    engine.load()
+    assert engine.describe["compute_type"] == "int8"
+    assert _final(engine, spider).text == SPIDER
+
+
 def test_128_mel_bins(models, spider) -> None:
     """large-v3's 128 log-mel bins: the features follow the model's encoder."""
     engine = WhisperEngine(models["mels128"], runtime="torch")
@@ -160,8 +168,10 @@ def test_directories_that_are_no_whisper_model_fail_in_one_line(models, tmp_path
         assert "\n" not in str(caught.value)
     with pytest.raises(EngineError, match="a transformers Whisper directory; the ct2 backend reads CTranslate2"):
         WhisperEngine(models["english"], runtime="ct2")
-    with pytest.raises(EngineError, match="'int8': the torch backend runs float32, float16, bfloat16"):
-        WhisperEngine(models["english"], runtime="torch", compute_type="int8").load()
+    with pytest.raises(EngineError, match="'int4': the torch backend runs float32, float16, bfloat16, int8"):
+        WhisperEngine(models["english"], runtime="torch", compute_type="int4").load()
+    with pytest.raises(EngineError, match="'int8' is the torch backend's CPU path"):
+        WhisperEngine(runtime="torch", device="cuda", compute_type="int8").load()
     with pytest.raises(ValueError, match="runtime 'onnx'"):
         WhisperEngine(runtime="onnx")
 
