@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Whisper's runtime: CTranslate2 or torch (auto: torch on CUDA, else ct2)")
     p.add_argument("--asr-compute-type", default=None, metavar="TYPE",
                    help="Whisper's precision (ct2: int8, int8_float16, float16, float32, ...; torch: float32, "
-                        "float16, bfloat16); default: the runtime's on the device")
+                        "float16, bfloat16, int8 on a CPU); default: the runtime's on the device")
     p.add_argument("--asr-max-graphs", type=int, default=None, metavar="N",
                    help="Whisper on torch and CUDA: CUDA graphs captured at most (48)")
     p.add_argument("--asr-threads", type=int, default=None, help="Whisper: cores one decode batch uses (1)")

@@ -60,7 +60,7 @@ class ServerConfig:
     # embedded tiny.en. Its runtime: "ct2" (CTranslate2), "torch" (engines/whisper_torch.py;
     # CUDA graphs on a GPU, at most asr_max_graphs) or "auto" (torch on CUDA, else ct2); its
     # precision: "" for the runtime's default on the device (ct2: int8 on a CPU, float16 on
-    # CUDA; torch: float32, float16), else e.g. int8_float16, float32, bfloat16.
+    # CUDA; torch: float32, float16), else e.g. int8_float16, float32, bfloat16 (torch int8: a CPU path).
     asr_model: str = ""
     asr_backend: str = "auto"
     asr_compute_type: str = ""
