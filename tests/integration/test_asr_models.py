@@ -5,6 +5,8 @@ CPU, counted in the metrics)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc
@@ -59,3 +61,24 @@ async def test_it_hears_through_the_torch_runtime(server, channel) -> None:
     sample = server.metrics.registry.get_sample_value
     assert sample("rtmedia_graph_misses_total", {"engine": "asr", "reason": "ineligible"}) >= 1  # a CPU's
     assert sample("rtmedia_graphs", {"engine": "asr"}) == 0
+
+
+async def test_a_realtime_transcription_session_names_the_model_brought(openai_client) -> None:
+    """The Realtime API takes the recogniser's own name as a transcription model, and names it
+    among the models when refusing another."""
+    async with openai_client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+        await _next(conn, "session.created")
+        for model, answer in ((NAME, "session.updated"), ("no-such-asr", "error")):
+            await conn.session.update(session={"type": "transcription", "audio": {"input": {
+                "transcription": {"model": model, "language": "en"}}}})
+            event = await _next(conn, answer)
+        assert event.error.code == "model_not_found" and NAME in event.error.message
+
+
+async def _next(conn, kind: str):
+    async def run():
+        while (event := await conn.recv()).type != kind:
+            pass
+        return event
+
+    return await asyncio.wait_for(run(), 30)

@@ -130,11 +130,16 @@ class OpenAIFront:
                             why)
         return self.recognizer
 
+    async def recognizer_name(self, request: web.Request) -> str:
+        """The recogniser's own name when it is not one of the aliases, else "" (also while the
+        server cannot say)."""
+        described = await self.describe_recognizer(request)
+        return "" if described is None or described.name in MODELS else described.name
+
     async def transcription_models(self, request: web.Request) -> tuple[str, ...]:
         """The names transcriptions accept: the aliases, and the recogniser's own name."""
-        described = await self.describe_recognizer(request)
-        own = () if described is None or not described.name or described.name in MODELS else (described.name,)
-        return (*TRANSCRIPTION_MODELS, *own)
+        own = await self.recognizer_name(request)
+        return (*TRANSCRIPTION_MODELS, own) if own else TRANSCRIPTION_MODELS
 
     async def model_names(self, request: web.Request) -> tuple[str, ...]:
         transcription = await self.transcription_models(request)

@@ -88,7 +88,7 @@ async def create_client_secret(request: web.Request, front: Any) -> web.Response
         raise OpenAIError(400, f"expires_after.seconds must be an integer {low}..{high}",
                           param="expires_after.seconds", code="invalid_value")
     session = body.get("session")
-    config = _session_config(session)
+    config = _session_config(session, await front.recognizer_name(request))
     key, secret = front.secrets.issue(seconds, session, request.get(TOKEN_KEY), request.get(BEARER_KEY))
     return web.json_response({"value": key, "expires_at": int(secret.expires_at),
                               "session": config.session_object()})
@@ -105,7 +105,7 @@ async def create_call(request: web.Request, front: Any) -> web.Response:
     secret = front.secrets.get(request.get(SECRET_KEY))
     if session is None and secret is not None:
         session = secret.session
-    config = _session_config(session)
+    config = _session_config(session, await front.recognizer_name(request))
     translator = Translator(config, webrtc=True)
     try:
         peer, answer = await calls.answer(sdp, request, translator)
@@ -164,10 +164,10 @@ def _own_call(front: Any, call_id: str, request: web.Request) -> Any:
     return peer
 
 
-def _session_config(session: Any) -> RealtimeConfig:
+def _session_config(session: Any, recognizer: str) -> RealtimeConfig:
     """The new session's config: the API's defaults, then `session` (session.update's object) applied."""
     try:
-        return new_config(session=session)
+        return new_config(session=session, recognizer=recognizer)
     except RealtimeError as exc:
         raise OpenAIError(400, exc.message, param=exc.param, code=exc.code) from None
 

@@ -269,6 +269,7 @@ class RealtimeConfig:
     # (rtmedia extension) `recording` as the client set it (docs/operations.md#recordings); None:
     # the server's default (recorded or not by how it runs)
     recording: bool | None = None
+    recognizer: str = ""  # the server's recogniser's own name, a transcription model besides the aliases
 
     # ---- session.update -> rtmedia ------------------------------------------------------------------
     def updated(self, session: Any) -> RealtimeConfig:
@@ -344,17 +345,16 @@ class RealtimeConfig:
             if "speed" in out:
                 self.speed = _number(out["speed"], "session.audio.output.speed", *MAX_SPEED)
 
-    @staticmethod
-    def _transcription(value: Any) -> dict[str, Any] | None:
+    def _transcription(self, value: Any) -> dict[str, Any] | None:
         if value is None:
             return None
         param = "session.audio.input.transcription"
         spec = _object(value, param)
         _unknown(spec, {"model", "language", "prompt", "delay", "keywords", "languages"}, param + ".")
         model = spec.get("model", "whisper-1")
-        if model not in TRANSCRIPTION_MODELS:
-            raise RealtimeError("model_not_found", f"{param}.model: {unknown_model(model, TRANSCRIPTION_MODELS)}",
-                                param + ".model")
+        models = (*TRANSCRIPTION_MODELS, self.recognizer) if self.recognizer else TRANSCRIPTION_MODELS
+        if model not in models:
+            raise RealtimeError("model_not_found", f"{param}.model: {unknown_model(model, models)}", param + ".model")
         if spec.get("language") is not None and not isinstance(spec["language"], str):
             raise _invalid(param + ".language", "must be a string (ISO 639-1, as \"en\" or \"fr\") or null")
         for name in ("prompt", "delay", "keywords", "languages"):
@@ -475,14 +475,16 @@ class RealtimeConfig:
         return {"type": kind, "rate": FORMATS[kind][1]} if kind == "audio/pcm" else {"type": kind}
 
 
-def new_config(model: str = DEFAULT_MODEL, kind: str = "realtime", session: Any = None) -> RealtimeConfig:
+def new_config(model: str = DEFAULT_MODEL, kind: str = "realtime", session: Any = None,
+               recognizer: str = "") -> RealtimeConfig:
     """A new session's config: the defaults of its kind (`session`'s type where it names a valid
     one, else `kind`) and model, then `session` (session.update's object, as calls and client
-    secrets take one) applied; RealtimeError names a bad field."""
+    secrets take one) applied; RealtimeError names a bad field. `recognizer`: the server's
+    recogniser's name (a transcription model too)."""
     if isinstance(session, dict):
         kind = session["type"] if session.get("type") in ("realtime", "transcription") else kind
         model = session["model"] if isinstance(session.get("model"), str) else model
-    config = RealtimeConfig(id="sess_" + secrets.token_urlsafe(12), model=model, type=kind)
+    config = RealtimeConfig(id="sess_" + secrets.token_urlsafe(12), model=model, type=kind, recognizer=recognizer)
     if kind == "transcription":  # transcription sessions speak no replies and always transcribe
         config.turn_detection = TurnDetection(create_response=False, interrupt_response=False)
         config.transcription = {"model": "whisper-1", "language": None, "prompt": None}

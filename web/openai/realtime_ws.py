@@ -191,7 +191,7 @@ async def realtime_socket(request: web.Request, front: Any) -> web.StreamRespons
     if intent != "transcription" and model not in REALTIME_MODELS:
         raise OpenAIError(404, f"the model {model[:100]!r} does not exist here; models: {', '.join(REALTIME_MODELS)}",
                           param="model", code="model_not_found")
-    config = new_config(model, intent or "realtime")
+    config = new_config(model, intent or "realtime", recognizer=await front.recognizer_name(request))
     return await serve_socket(request, ws, front, config, TRANSPORT)
 
 
