@@ -475,7 +475,6 @@ class TorchBackend:
     def _logits(self, hidden: Any) -> Any:
         return self.model.proj_out(hidden)  # (tied to the token embeddings)
 
-
     def _static(self, batch: int, cross: list[tuple[Any, Any]], cache: list[list[Any]], needed: int) -> _StaticDecode:
         """The static buffers of this shape, filled with the cross-attention keys and values and
         the prompt's cache, and held (`release`) until the decode ends: the ones a graph reads
