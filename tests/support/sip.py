@@ -28,12 +28,15 @@ MODULES = "/usr/lib/baresip/modules"
 
 
 def free_udp_port() -> int:
-    """A port free for UDP and TCP both (SIP listens on both)."""
+    """A port free for UDP and TCP both (SIP listens on both), the next one free for TCP too
+    (baresip's SIP over TLS listens there: a port taken there stops it starting)."""
     while True:
         port = free_port()
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, \
+                socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tls:
             try:
-                s.bind(("127.0.0.1", port))
+                udp.bind(("127.0.0.1", port))
+                tls.bind(("127.0.0.1", port + 1))
                 return port
             except OSError:
                 continue
@@ -135,7 +138,12 @@ snd_path {folder / "rec"}
                 self.ctrl = socket.create_connection(("127.0.0.1", self.ctrl_port), timeout=1)
                 break
             except OSError:
-                assert self.process.poll() is None and time.monotonic() < deadline, "baresip did not start"
+                if self.process.poll() is not None or time.monotonic() >= deadline:
+                    self.process.kill()
+                    self.process.wait()
+                    self.log.close()
+                    said = (folder / "baresip.log").read_text(errors="replace").strip().splitlines()[-3:]
+                    raise AssertionError(f"baresip did not start: {' / '.join(said)}") from None
                 time.sleep(0.05)
 
     @property
