@@ -19,7 +19,9 @@ or by replaying a CUDA graph captured from `fn` for exactly these input shapes:
 - the graphs of one engine on one stream share one memory pool;
 - a capture failure is fatal for the runner: the original exception
   propagates, later calls raise `GraphRunnerFailed` without retrying, and
-  `capture_failures` records it (recovery is a worker restart);
+  `capture_failures` records it (recovery is a worker restart); with
+  `eager_after_failure` the failed call and every later one run eagerly
+  instead (`failed` misses), so a failure never fails a request;
 - `enforce_eager`, CPU tensors, no tensor inputs, or `max_graphs` 0 for a key
   not captured at warm-up: eager, an `ineligible` miss.
 
@@ -32,6 +34,7 @@ runner another one to check the bookkeeping on a CPU.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -40,7 +43,9 @@ from typing import Any, Protocol
 
 import torch
 
-MISS_REASONS = ("ineligible", "capacity", "warmup", "memory")
+log = logging.getLogger(__name__)
+
+MISS_REASONS = ("ineligible", "capacity", "warmup", "memory", "failed")
 GiB = 1 << 30
 
 
@@ -54,6 +59,7 @@ class GraphConfig:
     min_capture_calls: int = 2
     min_free_bytes: int = GiB
     enforce_eager: bool = False
+    eager_after_failure: bool = False  # a failed capture: eager from then on, instead of raising
 
     def __post_init__(self) -> None:
         if self.max_graphs < 0 or self.min_capture_calls < 2 or self.min_free_bytes < 0:
@@ -192,7 +198,8 @@ class GraphRunner:
         """`fn(*inputs)`, from a graph when one is captured or admitted for this key, else eager.
         One `fn` per tag: a key's graph replays whatever `fn` it was captured from."""
         with self._lock:
-            self._raise_if_failed()
+            if self._check_failed():
+                return self._eager("failed", fn, inputs)
             if not self.eligible(inputs):
                 return self._eager("ineligible", fn, inputs)
             key = self.key(inputs, tag)
@@ -202,21 +209,27 @@ class GraphRunner:
                 reason = "ineligible" if self.config.max_graphs == 0 else self._admit(key, inputs[0].device)
                 if reason is not None:
                     return self._eager(reason, fn, inputs)
-                entry = self._capture(key, fn, inputs, pinned=False)
+                try:
+                    entry = self._capture(key, fn, inputs, pinned=False)
+                except Exception:
+                    if not self.config.eager_after_failure:
+                        raise
+                    log.warning("%s: a CUDA-graph capture failed; it runs eagerly from now on", self.engine,
+                                exc_info=True)
+                    return self._eager("failed", fn, inputs)
             return self._replay(entry, inputs)
 
     def eager(self, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
         """`fn(*inputs)` eagerly, counted `ineligible`: a step whose shapes are not static."""
         with self._lock:
-            self._raise_if_failed()
-            return self._eager("ineligible", fn, inputs)
+            return self._eager("failed" if self._check_failed() else "ineligible", fn, inputs)
 
     def capture(self, fn: Callable[..., Any], *inputs: torch.Tensor, tag: Hashable = None) -> bool:
         """Capture `fn` for these input shapes now (warm-up), outside admission and `max_graphs`.
-        False when graphs cannot be used for them (ineligible, or below the memory floor)."""
+        False when graphs cannot be used for them (ineligible, below the memory floor, or after a
+        failure with `eager_after_failure`)."""
         with self._lock:
-            self._raise_if_failed()
-            if not self.eligible(inputs):
+            if self._check_failed() or not self.eligible(inputs):
                 return False
             key = self.key(inputs, tag)
             if key in self._graphs:
@@ -235,6 +248,14 @@ class GraphRunner:
             self.stats.graphs = self.stats.pinned = 0
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _check_failed(self) -> bool:
+        """Whether a capture failed and calls run eagerly (`eager_after_failure`); raises
+        `GraphRunnerFailed` after a failure without it."""
+        if self._failure is not None and self.config.eager_after_failure:
+            return True
+        self._raise_if_failed()
+        return False
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:

@@ -39,7 +39,6 @@ A shape's buffers live as long as its graph; without one (a miss) they are the c
 from __future__ import annotations
 
 import json
-import logging
 import math
 import struct
 import threading
@@ -50,9 +49,7 @@ from typing import Any
 import numpy as np
 
 from .base import EngineError
-from .whisper import Decoded, embedded_model_dir, language_tokens
-
-log = logging.getLogger(__name__)
+from .whisper import Decoded, embedded_model_dir, language_tokens, model_format
 
 _MEDIAN_WIDTH = 7  # CTranslate2's and openai-whisper's median filter over the attention
 _CT2_DTYPES = ("float32", "int8", "int16", "int32", "float16", "bfloat16")  # the file's type ids
@@ -210,7 +207,8 @@ class TorchBackend:
     tokens come from its tokenizer or vocabulary (`_token_ids`). `compute_type`: float32 (the
     CPU's default), float16 (CUDA's), bfloat16, or int8 on a CPU (every linear layer per-row
     int8, `engines/lm_quant.py`). `threads` sets torch's intra-op threads, which
-    are the whole process's. `graphs`: a `GraphRunner` for the encoder and the decoder step;
+    are the whole process's. `graphs`: a `GraphRunner` for the encoder and the decoder step (built with
+    `eager_after_failure`: a failed capture never fails a decode);
     `static`: decode on a static KV cache (default: on CUDA)."""
 
     runtime = "torch"
@@ -259,23 +257,10 @@ class TorchBackend:
             x = torch.as_tensor(np.ascontiguousarray(features), device=self.device, dtype=self.dtype)
             if self.graphs is None:
                 return self._encode(x)
+            if not self.graphs.eligible((x,)):  # (a CPU: no padding for a graph that cannot be)
+                return self.graphs.eager(self._encode, x)
             n = x.shape[0]
-            return self.graphed(self._encode, _pad_rows(x, padded_batch(n)), tag="encoder")[:n]
-
-    def graphed(self, fn: Any, *inputs: Any, tag: Any) -> Any:
-        """`fn(*inputs)` through the graph runner; a capture that fails runs the call eagerly
-        (the runner records the failure and captures nothing more: every later call is eager)."""
-        graphs = self.graphs
-        if graphs is None or graphs.failed:
-            return fn(*inputs)
-        try:
-            return graphs.run(fn, *inputs, tag=tag)
-        except Exception:
-            if not graphs.failed:
-                raise
-            log.warning("Whisper: a CUDA-graph capture failed; the recogniser runs eagerly from now on",
-                        exc_info=True)
-            return fn(*inputs)
+            return self.graphs.run(self._encode, _pad_rows(x, padded_batch(n)), tag="encoder")[:n]
 
     def _encode(self, x: Any) -> Any:
         F = self._torch.nn.functional
@@ -323,7 +308,7 @@ class TorchBackend:
             raise ValueError(f"a prompt of {length} tokens and {max_length} more pass the model's "
                              f"{self.model.config.max_target_positions} positions")
         if self.static:
-            padded = padded_batch(batch) if self.graphs is not None else batch
+            padded = padded_batch(batch) if self.graphs is not None and self.graphs.eligible((encoded,)) else batch
             prompts = prompts + [prompts[0]] * (padded - batch)
             encoded = _pad_rows(encoded, padded)
         with torch.inference_mode():
@@ -334,7 +319,7 @@ class TorchBackend:
             if length > 1:
                 hidden, _ = self._decoder(ids[:, :-1], 0, cross, cache)
                 no_speech = self._logits(hidden[:, sot]).softmax(-1)[:, tk.no_speech]
-            position = torch.tensor([length - 1], device=self.device)
+            position = torch.tensor([length - 1], device=self.device)  # (the static step's)
             mask = torch.zeros(self.model.config.vocab_size, device=self.device, dtype=torch.bool)
             mask[tk.suppress] = True
             mask_begin = mask.clone()
@@ -542,11 +527,11 @@ class _StaticDecode:
         through the runner (a graph of this shape, or eagerly) when these are the shape's
         runner buffers, else eagerly."""
         graphs = self.backend.graphs
-        if graphs is None or graphs.failed:
+        if graphs is None:
             return self.step(ids, position)
         if not self.runner_buffers:
             return graphs.eager(self.step, ids, position)
-        return self.backend.graphed(self.step, ids, position, tag=("decoder", *self.key))
+        return graphs.run(self.step, ids, position, tag=("decoder", *self.key))
 
     def step(self, ids: Any, position: Any) -> Any:
         b = self.backend
@@ -639,20 +624,18 @@ def _load(path: Path) -> tuple[Any, dict[str, Any]]:
     directory's `config.json` (CTranslate2's holds the suppression lists and alignment heads)."""
     from transformers import WhisperForConditionalGeneration
 
+    kind = model_format(path)  # EngineError naming the file of a directory that is no Whisper model
     config_file = path / "config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
-    if (path / "model.bin").exists():
-        variables = read_ctranslate2(path / "model.bin")
-        state = state_dict_from_ctranslate2(variables)
-        heads = int(variables["decoder/num_heads"]) if "decoder/num_heads" in variables else \
-            state["model.decoder.embed_tokens.weight"].shape[1] // 64
-        model = WhisperForConditionalGeneration(whisper_config(state, heads))
-        model.load_state_dict(state, strict=True)
-        return model, config
-    if config.get("model_type") == "whisper":
+    if kind == "transformers":
         return WhisperForConditionalGeneration.from_pretrained(str(path), torch_dtype="float32"), config
-    raise ValueError(f"{path}: not a Whisper model (no CTranslate2 model.bin, no transformers config.json "
-                     "of model_type whisper)")
+    variables = read_ctranslate2(path / "model.bin")
+    state = state_dict_from_ctranslate2(variables)
+    heads = int(variables["decoder/num_heads"]) if "decoder/num_heads" in variables else \
+        state["model.decoder.embed_tokens.weight"].shape[1] // 64
+    model = WhisperForConditionalGeneration(whisper_config(state, heads))
+    model.load_state_dict(state, strict=True)
+    return model, config
 
 
 def _token_ids(path: Path) -> Any:

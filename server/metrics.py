@@ -177,7 +177,7 @@ class Metrics:
             "rtmedia_graph_replays_total", "Engine steps run by replaying a CUDA graph", ["engine"], registry=r
         )
         self.graph_misses = Counter(
-            "rtmedia_graph_misses_total", "Engine steps run eagerly, by reason (ineligible, capacity, warmup, memory)",
+            "rtmedia_graph_misses_total", "Engine steps run eagerly, by reason (ineligible, capacity, warmup, memory, failed)",
             ["engine", "reason"], registry=r,
         )
         self.graphs = Gauge("rtmedia_graphs", "CUDA graphs an engine holds (captured, never evicted)", ["engine"],

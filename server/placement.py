@@ -151,12 +151,13 @@ def build_video_engine(config: ServerConfig, where: Placement, metrics: Metrics)
 def build_whisper_engine(config: ServerConfig, where: Placement, metrics: Metrics | None,
                          on_batch: Callable[[str, int], None] | None = None) -> WhisperEngine:
     """The Whisper recogniser of the settings: its model directory, runtime (`auto`: torch with
-    CUDA graphs, at most `asr_max_graphs`, on CUDA; CTranslate2 on a CPU) and precision. A
+    CUDA graphs, at most `asr_max_graphs`, a failed capture running eagerly, on CUDA; CTranslate2
+    on a CPU) and precision. A
     directory that is no Whisper model is a ValueError naming the file."""
     runtime = config.asr_backend if config.asr_backend != "auto" else "torch" if where.cuda else "ct2"
     graphs = None
     if runtime == "torch":
-        asr = replace(where, graphs=replace(where.graphs, max_graphs=config.asr_max_graphs))
+        asr = replace(where, graphs=replace(where.graphs, max_graphs=config.asr_max_graphs, eager_after_failure=True))
         graphs = graph_runner("asr", asr, metrics)
     try:
         return WhisperEngine(Path(config.asr_model) if config.asr_model else None, intra_threads=config.asr_threads,

@@ -23,7 +23,7 @@ def _windows(rows: int, frames: int) -> np.ndarray:
 def _backends(dtype: str = "float16"):
     from rtmedia.engines.whisper_torch import TorchBackend
 
-    runner = GraphRunner("asr", GraphConfig(max_graphs=16, min_free_bytes=0))
+    runner = GraphRunner("asr", GraphConfig(max_graphs=16, min_free_bytes=0, eager_after_failure=True))
     return TorchBackend(device="cuda", compute_type=dtype, graphs=runner), \
         TorchBackend(device="cuda", compute_type=dtype, static=False), runner
 

@@ -187,7 +187,7 @@ def part_whisper_graphs() -> dict[str, Any]:
     from rtmedia.engines.whisper_torch import TorchBackend
 
     path, weights = whisper_dir()
-    runner = GraphRunner("asr", GraphConfig(max_graphs=48, min_free_bytes=0))
+    runner = GraphRunner("asr", GraphConfig(max_graphs=48, min_free_bytes=0, eager_after_failure=True))
     graphed = TorchBackend(path, "cuda", "float16", graphs=runner)
     eager = TorchBackend(path, "cuda", "float16", static=False)
     rng = np.random.default_rng(0)

@@ -93,7 +93,7 @@ def test_memory_floor_then_later_admission():
     x = torch.ones(2)
     r.run(double, x)
     r.run(double, x)
-    assert b.captures == 0 and r.stats.misses == {"ineligible": 0, "capacity": 0, "warmup": 1, "memory": 1}
+    assert b.captures == 0 and r.stats.misses == {"ineligible": 0, "capacity": 0, "warmup": 1, "memory": 1, "failed": 0}
     b.free = 5000
     r.run(double, x)
     assert b.captures == 1 and r.stats.hits == 1
@@ -126,6 +126,20 @@ def test_capture_failure_is_fatal():
     with pytest.raises(GraphRunnerFailed):
         r.run(double, torch.ones(5))  # any later call, no retry
     assert b.captures == 0 and r.failed
+    assert r.stats.capture_failures == ["RuntimeError: operation not permitted when stream is capturing"]
+
+
+def test_eager_after_failure_runs_the_failed_call_and_every_later_one():
+    r, b = runner(eager_after_failure=True)
+    b.fail = RuntimeError("operation not permitted when stream is capturing")
+    x = torch.full((2,), 3.0)
+    assert r.run(double, x).tolist() == [6.0, 6.0]  # warm-up miss
+    assert r.run(double, x).tolist() == [6.0, 6.0]  # the capture fails: eager
+    b.fail = None
+    assert r.run(double, torch.ones(5)).tolist() == [2.0] * 5  # no retry
+    assert r.eager(double, x).tolist() == [6.0, 6.0] and not r.capture(double, x, tag="warm")
+    assert b.captures == 0 and r.failed and r.stats.graphs == 0
+    assert r.stats.misses["failed"] == 3 and r.stats.misses["warmup"] == 1
     assert r.stats.capture_failures == ["RuntimeError: operation not permitted when stream is capturing"]
 
 

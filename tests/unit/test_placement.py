@@ -134,6 +134,7 @@ def test_whisper_runtime_follows_the_device(fake_cuda) -> None:
     engine = build_whisper_engine(ServerConfig(asr_max_graphs=7), where, metrics)
     assert engine._runtime == "torch" and engine._device == "cuda" and engine._graphs.engine == "asr"
     assert engine._graphs.config.max_graphs == 7 and engine._graphs.config.min_free_bytes == 5
+    assert engine._graphs.config.eager_after_failure and not where.graphs.eager_after_failure
     assert metrics.registry.get_sample_value("rtmedia_graphs", {"engine": "asr"}) == 0
     assert metrics.registry.get_sample_value("rtmedia_graph_capture_failures", {"engine": "asr"}) == 0
     assert build_whisper_engine(ServerConfig(asr_backend="ct2"), where, Metrics())._runtime == "ct2"

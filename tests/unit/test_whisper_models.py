@@ -144,7 +144,7 @@ def test_128_mel_bins(models, spider) -> None:
     engine.load()
     assert engine._extractor.feature_size == 128
     assert engine.describe["languages"] == "multilingual"
-    _final(engine, spider, "en")
+    assert _final(engine, spider, "en").language == "en"
 
 
 def test_directories_that_are_no_whisper_model_fail_in_one_line(models, tmp_path) -> None:
@@ -210,7 +210,7 @@ def eager() -> TorchBackend:
 
 def _graphed(**config) -> tuple[TorchBackend, GraphRunner, FakeBackend]:
     fake = FakeBackend()
-    runner = GraphRunner("asr", GraphConfig(min_free_bytes=0, **config), fake)
+    runner = GraphRunner("asr", GraphConfig(min_free_bytes=0, eager_after_failure=True, **config), fake)
     return TorchBackend(threads=1, graphs=runner, static=True), runner, fake
 
 
@@ -259,6 +259,7 @@ def test_a_failed_capture_never_fails_a_decode(eager, windows) -> None:
     assert _decode(backend, windows, 2) == _decode(eager, windows, 2)
     assert runner.failed and runner.stats.capture_failures == ["RuntimeError: capture refused"]
     assert _decode(backend, windows, 2) == _decode(eager, windows, 2)  # eager from now on
+    assert runner.stats.misses["failed"] > 1 and fake.captures == 0
 
 
 def test_a_busy_shape_decodes_on_buffers_of_its_own(eager, windows) -> None:
