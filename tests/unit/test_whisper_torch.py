@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from rtmedia.engines.asr import AsrItem
+from rtmedia.engines.base import EngineError
 from rtmedia.engines.whisper import (
     CTranslate2Backend,
     Vocabulary,
@@ -204,5 +205,5 @@ def test_a_converted_model_loads_in_both_backends(tiny, tmp_path, quantization) 
 
 def test_a_directory_that_is_no_whisper_fails(tmp_path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
-    with pytest.raises(ValueError, match="not a Whisper model"):
+    with pytest.raises(EngineError, match="not a Whisper model"):
         TorchBackend(tmp_path)
