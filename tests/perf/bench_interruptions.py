@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.perf.bench_speech import machine
+from tests.perf.bench_speech import machine, report
 from tests.support.converse import Conversation
 from tests.support.serve import running_server
 from tests.support.speech import Speaker
@@ -119,10 +118,7 @@ def main() -> None:
     level = "DEBUG" if args.server_log else "WARNING"
     with running_server("--no-llm", "--responder", "echo", "--log-level", level, log=args.server_log) as (target, _):
         result = {"benchmark": "interruptions", "machine": machine(), **asyncio.run(run(target, args.concurrency, args.modes.split(",")))}
-    text = json.dumps(result)
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

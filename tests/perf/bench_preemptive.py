@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.perf.bench_loadtest import tree_cpu_s  # noqa: E402
 from tests.perf.bench_realtime_ws import loadtest, spread  # noqa: E402
-from tests.perf.bench_speech import machine  # noqa: E402
+from tests.perf.bench_speech import machine, report  # noqa: E402
 from tests.support.serve import free_port, running_server  # noqa: E402
 
 SETTINGS = [("server_vad", "off"), ("server_vad", "on"), ("semantic_vad", "off"), ("semantic_vad", "on")]
@@ -124,10 +124,7 @@ def main() -> None:
                                            "preemptive_counts": [r["preemptive_counts"] for r in runs],
                                            "stages_p50_ms": runs[-1]["server_stages_p50_ms"]}
                                     for name, runs in loaded.items()}
-    text = json.dumps(result)
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.perf.bench_loadtest import tree_cpu_s  # noqa: E402
 from tests.perf.bench_realtime_ws import loadtest, spread  # noqa: E402
-from tests.perf.bench_speech import machine  # noqa: E402
+from tests.perf.bench_speech import machine, report  # noqa: E402
 from tests.support.serve import free_port, running_server  # noqa: E402
 
 
@@ -159,10 +159,7 @@ def main() -> None:
         if off and on:
             result["cost"]["cpu_increase_pct"] = round((sum(on) / len(on) / (sum(off) / len(off)) - 1) * 100, 1)
         result["recording_counters"] = {k: after[k] - before.get(k, 0.0) for k in after}
-    text = json.dumps(result)
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import json
 import math
 import os
 import subprocess
@@ -56,7 +55,7 @@ from rtmedia.engines.resample import float_to_ulaw
 from rtmedia.web.telephony.sip_config import PJSIP_MAX_CALLS
 
 from tests.perf.bench_asr import wer
-from tests.perf.bench_speech import machine
+from tests.perf.bench_speech import machine, report
 from tests.perf.bench_twilio import CHUNK, SENTENCES, last_voiced_chunk, paced
 from tests.perf.bench_twilio import pct as _pct
 from tests.support.converse import Conversation
@@ -357,10 +356,7 @@ def main() -> None:
             result = {"benchmark": "sip", "machine": machine(),
                       **run(target, door, narrow, folder, args.rounds, args.calls, args.wer_calls,
                             args.echo_calls, args.echo_gain)}
-    text = json.dumps(result)
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

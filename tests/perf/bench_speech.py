@@ -54,6 +54,14 @@ def machine() -> dict:
     return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "system": platform.system()}
 
 
+def report(result: dict, out: Path | None = None) -> None:
+    """Print a benchmark's JSON result, and write it to `out` too when given."""
+    text = json.dumps(result)
+    if out:
+        out.write_text(text)
+    print(text)
+
+
 def in_process(tts: TtsEngine, text: str) -> tuple[float, float, float]:
     """(first audio s, total s, audio s) calling the engine chunk by chunk, as the service does."""
     started = time.perf_counter()

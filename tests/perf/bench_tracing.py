@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.perf.bench_loadtest import tree_cpu_s  # noqa: E402
 from tests.perf.bench_realtime_ws import loadtest, spread  # noqa: E402
-from tests.perf.bench_speech import machine  # noqa: E402
+from tests.perf.bench_speech import machine, report  # noqa: E402
 from tests.support.serve import free_port, running_server  # noqa: E402
 
 
@@ -178,10 +178,7 @@ def main() -> None:
         result["cpu_increase_pct"] = round((on / off - 1) * 100, 1) if off and on else None
         time.sleep(6)  # the traced server's batch processor exports every 5 s
         result["exported"] = sink.counts()
-    text = json.dumps(result)
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

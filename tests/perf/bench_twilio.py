@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rtmedia.engines.resample import ULAW_TABLE
 
-from tests.perf.bench_speech import machine
+from tests.perf.bench_speech import machine, report
 from tests.support.converse import Conversation
 from tests.support.serve import running_server
 from tests.support.speech import Speaker
@@ -176,10 +176,7 @@ def main() -> None:
                 running_bridge(target, "--twilio", "--twilio-auth-token-file", str(token)) as web:
             result = {"benchmark": "twilio", "machine": machine(),
                       **asyncio.run(run(target, web, args.rounds, args.calls))}
-    text = json.dumps(result)
-    if args.out:
-        args.out.write_text(text)
-    print(text)
+    report(result, args.out)
 
 
 if __name__ == "__main__":
