@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from rtmedia.engines.asr import AsrEvent, AsrItem
+from rtmedia.engines.asr import SAMPLE_RATE, AsrEvent, AsrItem
 from rtmedia.engines.base import EngineError
 from rtmedia.server.scheduler import Priority
 from rtmedia.v1 import common_pb2
@@ -197,7 +197,7 @@ class Recognizer:
                         self._stream = self._asr.open(segment=False, fast_final=self.fast_final,
                                                       partials=self.partials, prompt=self.prompt,
                                                       language=self.language)
-                        self._stream_language, self._base_ms = self.language, self._sent // 32
+                        self._stream_language, self._base_ms = self.language, self._sent * 1000 // (2 * SAMPLE_RATE)
                     item = AsrItem(self._stream, pcm, end=kind != "audio", eager=turn.eager)
                     turn.segment_open = kind == "audio"
                     self._sent += len(pcm)
