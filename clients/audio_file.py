@@ -32,7 +32,7 @@ from typing import IO, Any
 
 import av
 import numpy as np
-from rtmedia.engines.resample import float_to_pcm16
+from rtmedia.engines.audio.resample import float_to_pcm16
 
 STDIO = "-"
 SAMPLE_BYTES = 2  # PCM16 mono

@@ -84,11 +84,11 @@ class _Speech:
     def chunk(self, reply: speech_pb2.SynthesizeResponse) -> SpeechChunk:
         pcm = reply.audio
         if reply.chunk_index == 0 and self.rate and reply.sample_rate != self.rate:
-            from rtmedia.engines.resample import make_resampler
+            from rtmedia.engines.audio.resample import make_resampler
 
             self.resampler = make_resampler(reply.sample_rate, self.rate)
         if self.resampler is not None:
-            from rtmedia.engines.resample import float_to_pcm16
+            from rtmedia.engines.audio.resample import float_to_pcm16
 
             out = self.resampler.process(np.frombuffer(pcm, "<i2").astype(np.float32) / 32768)
             pcm = float_to_pcm16(np.concatenate([out, self.resampler.flush()]) if reply.is_final else out)

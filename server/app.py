@@ -2,7 +2,7 @@
 
 Health says SERVING only while the server serves (not while it starts or drains) and, for the
 server ("") and each service, only while every lane it needs is healthy (the scheduler's health
-watch, server/scheduler.py): a lane that cannot recover takes the services that use it out of
+watch, server/lanes/scheduler.py): a lane that cannot recover takes the services that use it out of
 a load balancer's rotation until it recovers."""
 
 from __future__ import annotations
@@ -24,33 +24,38 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_tts_pb2, riva_tts_pb2_grpc
-from rtmedia.engines.asr import AsrEngine
-from rtmedia.engines.denoise import Denoiser
-from rtmedia.engines.openai_chat import OpenAIResponder
-from rtmedia.engines.tts import TtsEngine, default_voices, voice_from_path
-from rtmedia.engines.turn import AcousticTurnModel
-from rtmedia.engines.vad import VadEngine
+from rtmedia.engines.asr.pocketsphinx import AsrEngine
+from rtmedia.engines.audio.denoise import Denoiser
+from rtmedia.engines.responders.openai_chat import OpenAIResponder
+from rtmedia.engines.tts.piper import TtsEngine, default_voices, voice_from_path
+from rtmedia.engines.turn.scorers import AcousticTurnModel
+from rtmedia.engines.vad.silero import VadEngine
 from rtmedia.protocol.tokens import TokenTable
-from rtmedia.server.audio_input import WINDOW_MS, VadTick
-from rtmedia.server.auth import AuthInterceptor
 from rtmedia.server.config import MiB, ServerConfig
-from rtmedia.server.engine_access import ASR, ASR_FINAL, TTS, TURN_AUDIO, VAD, VIDEO, EngineAccess
-from rtmedia.server.interceptors import ServerInterceptor
-from rtmedia.server.metrics import Metrics
-from rtmedia.server.metrics_http import start_metrics_http
-from rtmedia.server.placement import build_lm_engines, build_video_engine, build_whisper_engine, placement
-from rtmedia.server.realtime_service import RealtimeService
-from rtmedia.server.recording import RecordingPolicy, Recordings
-from rtmedia.server.responders import build_responders
-from rtmedia.server.riva_asr import RivaAsrService
-from rtmedia.server.riva_tts import RivaTtsService
-from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler
-from rtmedia.server.session import Limits
-from rtmedia.server.session_config import SessionSettings
-from rtmedia.server.speech_service import SpeechService
-from rtmedia.server.tls import ServerTls
-from rtmedia.server.tracing import RpcTracing, Tracing, tracing_from_env
-from rtmedia.server.video_service import VideoService
+from rtmedia.server.hearing.audio_input import WINDOW_MS, VadTick
+from rtmedia.server.lanes.access import ASR, ASR_FINAL, TTS, TURN_AUDIO, VAD, VIDEO, EngineAccess
+from rtmedia.server.lanes.placement import (
+    build_lm_engines,
+    build_video_engine,
+    build_whisper_engine,
+    placement,
+)
+from rtmedia.server.lanes.responders import build_responders
+from rtmedia.server.lanes.scheduler import LanePolicy, Priority, Scheduler
+from rtmedia.server.observe.metrics import Metrics
+from rtmedia.server.observe.metrics_http import start_metrics_http
+from rtmedia.server.observe.recording import RecordingPolicy, Recordings
+from rtmedia.server.observe.tracing import RpcTracing, Tracing, tracing_from_env
+from rtmedia.server.security.auth import AuthInterceptor
+from rtmedia.server.security.interceptors import ServerInterceptor
+from rtmedia.server.security.tls import ServerTls
+from rtmedia.server.services.realtime import RealtimeService
+from rtmedia.server.services.riva_asr import RivaAsrService
+from rtmedia.server.services.riva_tts import RivaTtsService
+from rtmedia.server.services.speech import SpeechService
+from rtmedia.server.services.video import VideoService
+from rtmedia.server.session.config import SessionSettings
+from rtmedia.server.session.session import Limits
 from rtmedia.v1 import realtime_pb2, realtime_pb2_grpc, speech_pb2, speech_pb2_grpc, video_pb2, video_pb2_grpc
 
 LIVE_WITHIN_S = 10.0  # /livez: the loop beat within this long
@@ -93,7 +98,7 @@ class RtmediaServer:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None, tracing: Tracing | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
-        # Traces (server/tracing.py): this server's own provider, or None (off: nothing is set up).
+        # Traces (server/observe/tracing.py): this server's own provider, or None (off: nothing is set up).
         # Read first, so a bad OTEL_* protocol or endpoint stops the start at once with one line.
         export = tracing_from_env(config.otel_endpoint)
         self.tracing = tracing if tracing is not None else Tracing.exporting(export) if export else None
@@ -101,7 +106,7 @@ class RtmediaServer:
         self.tls = ServerTls(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
         self.tokens = TokenTable.load(config.auth_tokens)
         self.auth = AuthInterceptor(self.tokens, lambda reason: self.metrics.auth_refused.labels(reason).inc())
-        self.placement = placement(config)  # device, precision, CUDA graphs (server/placement.py)
+        self.placement = placement(config)  # device, precision, CUDA graphs (server/lanes/placement.py)
         self.scheduler = scheduler = Scheduler(self.metrics, unhealthy_after_s=config.lane_unhealthy_after_s)
         deadline = config.step_deadline
         voices = default_voices() + [voice_from_path(p) for p in config.voices]
@@ -115,7 +120,7 @@ class RtmediaServer:
                       LanePolicy(Priority.BULK, max_batch=1, concurrency=1, step_deadline_s=deadline(VIDEO)))
         # The VAD tick: every window, one batched step over every session's new audio.
         vad = VadEngine(parallel_runs=config.vad_threads)
-        denoiser = Denoiser()  # the sessions' noise reduction, in the tick (server/audio_input.py)
+        denoiser = Denoiser()  # the sessions' noise reduction, in the tick (server/hearing/audio_input.py)
         denoiser.load()
         vad_tick = VadTick(vad, denoiser)
         vad_tick.wake = scheduler.add_tick(VAD, vad, WINDOW_MS, vad_tick.collect, vad_tick.process,
@@ -167,7 +172,7 @@ class RtmediaServer:
                                             tool_fillers=tuple(config.tool_fillers),
                                             tool_apology=config.tool_apology))
         self.realtime.tracing = self.tracing
-        if config.record_dir:  # session recordings (server/recording.py)
+        if config.record_dir:  # session recordings (server/observe/recording.py)
             self.realtime.record(Recordings(RecordingPolicy(
                 config.record_dir, config.record_on_request, max_bytes=round(config.record_max_mb * MiB),
                 max_s=config.record_max_s, retention_h=config.record_retention_h), self.metrics))

@@ -9,13 +9,13 @@ import os
 import sys
 from typing import Any
 
-from rtmedia.clients import cli as client_cli
+from rtmedia.clients.commands import cli as client_cli
 from rtmedia.server.config import ASR_ENGINES, ServerConfig
 from rtmedia.server.doctor import add_doctor_parser, cmd_doctor
 from rtmedia.web.cli import add_web_parser
 from rtmedia.web.telephony.sip_cli import add_sip_flags, add_sip_parser, sip_argv, sip_config
 
-SYNTHETIC_SIZES = ("tiny", "0.5b", "1b", "7b")  # engines/lm_synthetic.py SHAPES (not imported: no torch here)
+SYNTHETIC_SIZES = ("tiny", "0.5b", "1b", "7b")  # engines/lm/synthetic.py SHAPES (not imported: no torch here)
 
 DESCRIPTION = """\
 rtmedia: a realtime media server over gRPC.
@@ -257,7 +257,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     if flags := sip_argv(args):
         overrides["sip_flags"] = flags
     config = ServerConfig.load(args.config, **overrides)
-    from rtmedia.server.tracing import tracing_from_env
+    from rtmedia.server.observe.tracing import tracing_from_env
 
     tracing_from_env(config.otel_endpoint)  # a bad OTEL_* protocol or endpoint: one line, before anything starts
     if config.sip_flags and not config.sip:

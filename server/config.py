@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from rtmedia.engines.piper_bf16 import PRECISIONS
-from rtmedia.server.session_limits import Limits
+from rtmedia.engines.tts.piper_bf16 import PRECISIONS
+from rtmedia.server.session.limits import Limits
 
 MiB = 1024 * 1024
 
@@ -50,14 +50,14 @@ class ServerConfig:
     # 0: grpc's adaptive window, which grows to tens of MiB per stream.
     stream_window_bytes: int = 1 * MiB
     max_text_chars: int = 5000
-    # The recogniser: "whisper" (Whisper tiny.en on CTranslate2, engines/whisper.py) or
-    # "pocketsphinx" (engines/asr.py; the asr_workers and asr_decoders settings are its).
+    # The recogniser: "whisper" (Whisper tiny.en on CTranslate2, engines/asr/whisper.py) or
+    # "pocketsphinx" (engines/asr/pocketsphinx.py; the asr_workers and asr_decoders settings are its).
     asr: str = "whisper"
     # Whisper: cores one decode batch uses, and batches that run at once (the asr lane's runners).
     asr_threads: int = 1
     asr_parallel: int = 2
     # Whisper's model: a CTranslate2 (faster-whisper) or transformers Whisper directory; "" is the
-    # embedded tiny.en. Its runtime: "ct2" (CTranslate2), "torch" (engines/whisper_torch.py;
+    # embedded tiny.en. Its runtime: "ct2" (CTranslate2), "torch" (engines/asr/whisper_torch.py;
     # CUDA graphs on a GPU, at most asr_max_graphs) or "auto" (torch on CUDA, else ct2); its
     # precision: "" for the runtime's default on the device (ct2: int8 on a CPU, float16 on
     # CUDA; torch: float32, float16), else e.g. int8_float16, float32, bfloat16 (torch int8: a CPU path).
@@ -71,9 +71,9 @@ class ServerConfig:
     # each costs memory; BENCHMARKS.md has both). 10 per worker: 20 sessions speaking at once.
     asr_decoders: int = 10
     # A server_vad turn's recogniser utterance ends at each pause (160 ms of silence) rather than
-    # at speech_stopped, so its final is ready when the turn ends (server/session.py Limits).
+    # at speech_stopped, so its final is ready when the turn ends (server/session/session.py Limits).
     early_finals: bool = True
-    # What one Converse session may make the server hold or echo (server/session_limits.py):
+    # What one Converse session may make the server hold or echo (server/session/limits.py):
     # events and bytes waiting for a client that does not read; a typed text item and the
     # instructions, in characters (sized to fit the embedded LM's context with the
     # conversation); ids and names the server echoes, in bytes.
@@ -112,7 +112,7 @@ class ServerConfig:
     # workers and TTS; with 2 threads a contended 2-core box spins (seconds per step).
     lm_threads: int = 1
     # LM linear layers: "int8" (per-row int8 matmuls, faster prefill and decode on a CPU and
-    # batch-invariant, engines/lm_quant.py; CPU only, refused on CUDA), "none" (the model's own
+    # batch-invariant, engines/lm/quant.py; CPU only, refused on CUDA), "none" (the model's own
     # dtype) or "auto" (int8 on the CPU, none on CUDA).
     lm_quantize: str = "auto"
     # LM decode batch sizes (capped at lm_slots): a decode is padded to the next one, and on CUDA
@@ -138,7 +138,7 @@ class ServerConfig:
     turn_eagerness: str = "auto"
     noise_reduction: str = "off"  # new sessions' noise_reduction.type: off, near_field, far_field
     # semantic_vad's thresholds (log10 P(finished)) by eagerness, each [before 600 ms, from 600 ms,
-    # from 1.5 s of silence]; the eagernesses given replace the defaults (server/semantic_turns.py).
+    # from 1.5 s of silence]; the eagernesses given replace the defaults (server/hearing/semantic_turns.py).
     semantic_thresholds: dict[str, list[float]] = field(default_factory=dict)
     # Serve NVIDIA Riva's speech API (RivaSpeechRecognition, RivaSpeechSynthesis) on the same port.
     riva: bool = True
@@ -156,13 +156,13 @@ class ServerConfig:
     openai_model: str = "gpt-4o-mini"
     # onnxruntime intra-op threads per TTS synthesis, and syntheses that run at once. 0: one per
     # core for a synthesis that starts alone, one for one that starts beside another
-    # (engines/tts.py): two threads shorten a synthesis that runs alone (the first audio of a
+    # (engines/tts/piper.py): two threads shorten a synthesis that runs alone (the first audio of a
     # Synthesize call waits for its whole first chunk), while two syntheses at once do more
     # audio per second on one thread each (BENCHMARKS.md, TTS threads).
     tts_threads: int = 0
     tts_concurrency: int = 2
     # Piper's decoder: "auto" (bfloat16 on OpenVINO where the CPU has it natively, else float32
-    # on onnxruntime), "fp32", or "bf16" (refused where not native). engines/piper_bf16.py.
+    # on onnxruntime), "fp32", or "bf16" (refused where not native). engines/tts/piper_bf16.py.
     tts_precision: str = "auto"
     # Concurrent single-threaded onnxruntime runs one VAD tick's batch is split over (500
     # `listen` sessions: VAD start p95 129 and 133 ms with 2 against 401 and 134 ms with 1).
@@ -195,7 +195,7 @@ class ServerConfig:
     # Encoded chunks a DecodeVideo stream may hold for a slow reader before its decode waits.
     video_queue_chunks: int = 4
     # Bounds on one DecodeVideo request, checked before it is accepted (INVALID_ARGUMENT over them;
-    # server/video_service.py VideoLimits): latent T, H and W; output frames; pixels of one decoded
+    # server/services/video.py VideoLimits): latent T, H and W; output frames; pixels of one decoded
     # frame (before any crop: the work); output frames x those pixels. Defaults: 720p (latent 90x160),
     # up to 192 frames of it; the message limit alone would let a request run for minutes or take GBs.
     video_max_latent_frames: int = 128
@@ -210,7 +210,7 @@ class ServerConfig:
     # may stay stalled past a deadline, or fail every step, before health says NOT_SERVING.
     lane_step_deadlines_s: dict[str, float] = field(default_factory=dict)
     lane_unhealthy_after_s: float = 10.0
-    # Session recordings (server/recording.py, docs/operations.md#recordings): the directory (None:
+    # Session recordings (server/observe/recording.py, docs/operations.md#recordings): the directory (None:
     # off); with record_on_request only the sessions that set `recording`; the bounds of one
     # recording (MiB of both files, seconds); files older than record_retention_h hours are
     # deleted at start and hourly (0 keeps them).
@@ -222,7 +222,7 @@ class ServerConfig:
     log_level: str = "INFO"
     # "json" (one object per line) or "text".
     log_format: str = "json"
-    # OpenTelemetry traces (server/tracing.py): the OTLP collector's base URL, as
+    # OpenTelemetry traces (server/observe/tracing.py): the OTLP collector's base URL, as
     # OTEL_EXPORTER_OTLP_ENDPOINT means it ("": off unless that variable names one).
     otel_endpoint: str = ""
 

@@ -62,14 +62,14 @@ def check_device() -> tuple[str, str, float | None]:
 
 def check_lm(synthetic: str | None) -> tuple[str, str, float | None]:
     import torch
-    from rtmedia.engines.lm import EmbeddedLmEngine, LmEngine
+    from rtmedia.engines.lm.engine import EmbeddedLmEngine, LmEngine
     from rtmedia.server.config import ServerConfig
-    from rtmedia.server.placement import placement
+    from rtmedia.server.lanes.placement import placement
 
     where = placement(ServerConfig())  # what `rtmedia serve` picks on this machine by default
     options: dict[str, Any] = dict(slots=2, context=64, batch_sizes=(1, 2), quantize=where.lm_quantize)
     if synthetic:
-        from rtmedia.engines.lm_synthetic import synthetic_llama
+        from rtmedia.engines.lm.synthetic import synthetic_llama
 
         engine: LmEngine = LmEngine(model=synthetic_llama(synthetic, where.lm_dtype, where.device), **options)
         source = f"synthetic {synthetic} (random weights)"
@@ -100,8 +100,8 @@ def check_lm(synthetic: str | None) -> tuple[str, str, float | None]:
 
 def check_video(vae: str | None) -> tuple[str, str, float | None]:
     import torch
-    from rtmedia.engines.video import VideoEngine
-    from rtmedia.engines.video_plan import causal_plan
+    from rtmedia.engines.video.decoder import VideoEngine
+    from rtmedia.engines.video.plan import causal_plan
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = VideoEngine(vae, device=device)
@@ -117,8 +117,8 @@ def check_video(vae: str | None) -> tuple[str, str, float | None]:
 
 
 def check_speech() -> tuple[str, str, float | None]:
-    from rtmedia.engines.piper_bf16 import bf16_unavailable
-    from rtmedia.engines.vad import VadEngine
+    from rtmedia.engines.tts.piper_bf16 import bf16_unavailable
+    from rtmedia.engines.vad.silero import VadEngine
 
     vad = VadEngine()
     vad.load()
@@ -130,7 +130,7 @@ def check_speech() -> tuple[str, str, float | None]:
 
 def check_asr() -> tuple[str, str, float | None]:
     from rtmedia.server.config import ServerConfig
-    from rtmedia.server.placement import build_whisper_engine, placement
+    from rtmedia.server.lanes.placement import build_whisper_engine, placement
 
     config = ServerConfig()  # what `rtmedia serve` picks on this machine by default
     engine = build_whisper_engine(config, placement(config), None)

@@ -24,7 +24,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from rtmedia.engines.resample import Resampler, float_to_pcm16, make_resampler, pcm16_to_float
+from rtmedia.engines.audio.resample import Resampler, float_to_pcm16, make_resampler, pcm16_to_float
 from rtmedia.v1 import realtime_pb2
 
 FRAME_MS = 20

@@ -15,7 +15,7 @@ import riva.client
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from riva.client.proto import riva_asr_pb2, riva_tts_pb2
-from rtmedia.engines.resample import float_to_ulaw
+from rtmedia.engines.audio.resample import float_to_ulaw
 
 from tests.support.serve import FEW_SPEAKERS, free_port, running_server
 from tests.support.speech import Speaker, wer

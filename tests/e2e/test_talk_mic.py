@@ -256,7 +256,7 @@ def test_a_broken_audio_system_is_one_line_not_a_crash(tmp_path, kind, args):
 def test_the_probe_starts_portaudio_where_the_audio_system_works():
     """The child that starts PortAudio first says "ok" on a working system (no devices needed): a
     probe that broke would let every crash through unseen."""
-    from rtmedia.clients import audio_devices
+    from rtmedia.clients.commands import audio_devices
 
     probe = subprocess.run([sys.executable, "-I", "-S", "-c", audio_devices._PROBE], stdin=subprocess.DEVNULL,
                            capture_output=True, text=True, timeout=60)

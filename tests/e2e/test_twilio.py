@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import aiohttp
 import numpy as np
 import pytest
-from rtmedia.engines.resample import ulaw_to_float
+from rtmedia.engines.audio.resample import ulaw_to_float
 
 from tests.support.serve import FEW_SPEAKERS, free_port, running_server
 from tests.support.speech import wer

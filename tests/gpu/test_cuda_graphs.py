@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 from rtmedia.engines.graphs import GraphConfig, GraphRunner
-from rtmedia.engines.lm import LmEngine
-from rtmedia.engines.lm_synthetic import synthetic_llama
-from rtmedia.engines.video import VideoEngine
+from rtmedia.engines.lm.engine import LmEngine
+from rtmedia.engines.lm.synthetic import synthetic_llama
+from rtmedia.engines.video.decoder import VideoEngine
 
 from tests.support.graphs import decode_all
 

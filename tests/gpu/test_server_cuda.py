@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("rtmedia.server.placement", reason="the server's settings need PyYAML and prometheus_client")
+pytest.importorskip("rtmedia.server.lanes.placement", reason="the server's settings need PyYAML and prometheus_client")
 from rtmedia.server.config import ServerConfig
-from rtmedia.server.metrics import Metrics
-from rtmedia.server.placement import build_lm_engines, build_video_engine, placement
+from rtmedia.server.lanes.placement import build_lm_engines, build_video_engine, placement
+from rtmedia.server.observe.metrics import Metrics
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

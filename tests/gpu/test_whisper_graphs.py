@@ -21,7 +21,7 @@ def _windows(rows: int, frames: int) -> np.ndarray:
 
 
 def _backends(dtype: str = "float16"):
-    from rtmedia.engines.whisper_torch import TorchBackend
+    from rtmedia.engines.asr.whisper_torch import TorchBackend
 
     runner = GraphRunner("asr", GraphConfig(max_graphs=16, min_free_bytes=0, eager_after_failure=True))
     return TorchBackend(device="cuda", compute_type=dtype, graphs=runner), \
@@ -29,7 +29,7 @@ def _backends(dtype: str = "float16"):
 
 
 def test_encoder_and_decoder_graphs_equal_eager() -> None:
-    from rtmedia.engines.whisper import Vocabulary, embedded_model_dir
+    from rtmedia.engines.asr.whisper import Vocabulary, embedded_model_dir
 
     graphed, eager, runner = _backends("float32")
     start = Vocabulary(embedded_model_dir()).start
@@ -44,8 +44,8 @@ def test_encoder_and_decoder_graphs_equal_eager() -> None:
 
 
 def test_engine_hears_the_same_over_graphs() -> None:
-    from rtmedia.engines.asr import AsrItem
-    from rtmedia.engines.whisper import WhisperEngine
+    from rtmedia.engines.asr.pocketsphinx import AsrItem
+    from rtmedia.engines.asr.whisper import WhisperEngine
 
     speech = pytest.importorskip("tests.support.speech")
     speaker = speech.Speaker()

@@ -10,7 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc
-from rtmedia.engines.whisper import embedded_model_dir
+from rtmedia.engines.asr.whisper import embedded_model_dir
 from rtmedia.server.app import RtmediaServer
 from rtmedia.server.config import ServerConfig
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc

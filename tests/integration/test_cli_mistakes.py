@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from rtmedia.clients import cli as client_cli
 from rtmedia.clients.audio_file import write_audio
+from rtmedia.clients.commands import cli as client_cli
 
 from tests.support.audio_files import video_only
 

@@ -14,7 +14,7 @@ import av
 import numpy as np
 import pytest
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_audio_pb2
-from rtmedia.engines.resample import float_to_ulaw
+from rtmedia.engines.audio.resample import float_to_ulaw
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 
 from tests.support.converse import Conversation
@@ -203,7 +203,7 @@ async def test_a_realtime_transcription_session(openai_client, speaker, conditio
 
 
 def upsampled(pcm16k: bytes) -> bytes:
-    from rtmedia.engines.resample import float_to_pcm16, make_resampler, pcm16_to_float
+    from rtmedia.engines.audio.resample import float_to_pcm16, make_resampler, pcm16_to_float
 
     resampler = make_resampler(16000, 24000)
     return float_to_pcm16(np.concatenate([resampler.process(pcm16_to_float(pcm16k)), resampler.flush()]))

@@ -68,7 +68,7 @@ async def test_a_session_ended_by_an_undecodable_request_is_logged_with_that_rea
                 closed[record.session_id] = record.reason  # type: ignore[attr-defined]
             logged.set()
 
-    logger = logging.getLogger("rtmedia.server.realtime_service")
+    logger = logging.getLogger("rtmedia.server.services.realtime")
     handler, level = Sessions(), logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

@@ -123,7 +123,7 @@ async def test_waiting_for_a_slot_is_announced_and_served(channel):
 async def test_transformers_directory_and_openai_server(tmp_path):
     """`transformers` on a tiny local model directory and `openai` against a streaming
     chat-completions server started here, both through Converse."""
-    from rtmedia.engines.lm_models import tiny_llama_dir
+    from rtmedia.engines.lm.models import tiny_llama_dir
 
     seen: list[dict] = []
 

@@ -125,7 +125,7 @@ async def test_a_prepared_reply_to_other_words_is_made_again_for_the_transcript(
                                                                                  monkeypatch):
     """The final's words differ from those the prepared reply answers (here: made to differ):
     the reply is made afresh for the transcript, and nothing of the prepared one is seen."""
-    from rtmedia.server.reply import ReplyPipeline
+    from rtmedia.server.session.reply import ReplyPipeline
 
     preempt = ReplyPipeline.preempt
     monkeypatch.setattr(ReplyPipeline, "preempt", lambda self, turn, said, request: preempt(

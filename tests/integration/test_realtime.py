@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 from rtmedia.protocol.errors import error_reason
-from rtmedia.server.interruptions import Interruption, is_backchannel
+from rtmedia.server.session.interruptions import Interruption, is_backchannel
 from rtmedia.v1 import realtime_pb2
 
 from tests.support.converse import Conversation
@@ -180,7 +180,7 @@ async def test_typed_text_turn(channel):
 
 
 async def test_mu_law_input(channel, speaker):
-    from rtmedia.engines.resample import float_to_ulaw
+    from rtmedia.engines.audio.resample import float_to_ulaw
 
     speech = np.concatenate([speaker.silence(0.6, 8000), speaker.say(SENTENCE, 8000), speaker.silence(1.2, 8000)])
     ulaw = float_to_ulaw(speech.astype(np.float32) / 32768)
@@ -385,7 +385,7 @@ async def test_with_noise_reduction_speech_in_noise_is_heard_and_noise_alone_sta
 
 async def test_noise_reduction_takes_a_phone_calls_8_khz_mulaw(channel, speaker):
     """G.711 at 8 kHz (a phone call's audio) is resampled for the suppressor like any input."""
-    from rtmedia.engines.resample import float_to_ulaw
+    from rtmedia.engines.audio.resample import float_to_ulaw
 
     async with Conversation(channel) as c:
         c.send("session.update", session={"noise_reduction": {"type": "near_field"},

@@ -21,8 +21,8 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
-from rtmedia.engines.resample import make_resampler
-from rtmedia.server.recording import RecordingPolicy, Recordings
+from rtmedia.engines.audio.resample import make_resampler
+from rtmedia.server.observe.recording import RecordingPolicy, Recordings
 
 from tests.support.converse import Conversation
 from tests.support.speech import write_wav

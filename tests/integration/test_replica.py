@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rtmedia.protocol.errors import error_reason
 from rtmedia.server.cli import build_parser, config_from_args
 from rtmedia.server.config import ServerConfig
-from rtmedia.server.metrics_http import start_metrics_http
+from rtmedia.server.observe.metrics_http import start_metrics_http
 
 from tests.support.converse import Conversation
 from tests.support.serve import RTMEDIA

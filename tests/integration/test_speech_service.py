@@ -177,7 +177,7 @@ async def test_g711_input_is_heard_where_the_speech_is(stub, speaker, encoding):
     """G.711 bytes reach the recogniser as speech with silence around it: one utterance
     whose bounds match where the speech was put (a wrong table turns the silence into
     noise), its words heard and placed where they were said."""
-    from rtmedia.engines import resample
+    from rtmedia.engines.audio import resample
 
     speech = speaker.say(SENTENCES[0], 8000)
     audio = np.concatenate([speaker.silence(1.0, 8000), speech, speaker.silence(1.5, 8000)])

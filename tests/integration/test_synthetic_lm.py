@@ -4,7 +4,7 @@ counts every CPU step as an `ineligible` miss in the metrics."""
 
 from __future__ import annotations
 
-from rtmedia.engines.lm_synthetic import SyntheticLmEngine
+from rtmedia.engines.lm.synthetic import SyntheticLmEngine
 
 from tests.support.converse import Conversation
 

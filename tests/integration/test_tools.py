@@ -12,10 +12,10 @@ import json
 import grpc
 import numpy as np
 import pytest
-from rtmedia.engines.responder import NO_RESULT
+from rtmedia.engines.responders.contract import NO_RESULT
 from rtmedia.server.app import RtmediaServer
 from rtmedia.server.config import ServerConfig
-from rtmedia.server.session_limits import Limits
+from rtmedia.server.session.limits import Limits
 
 from tests.support.chat_upstream import Calls, ChatUpstream, tool_results
 from tests.support.converse import Conversation

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (server/tracing.py, docs/operations.md#traces), in-process with the real
+"""OpenTelemetry traces (server/observe/tracing.py, docs/operations.md#traces), in-process with the real
 engines, the SDK's in-memory exporter behind a SimpleSpanProcessor, and the `openai` responder
 on the stand-in chat server (tests/support/chat_upstream.py, the one fake): a spoken session
 with a barge-in and a tool call makes the span tree root -> turns -> stages with the attributes
@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from rtmedia.server.app import RtmediaServer
 from rtmedia.server.config import ServerConfig
-from rtmedia.server.tracing import Tracing
+from rtmedia.server.observe.tracing import Tracing
 
 from tests.support.chat_upstream import Calls, ChatUpstream, tool_results
 from tests.support.converse import Conversation

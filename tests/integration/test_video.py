@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from rtmedia.engines.video_plan import check_chunks
+from rtmedia.engines.video.plan import check_chunks
 from rtmedia.protocol.errors import error_reason
 from rtmedia.v1 import video_pb2, video_pb2_grpc
 
@@ -311,7 +311,7 @@ async def test_out_of_memory_is_resource_exhausted(server, channel, monkeypatch)
 
 
 async def test_fmp4_writer_failure_ends_the_stream(channel, monkeypatch):
-    import rtmedia.server.video_service as video_service
+    import rtmedia.server.services.video as video_service
 
     def broken(*args):
         raise RuntimeError("injected: no H.264 encoder")

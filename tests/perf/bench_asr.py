@@ -73,14 +73,14 @@ def espeak(text: str) -> np.ndarray | None:
     wav = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout
     with wave.open(io.BytesIO(wav)) as w:
         rate, pcm = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), "<i2")
-    from rtmedia.engines.resample import make_resampler
+    from rtmedia.engines.audio.resample import make_resampler
 
     resampler = make_resampler(rate, RATE)
     return np.concatenate([resampler.process(pcm.astype(np.float32) / 32768), resampler.flush()])
 
 
 def ulaw8k(audio16k: np.ndarray) -> np.ndarray:
-    from rtmedia.engines.resample import float_to_ulaw, make_resampler, ulaw_to_float
+    from rtmedia.engines.audio.resample import float_to_ulaw, make_resampler, ulaw_to_float
 
     down = make_resampler(RATE, 8000)
     coded = float_to_ulaw(np.concatenate([down.process(audio16k), down.flush()]))
@@ -145,14 +145,14 @@ def engine_of(name: str, model: str | None = None):
     whisper-ct2-float32; `model`: a Whisper directory instead of the embedded tiny.en), or
     `pocketsphinx`."""
     if name.startswith("whisper"):
-        from rtmedia.engines.whisper import WhisperEngine
+        from rtmedia.engines.asr.whisper import WhisperEngine
 
         _, runtime, compute_type = [*name.split("-", 2), "", ""][:3]
         engine = WhisperEngine(Path(model) if model else None, runtime=runtime or "ct2", compute_type=compute_type)
         engine.load()
         engine.warmup()
         return engine, Cpu([])
-    from rtmedia.engines.asr import AsrEngine
+    from rtmedia.engines.asr.pocketsphinx import AsrEngine
 
     engine = AsrEngine(workers=2, decoders=10)
     engine.load()
@@ -162,7 +162,7 @@ def engine_of(name: str, model: str | None = None):
 
 def turn(engine, cpu: Cpu, pcm: bytes) -> tuple[str, float, float, float]:
     """One utterance as a session's turn: (final text, final step s, partials CPU s, final CPU s)."""
-    from rtmedia.engines.asr import AsrItem
+    from rtmedia.engines.asr.pocketsphinx import AsrItem
 
     stream = engine.open_stream(segment=False, fast_final=True)
     try:
@@ -179,7 +179,7 @@ def turn(engine, cpu: Cpu, pcm: bytes) -> tuple[str, float, float, float]:
 
 
 def batching(engine, pcms: list[bytes]) -> dict:
-    from rtmedia.engines.asr import AsrItem
+    from rtmedia.engines.asr.pocketsphinx import AsrItem
 
     def once(together: bool) -> float:
         streams = [engine.open_stream(segment=False, fast_final=True) for _ in pcms]
@@ -201,7 +201,7 @@ def batching(engine, pcms: list[bytes]) -> dict:
 
 
 def gil(engine, pcms: list[bytes], seconds: float = 3.0) -> dict:
-    from rtmedia.engines.asr import AsrItem
+    from rtmedia.engines.asr.pocketsphinx import AsrItem
 
     def spin() -> float:
         count, end = 0, time.perf_counter() + seconds

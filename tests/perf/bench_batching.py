@@ -31,8 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rtmedia.engines.lm import LmEngine  # noqa: E402
-from rtmedia.engines.vad import SAMPLE_RATE, WINDOW, VadEngine  # noqa: E402
+from rtmedia.engines.lm.engine import LmEngine  # noqa: E402
+from rtmedia.engines.vad.silero import SAMPLE_RATE, WINDOW, VadEngine  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from tests.perf.bench_speech import machine  # noqa: E402

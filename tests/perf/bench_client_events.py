@@ -40,7 +40,7 @@ VARIANTS = ("typed", "bare")
 def bare_person() -> type:
     """The load tester's Person reading the bare stream: RealtimeClient's Converse call."""
     import grpc
-    from rtmedia.clients import loadtest
+    from rtmedia.clients.loadtest import harness as loadtest
     from rtmedia.protocol.events import client_event
     from rtmedia.v1.realtime_pb2_grpc import RealtimeServiceStub
 
@@ -83,7 +83,7 @@ def bare_person() -> type:
 
 
 def child(variant: str, argv: list[str]) -> int:
-    from rtmedia.clients import loadtest
+    from rtmedia.clients.loadtest import harness as loadtest
     from rtmedia.server.cli import main
 
     if variant == "bare":

@@ -1,4 +1,4 @@
-"""Noise suppression (engines/denoise.py) against room noise: false turn starts, word error rate, CPU, delay.
+"""Noise suppression (engines/audio/denoise.py) against room noise: false turn starts, word error rate, CPU, delay.
 
     .venv/bin/python tests/perf/bench_denoise.py [--limit N] [--backends NAME,...]
 
@@ -183,7 +183,7 @@ def denoised(denoiser, kind: str, audio: np.ndarray) -> np.ndarray:
 def turns(vad, signals: list[np.ndarray]) -> list[tuple[int, np.ndarray]]:
     """For each signal, through its own VAD stream and turn detector with the server_vad defaults:
     the `speech_started` events and, per 512-sample window, whether a turn was open."""
-    from rtmedia.server.turns import TurnDetector
+    from rtmedia.server.hearing.turns import TurnDetector
 
     blocks = [(vad.open_stream(), x[: x.size // CHUNK * CHUNK]) for x in signals]
     out = []
@@ -221,7 +221,7 @@ def turn_cover(vad, audios: list[np.ndarray], speech_sizes: list[int]) -> dict[s
 
 def finals(engine, audios: list[np.ndarray]) -> list[str]:
     """Each audio as one utterance's final, 16 utterances to a step."""
-    from rtmedia.engines.asr import AsrItem
+    from rtmedia.engines.asr.pocketsphinx import AsrItem
 
     texts = []
     for i in range(0, len(audios), 16):
@@ -258,7 +258,7 @@ def mixtures(voices: list[np.ndarray], count: int, babble: Babble) -> dict[str, 
 
 
 def cost(backend: str, audio: np.ndarray) -> dict:
-    from rtmedia.engines.denoise import Denoiser
+    from rtmedia.engines.audio.denoise import Denoiser
 
     denoiser = Denoiser({"near_field": backend})
     denoised(denoiser, "near_field", audio[: RATE])  # libraries loaded, caches warm
@@ -275,7 +275,7 @@ def cost(backend: str, audio: np.ndarray) -> dict:
 
 def delay(backend: str, clean: np.ndarray) -> dict:
     """Fixed buffering and the backend's own delay (the best-aligning lag of denoised clean speech)."""
-    from rtmedia.engines.denoise import Denoiser
+    from rtmedia.engines.audio.denoise import Denoiser
 
     denoiser = Denoiser({"near_field": backend})
     stream = denoiser.open_stream("near_field")
@@ -296,9 +296,9 @@ def main() -> None:
     parser.add_argument("--backends", default=ALL_BACKENDS)
     args = parser.parse_args()
     started = time.perf_counter()
-    from rtmedia.engines.denoise import Denoiser
-    from rtmedia.engines.vad import VadEngine
-    from rtmedia.engines.whisper import WhisperEngine
+    from rtmedia.engines.asr.whisper import WhisperEngine
+    from rtmedia.engines.audio.denoise import Denoiser
+    from rtmedia.engines.vad.silero import VadEngine
 
     backends = args.backends.split(",")
     sentences = [s for s in (HERE / "asr_sentences.txt").read_text().split("\n") if s]

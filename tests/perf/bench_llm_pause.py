@@ -22,9 +22,9 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rtmedia.server import lm_lane
 from rtmedia.server.app import RtmediaServer
 from rtmedia.server.config import ServerConfig
+from rtmedia.server.lanes import lm_lane
 
 from tests.perf.bench_lm import QUESTIONS
 from tests.perf.bench_realtime import Clip, talk_turns

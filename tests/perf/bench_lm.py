@@ -29,9 +29,9 @@ import grpc
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rtmedia.engines.lm import EmbeddedLmEngine  # noqa: E402
-from rtmedia.engines.lm_models import chat_prompt_ids  # noqa: E402
-from rtmedia.engines.responder import Message  # noqa: E402
+from rtmedia.engines.lm.engine import EmbeddedLmEngine  # noqa: E402
+from rtmedia.engines.lm.models import chat_prompt_ids  # noqa: E402
+from rtmedia.engines.responders.contract import Message  # noqa: E402
 
 from tests.perf.bench_realtime import Clip, summary, talk_turns  # noqa: E402
 from tests.perf.bench_speech import machine  # noqa: E402

@@ -29,8 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rtmedia.clients.loadtest_report import latency_summary as summary  # noqa: E402
-from rtmedia.engines.vad import WINDOW, VadEngine, VadItem  # noqa: E402
+from rtmedia.clients.loadtest.report import latency_summary as summary  # noqa: E402
+from rtmedia.engines.vad.silero import WINDOW, VadEngine, VadItem  # noqa: E402
 
 from tests.perf.bench_speech import machine  # noqa: E402
 from tests.support.converse import Conversation  # noqa: E402

@@ -6,7 +6,7 @@
 1. Turns. One `rtmedia serve --responder echo` (the embedded SmolLM2 loaded, as semantic_vad
    needs) hears 44 spoken utterances per setting, the settings alternating utterance by
    utterance, `--concurrency` sessions at once: the 24 finished sentences of
-   tests/support/turn_texts.py and the 20 sentences of rtmedia.clients.loadtest_speech's
+   tests/support/turn_texts.py and the 20 sentences of rtmedia.clients.loadtest.speech's
    PAUSED_SENTENCES, paused for 600-900 ms where they are plainly unfinished. Each is
    Piper speech sent at real time, then 4.5 s of silence (past medium's 4 s longest wait).
    Per setting: on finished sentences, end of speech (the VAD's audio_end_ms) to the
@@ -58,7 +58,7 @@ SERVE = ("--responder", "echo", "--max-sessions", "3000", "--log-level", "WARNIN
 
 
 def utterances() -> list[dict[str, Any]]:
-    from rtmedia.clients.loadtest_speech import load_clips, paused_clips, synthesized
+    from rtmedia.clients.loadtest.speech import load_clips, paused_clips, synthesized
 
     out = []
     for text, clip in zip(FINISHED, load_clips(synthesized(FINISHED), RATE, 20), strict=True):
@@ -137,9 +137,9 @@ def auc(pos: list[float], neg: list[float]) -> float | None:
 
 def scorers(results: list[dict[str, Any]], items: list[dict[str, Any]]) -> dict[str, Any]:
     import torch
-    from rtmedia.engines.lm import EmbeddedLmEngine
-    from rtmedia.engines.turn import AcousticTurnModel, TurnPrompt
-    from rtmedia.server.semantic_turns import THRESHOLDS
+    from rtmedia.engines.lm.engine import EmbeddedLmEngine
+    from rtmedia.engines.turn.scorers import AcousticTurnModel, TurnPrompt
+    from rtmedia.server.hearing.semantic_turns import THRESHOLDS
 
     torch.set_num_threads(1)
     engine = EmbeddedLmEngine(slots=8, context=512, quantize="int8", threads=1)

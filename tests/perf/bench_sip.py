@@ -51,7 +51,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rtmedia.engines.resample import float_to_ulaw
+from rtmedia.engines.audio.resample import float_to_ulaw
 from rtmedia.web.telephony.sip_config import PJSIP_MAX_CALLS
 
 from tests.perf.bench_asr import wer

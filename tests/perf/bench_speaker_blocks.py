@@ -53,7 +53,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, running_pulse(Path(tmp)) as pulse:
         os.environ.update(pulse.env)
-        from rtmedia.clients.audio_devices import native_quiet, portaudio
+        from rtmedia.clients.commands.audio_devices import native_quiet, portaudio
 
         sd = portaudio()
         with native_quiet():

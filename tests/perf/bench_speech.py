@@ -1,7 +1,7 @@
 """Speech benchmark: TTS time to first audio and real-time factor, ASR real-time
 factor, the gRPC overhead of Synthesize against the engine in-process, and
 Piper's real-time factor on one thread with the voice's own graph against the
-engine's split graph with its 2-D decoder (engines/piper_graph.py), whole and
+engine's split graph with its 2-D decoder (engines/tts/piper_graph.py), whole and
 decoded in windows.
 
     .venv/bin/python tests/perf/bench_speech.py [--runs 20]
@@ -28,9 +28,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rtmedia.engines.asr import AsrEngine, AsrItem  # noqa: E402
-from rtmedia.engines.tts import TtsEngine, TtsItem, split_text  # noqa: E402
-from rtmedia.server.session import TTS_WINDOW_FRAMES  # noqa: E402
+from rtmedia.engines.asr.pocketsphinx import AsrEngine, AsrItem  # noqa: E402
+from rtmedia.engines.tts.piper import TtsEngine, TtsItem, split_text  # noqa: E402
+from rtmedia.server.session.session import TTS_WINDOW_FRAMES  # noqa: E402
 from rtmedia.v1 import speech_pb2, speech_pb2_grpc  # noqa: E402
 
 from tests.support.serve import RTMEDIA, free_port, wait_serving  # noqa: E402

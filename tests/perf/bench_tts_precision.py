@@ -22,9 +22,9 @@ import json
 import time
 
 import numpy as np
-from rtmedia.clients.loadtest_speech import SENTENCES
-from rtmedia.engines.piper_bf16 import bf16_unavailable
-from rtmedia.engines.tts import TtsEngine, TtsItem
+from rtmedia.clients.loadtest.speech import SENTENCES
+from rtmedia.engines.tts.piper import TtsEngine, TtsItem
+from rtmedia.engines.tts.piper_bf16 import bf16_unavailable
 
 WINDOW_FRAMES = 48  # as a session decodes
 

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rtmedia.engines.resample import ULAW_TABLE
+from rtmedia.engines.audio.resample import ULAW_TABLE
 
 from tests.perf.bench_speech import machine, report
 from tests.support.converse import Conversation

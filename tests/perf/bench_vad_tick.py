@@ -12,7 +12,7 @@ realtime server spends on it), microseconds per window, and the same windows
 through `VadEngine.step_blocks` alone (the Silero model plus the engine's batching) as
 the floor the tick is compared with. Also the Silero network itself: the wheel's
 `silero_vad.onnx` against the batch-wide graph the engine builds from it
-(`engines/silero_graph.py`), microseconds per row on one thread at 1, 32 and 500
+(`engines/vad/silero_graph.py`), microseconds per row on one thread at 1, 32 and 500
 rows, alternating. Prints one JSON object.
 """
 
@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from rtmedia.clients.audio_file import read_audio  # noqa: E402
-from rtmedia.clients.loadtest_speech import synthesized  # noqa: E402
-from rtmedia.engines.vad import WINDOW, VadEngine  # noqa: E402
-from rtmedia.server.audio_input import AudioInput, VadTick  # noqa: E402
-from rtmedia.server.session_config import SessionSettings  # noqa: E402
+from rtmedia.clients.loadtest.speech import synthesized  # noqa: E402
+from rtmedia.engines.vad.silero import WINDOW, VadEngine  # noqa: E402
+from rtmedia.server.hearing.audio_input import AudioInput, VadTick  # noqa: E402
+from rtmedia.server.session.config import SessionSettings  # noqa: E402
 
 from tests.perf.bench_speech import machine  # noqa: E402
 
@@ -108,8 +108,8 @@ def engine_alone(engine: VadEngine, audio: list[bytes], seconds: float) -> dict:
 def graphs(rounds: int = 3) -> dict:
     """The wheel's model and the batch-wide graph, us per row on one thread, alternating."""
     import onnxruntime
-    from rtmedia.engines.silero_graph import batched_model
-    from rtmedia.engines.vad import model_path
+    from rtmedia.engines.vad.silero import model_path
+    from rtmedia.engines.vad.silero_graph import batched_model
 
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1

@@ -51,8 +51,8 @@ def cuda_ms(fn: Callable[[], Any], reps: int) -> float:
 
 def lm_engine(size: str, slots: int, context: int, eager: bool) -> Any:
     from rtmedia.engines.graphs import GraphConfig
-    from rtmedia.engines.lm import LmEngine
-    from rtmedia.engines.lm_synthetic import synthetic_llama
+    from rtmedia.engines.lm.engine import LmEngine
+    from rtmedia.engines.lm.synthetic import synthetic_llama
 
     model = synthetic_llama(size, torch.bfloat16, "cuda", context=context)
     eng = LmEngine(model=model, slots=slots, context=context, graphs=GraphConfig(enforce_eager=eager))
@@ -87,7 +87,7 @@ def wan_vae(fast_path: str = "off", graphs: Any = None) -> Any:
     """A video engine on a VAE of Wan 2.1's layout (base_dim 96, 2 res blocks) with random weights,
     saved once and loaded through the engine's own loading code."""
     from diffusers import AutoencoderKLWan
-    from rtmedia.engines.video import VideoEngine
+    from rtmedia.engines.video.decoder import VideoEngine
 
     if not (WAN_DIR / "config.json").exists():
         torch.manual_seed(0)
@@ -130,7 +130,7 @@ def part_vae_fused() -> dict[str, Any]:
 
 def part_video_graphs() -> dict[str, Any]:
     from rtmedia.engines.graphs import GraphConfig
-    from rtmedia.engines.video_plan import causal_plan
+    from rtmedia.engines.video.plan import causal_plan
 
     latent = torch.randn(16, 8, 60, 104)
     result: dict[str, Any] = {"shape": "float32, latent 16x8x60x104 (480x832)"}
@@ -159,7 +159,7 @@ def whisper_dir() -> tuple[Path, str]:
     """The embedded Whisper tiny.en, else a random model of its shape with a vocabulary.json of
     English Whisper's special tokens (what the torch backend reads)."""
     try:
-        from rtmedia.engines.whisper import embedded_model_dir
+        from rtmedia.engines.asr.whisper import embedded_model_dir
 
         return embedded_model_dir(), "embedded tiny.en"
     except Exception:
@@ -183,8 +183,8 @@ def whisper_dir() -> tuple[Path, str]:
 
 
 def part_whisper_graphs() -> dict[str, Any]:
+    from rtmedia.engines.asr.whisper_torch import TorchBackend
     from rtmedia.engines.graphs import GraphConfig, GraphRunner
-    from rtmedia.engines.whisper_torch import TorchBackend
 
     path, weights = whisper_dir()
     runner = GraphRunner("asr", GraphConfig(max_graphs=48, min_free_bytes=0, eager_after_failure=True))
@@ -220,7 +220,7 @@ def part_whisper_graphs() -> dict[str, Any]:
 
 
 def part_capacity() -> dict[str, Any]:
-    from rtmedia.engines.lm_frames import capacity
+    from rtmedia.engines.lm.frames import capacity
 
     out = {}
     for size in ("0.5b", "7b"):

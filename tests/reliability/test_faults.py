@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from rtmedia.engines.asr import AsrEngine
+from rtmedia.engines.asr.pocketsphinx import AsrEngine
 from rtmedia.protocol.errors import error_reason
 from rtmedia.v1 import speech_pb2, speech_pb2_grpc
 

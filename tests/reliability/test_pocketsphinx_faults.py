@@ -11,7 +11,7 @@ import signal
 
 import grpc
 import pytest
-from rtmedia.engines.asr import AsrEngine
+from rtmedia.engines.asr.pocketsphinx import AsrEngine
 from rtmedia.protocol.errors import error_reason
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 
@@ -94,7 +94,7 @@ async def test_a_worker_that_cannot_be_restarted_takes_the_speech_services_out_o
         raise OSError("injected: cannot start a process")
 
     monkeypatch.setattr(engine, "_spawn", cannot)
-    monkeypatch.setattr("rtmedia.engines.asr._RESTART_PAUSE_S", 0.05)
+    monkeypatch.setattr("rtmedia.engines.asr.pocketsphinx._RESTART_PAUSE_S", 0.05)
     monkeypatch.setattr(engine, "restart_backoff_s", 0.5)
     victim = engine._procs[0]
     os.kill(victim.pid, signal.SIGKILL)

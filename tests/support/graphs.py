@@ -10,7 +10,7 @@ import torch
 
 def decode_all(engine: Any, latent: torch.Tensor) -> list[np.ndarray]:
     """Every chunk of a causal-plan decode of `latent` on a VideoEngine, step by step."""
-    from rtmedia.engines.video_plan import causal_plan
+    from rtmedia.engines.video.plan import causal_plan
 
     stream = engine.open_stream(latent, causal_plan(latent.shape[1]), 0, 0)
     try:

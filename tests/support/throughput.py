@@ -37,7 +37,7 @@ def best_of(rounds: int, **measures: Callable[[], float]) -> dict[str, float]:
 
 def vad_windows(sessions: int, seed: int = 0) -> list[Any]:
     """One 32 ms window of noise for each of `sessions` new VAD streams."""
-    from rtmedia.engines.vad import WINDOW, VadItem, VadStream
+    from rtmedia.engines.vad.silero import WINDOW, VadItem, VadStream
 
     rng = np.random.default_rng(seed)
     return [VadItem(VadStream(), rng.normal(0, 0.1, WINDOW).astype(np.float32)) for _ in range(sessions)]

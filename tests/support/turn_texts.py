@@ -1,6 +1,6 @@
 """Transcripts for semantic_vad, unpunctuated and lowercase as the recogniser gives them:
 finished requests, and requests cut where they are plainly unfinished. (The spoken sentences
-paused where they are unfinished are rtmedia.clients.loadtest_speech.PAUSED_SENTENCES.)"""
+paused where they are unfinished are rtmedia.clients.loadtest.speech.PAUSED_SENTENCES.)"""
 
 FINISHED = [
     "what is the weather like today",

@@ -10,7 +10,7 @@ import time
 
 import aiohttp
 import numpy as np
-from rtmedia.engines.resample import float_to_ulaw
+from rtmedia.engines.audio.resample import float_to_ulaw
 from twilio.request_validator import RequestValidator
 
 TOKEN = "0123456789abcdef0123456789abcdef"  # the auth token the door under test is given

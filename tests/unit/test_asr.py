@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import jiwer
 import numpy as np
 import pytest
-from rtmedia.engines.asr import (
+from rtmedia.engines.asr.pocketsphinx import (
     _FAST_SEARCH,
     AsrEngine,
     AsrEvent,

@@ -22,8 +22,8 @@ from rtmedia.clients.audio_file import (
     resample,
     write_audio,
 )
-from rtmedia.clients.cli import CliError
-from rtmedia.clients.loadtest_speech import audio_files, load_clips
+from rtmedia.clients.commands.cli import CliError
+from rtmedia.clients.loadtest.speech import audio_files, load_clips
 
 from tests.support.audio_files import KINDS, encode, video_only
 

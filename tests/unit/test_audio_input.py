@@ -7,8 +7,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from rtmedia.server.audio_input import AudioInput
-from rtmedia.server.session_config import SessionSettings
+from rtmedia.server.hearing.audio_input import AudioInput
+from rtmedia.server.session.config import SessionSettings
 
 
 class VadRow:
@@ -46,7 +46,7 @@ def _tick_run(engine, pcm: bytes, chunk_bytes: int, transcription: bool = True) 
     """All the actions the VAD tick delivers for `pcm` (16 kHz) sent in `chunk_bytes`
     pieces, one tick per piece; turn audio joined into one ("audio", (offset, pcm)) per turn,
     and each pause as ("pause", where the turn audio sent before it ends, in ms)."""
-    from rtmedia.server.audio_input import VadTick
+    from rtmedia.server.hearing.audio_input import VadTick
 
     got: list = []
     tick = VadTick(engine)
@@ -78,7 +78,7 @@ def test_tick_results_do_not_depend_on_chunking(speaker):
     the same turn audio, prefix padding included and trailing silence cut to 160 ms, a
     pause inside a turn kept, and the same pauses (160 ms after each run of speech, the
     turn audio sent up to there); without transcription, the same events and no audio."""
-    from rtmedia.engines.vad import VadEngine
+    from rtmedia.engines.vad.silero import VadEngine
 
     engine = VadEngine()
     engine.load()
@@ -119,7 +119,7 @@ def test_the_inbox_bound_drops_old_audio_with_vad_and_refuses_new_audio_without(
     """With VAD an overflow discards the queued audio (and a chunk over the bound by itself);
     without VAD a chunk is taken whole while what is queued is within the bound, and refused
     whole once it is not, discarding nothing."""
-    from rtmedia.server.audio_input import Overflow
+    from rtmedia.server.hearing.audio_input import Overflow
 
     second = 48  # bytes per ms at 24 kHz PCM16
     vad = AudioInput(SessionSettings(), 2000, lambda actions: None, VadRow())
@@ -139,8 +139,8 @@ def test_semantic_vad_candidates_and_the_sessions_end_of_a_turn(speaker):
     end_turn ends the turn at the next tick, even one without new audio, where the pause began;
     a request for a pause that speech has ended since is dropped; left alone, a turn ends at
     the longest wait, reason max_wait."""
-    from rtmedia.engines.vad import VadEngine
-    from rtmedia.server.audio_input import Stop, VadTick
+    from rtmedia.engines.vad.silero import VadEngine
+    from rtmedia.server.hearing.audio_input import Stop, VadTick
 
     engine = VadEngine()
     engine.load()

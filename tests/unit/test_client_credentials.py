@@ -11,7 +11,7 @@ import re
 import grpc
 import pytest
 import pytest_asyncio
-from rtmedia.clients import cli as client_cli
+from rtmedia.clients.commands import cli as client_cli
 from rtmedia.clients.credentials import (
     TOKEN_ENV,
     Credentials,

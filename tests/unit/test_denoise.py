@@ -1,11 +1,11 @@
-"""Noise suppression (engines/denoise.py) on a real Piper sentence in white noise: the noise goes,
+"""Noise suppression (engines/audio/denoise.py) on a real Piper sentence in white noise: the noise goes,
 the speech stays, the output does not depend on chunking, state is per stream, bad input is refused."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from rtmedia.engines.denoise import BACKENDS, DEFAULT_BACKENDS, KINDS, Denoiser, DenoiseStream
+from rtmedia.engines.audio.denoise import BACKENDS, DEFAULT_BACKENDS, KINDS, Denoiser, DenoiseStream
 
 RATE = 16000
 LEAD, TAIL = RATE * 3 // 2, RATE // 2  # noise alone before and after the sentence

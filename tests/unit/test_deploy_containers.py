@@ -28,7 +28,7 @@ from dockerfile_parse import DockerfileParser
 from rtmedia.protocol.tokens import is_loopback, target_host
 from rtmedia.server.cli import build_parser, config_from_args
 from rtmedia.server.config import ServerConfig
-from rtmedia.server.metrics import Metrics
+from rtmedia.server.observe.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -337,9 +337,9 @@ def test_embedded_lm_is_converted_at_build_time(name, monkeypatch):
     for module, attribute in imports:
         assert module and module.startswith("rtmedia.")
         assert callable(getattr(importlib.import_module(module), attribute, None)), f"no function {module}.{attribute}"
-    from rtmedia.engines import lm_models
+    from rtmedia.engines.lm import models as lm_models
 
-    assert ("rtmedia.engines.lm_models", "embedded_model_dir") in imports
+    assert ("rtmedia.engines.lm.models", "embedded_model_dir") in imports
     # into the cache the server reads at run time: the stage's RTMEDIA_CACHE, copied whole into
     # the final stage, where RTMEDIA_CACHE names it again
     cache_dir = build.env(index)["RTMEDIA_CACHE"]

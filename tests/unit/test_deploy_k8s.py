@@ -23,10 +23,10 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from rtmedia.server import metrics_http
 from rtmedia.server.cli import build_parser, config_from_args
 from rtmedia.server.config import ServerConfig
-from rtmedia.server.metrics import Metrics
+from rtmedia.server.observe import metrics_http
+from rtmedia.server.observe.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -607,7 +607,7 @@ def test_autoscaling_and_scraping_use_the_servers_metrics(rendered, variant, tmp
     _, config = server_config(docs, tmp_path)
     names = metric_names()
     for name in ("rtmedia_sessions_active", "rtmedia_sessions_capacity"):
-        assert name in names, f"the server registers no {name} (server/metrics.py)"
+        assert name in names, f"the server registers no {name} (server/observe/metrics.py)"
     scaled = one(docs, "ScaledObject")["spec"]
     assert scaled["scaleTargetRef"]["name"] == one(docs, "Deployment")["metadata"]["name"]
     assert scaled["scaleTargetRef"].get("kind", "Deployment") == "Deployment"

@@ -5,12 +5,13 @@ from __future__ import annotations
 import grpc
 import pytest
 from riva.client.proto import riva_asr_pb2, riva_audio_pb2
-from rtmedia.engines.asr import AsrEvent
+from rtmedia.engines.asr.pocketsphinx import AsrEvent
 from rtmedia.server.app import RtmediaServer
 from rtmedia.server.cli import build_parser
 from rtmedia.server.config import ServerConfig
-from rtmedia.server.endpointing import START_MARGIN_MS, HistoryEndpointer
-from rtmedia.server.riva_asr import (
+from rtmedia.server.hearing.endpointing import START_MARGIN_MS, HistoryEndpointer
+from rtmedia.server.hearing.turns import WINDOW_MS, TurnEvent
+from rtmedia.server.services.riva_asr import (
     RecognitionOptions,
     Rejected,
     plain,
@@ -18,7 +19,6 @@ from rtmedia.server.riva_asr import (
     result_language,
     riva_model,
 )
-from rtmedia.server.turns import WINDOW_MS, TurnEvent
 
 
 def run(endpointer: HistoryEndpointer, probs: list[float]) -> list[tuple[int, TurnEvent]]:

@@ -1,4 +1,4 @@
-"""The typed handles sessions and servicers use (server/engine_access.py), on a real
+"""The typed handles sessions and servicers use (server/lanes/access.py), on a real
 scheduler with fake engines: which lane an ASR item takes, the recogniser's languages and the
 language a stream opens with, and that a reply of a responder that is not an LM's runs as a
 call its stream lane owns."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from rtmedia.engines.asr import AsrItem, AsrStream
-from rtmedia.engines.responder import EchoResponder, Incomplete, Message, ReplyRequest
-from rtmedia.server.engine_access import ASR, ASR_FINAL, Asr, Replies
-from rtmedia.server.metrics import Metrics
-from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler
+from rtmedia.engines.asr.pocketsphinx import AsrItem, AsrStream
+from rtmedia.engines.responders.contract import EchoResponder, Incomplete, Message, ReplyRequest
+from rtmedia.server.lanes.access import ASR, ASR_FINAL, Asr, Replies
+from rtmedia.server.lanes.scheduler import LanePolicy, Priority, Scheduler
+from rtmedia.server.observe.metrics import Metrics
 
 
 class Recorder:

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from rtmedia.server.metrics import Metrics
+from rtmedia.server.observe.metrics import Metrics
 from rtmedia.web.telephony.sip_metrics import SipMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "rtmedia-dashboard.json"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from rtmedia.server.idle_turns import IdleTimer
+from rtmedia.server.session.idle_turns import IdleTimer
 
 
 class Quiet:

@@ -22,7 +22,7 @@ ALLOWED = {
     "clients": {"clients", "proto"},
     "web": {"web", "proto", "clients"},
 }
-AUDIO_HELPERS = {"rtmedia.engines.resample"}  # pure numpy, no model: the clients and the web front use them
+AUDIO_HELPERS = {"rtmedia.engines.audio.resample"}  # pure numpy, no model: the clients and the web front use them
 GUARD = "rtmedia.protocol.import_names"  # every folder's __init__ steps aside under a bare name
 ENTRY = ROOT / "server" / "cli.py"  # the `rtmedia` console script
 

@@ -11,8 +11,8 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 from rtmedia.protocol.errors import error_reason
-from rtmedia.server.interceptors import ServerInterceptor
-from rtmedia.server.metrics import Metrics
+from rtmedia.server.observe.metrics import Metrics
+from rtmedia.server.security.interceptors import ServerInterceptor
 from rtmedia.v1 import common_pb2
 
 BIG = 8 * 1024 * 1024  # far over HTTP/2's flow-control window: the write waits for the client to read

@@ -1,11 +1,11 @@
-"""Confirmed interruptions' judgement (server/interruptions.py): backchannels, runs of them, and
+"""Confirmed interruptions' judgement (server/session/interruptions.py): backchannels, runs of them, and
 words or voice that interrupt."""
 
 from __future__ import annotations
 
 import pytest
-from rtmedia.engines.whisper import normal_words
-from rtmedia.server.interruptions import BACKCHANNELS, Interruption, Voice, is_backchannel
+from rtmedia.engines.asr.whisper import normal_words
+from rtmedia.server.session.interruptions import BACKCHANNELS, Interruption, Voice, is_backchannel
 
 PHRASES = Interruption().phrases
 

@@ -128,8 +128,8 @@ def test_failed_launch_is_remembered_per_key(monkeypatch):
 
 
 def test_fused_decoder_matches_reference_decoder():
-    from rtmedia.engines.video import VideoEngine
-    from rtmedia.engines.video_plan import causal_plan
+    from rtmedia.engines.video.decoder import VideoEngine
+    from rtmedia.engines.video.plan import causal_plan
 
     engine = VideoEngine()
     engine.load()

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from rtmedia.engines.base import EngineError
-from rtmedia.engines.lm import LmDecode, LmEngine, LmPrefill
-from rtmedia.engines.lm_quant import Int8Linear
+from rtmedia.engines.lm.engine import LmDecode, LmEngine, LmPrefill
+from rtmedia.engines.lm.quant import Int8Linear
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,

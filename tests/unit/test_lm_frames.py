@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 from rtmedia.engines.base import EngineError
-from rtmedia.engines.lm import LmEngine
-from rtmedia.engines.lm_frames import PROMPT_TOKENS, FrameClock, FrameReport, capacity
-from rtmedia.engines.lm_synthetic import SHAPES, describe, synthetic_llama
+from rtmedia.engines.lm.engine import LmEngine
+from rtmedia.engines.lm.frames import PROMPT_TOKENS, FrameClock, FrameReport, capacity
+from rtmedia.engines.lm.synthetic import SHAPES, describe, synthetic_llama
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from rtmedia.engines.graphs import GraphConfig, GraphRunner
-from rtmedia.engines.lm import LmEngine
+from rtmedia.engines.lm.engine import LmEngine
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.support.graphs import FakeBackend

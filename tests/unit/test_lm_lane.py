@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
-from rtmedia.engines.lm import LmEngine
-from rtmedia.engines.lm_models import tiny_llama_dir
-from rtmedia.engines.responder import Incomplete, Message, ReplyRequest, Waiting
-from rtmedia.server.lm_lane import LmLane, common_prefix
-from rtmedia.server.metrics import Metrics
-from rtmedia.server.responders import LmResponder
+from rtmedia.engines.lm.engine import LmEngine
+from rtmedia.engines.lm.models import tiny_llama_dir
+from rtmedia.engines.responders.contract import Incomplete, Message, ReplyRequest, Waiting
+from rtmedia.server.lanes.lm_lane import LmLane, common_prefix
+from rtmedia.server.lanes.responders import LmResponder
+from rtmedia.server.observe.metrics import Metrics
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +259,7 @@ async def test_scores_are_batched_reuse_the_kept_prefix_and_never_wait(lane: LmL
 async def test_the_turn_scorer_runs_on_the_sessions_own_lm_lane(lane: LmLane) -> None:
     """engine_access.Turns: a session whose responder is an LM lane's is scored on that lane (here a
     tiny model without a chat template); any other responder on the embedded model's lane."""
-    from rtmedia.server.engine_access import Turns
+    from rtmedia.server.lanes.access import Turns
 
     turns = Turns(None, {"transformers": lane})  # type: ignore[arg-type]
     assert turns.available

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from rtmedia.engines import lm_models
-from rtmedia.engines.lm_models import (
+from rtmedia.engines.lm import models as lm_models
+from rtmedia.engines.lm.models import (
     DEFAULT_INSTRUCTIONS,
     chat_prompt_ids,
     embedded_model_dir,
@@ -26,7 +26,7 @@ from rtmedia.engines.lm_models import (
     tiny_tokenizer,
     truncate_history_to_fit,
 )
-from rtmedia.engines.responder import Message, ResponderError
+from rtmedia.engines.responders.contract import Message, ResponderError
 
 pytestmark = pytest.mark.slow  # the GGUF conversion it tests takes most of a minute
 
@@ -385,8 +385,8 @@ TOOLS_TEMPLATE = (
 
 
 def test_a_template_that_takes_tools_renders_them_and_the_calls_into_the_prompt():
-    from rtmedia.engines.responder import FunctionCall, FunctionTool
-    from rtmedia.engines.tool_parsers import HermesParser, parser_for
+    from rtmedia.engines.responders.contract import FunctionCall, FunctionTool
+    from rtmedia.engines.responders.tool_parsers import HermesParser, parser_for
 
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = TOOLS_TEMPLATE

@@ -1,4 +1,4 @@
-"""A local LM's function calls (server/responders.py LmResponder): a model whose chat template
+"""A local LM's function calls (server/lanes/responders.py LmResponder): a model whose chat template
 takes tools gets them in its prompt and its reply's calls are parsed as they stream; one whose
 template takes none cannot call, and sees none of the function items."""
 
@@ -6,9 +6,16 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from rtmedia.engines.lm_models import tiny_tokenizer
-from rtmedia.engines.responder import CallDelta, CallError, FunctionCall, FunctionTool, Message, ReplyRequest
-from rtmedia.server.responders import LmResponder
+from rtmedia.engines.lm.models import tiny_tokenizer
+from rtmedia.engines.responders.contract import (
+    CallDelta,
+    CallError,
+    FunctionCall,
+    FunctionTool,
+    Message,
+    ReplyRequest,
+)
+from rtmedia.server.lanes.responders import LmResponder
 
 from tests.unit.test_lm_models import TOOLS_TEMPLATE
 

@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 from rtmedia.clients.audio_file import write_audio
-from rtmedia.clients.cli import CliError
-from rtmedia.clients.loadtest import check_args, session_config
-from rtmedia.clients.loadtest_report import (
+from rtmedia.clients.commands.cli import CliError
+from rtmedia.clients.loadtest.harness import check_args, session_config
+from rtmedia.clients.loadtest.report import (
     LATENCIES,
     Stats,
     build_report,
@@ -21,7 +21,7 @@ from rtmedia.clients.loadtest_report import (
     summary_lines,
     write_plot,
 )
-from rtmedia.clients.loadtest_speech import audio_files, load_clips
+from rtmedia.clients.loadtest.speech import audio_files, load_clips
 from rtmedia.server.cli import build_parser
 
 
@@ -147,7 +147,7 @@ def test_session_configs():
 
 
 def test_noise_bursts_are_short_loud_and_seeded():
-    from rtmedia.clients.loadtest_speech import noise_clips
+    from rtmedia.clients.loadtest.speech import noise_clips
 
     clips = noise_clips(16000, 20, seed=3)
     again = noise_clips(16000, 20, seed=3)
@@ -160,7 +160,7 @@ def test_noise_bursts_are_short_loud_and_seeded():
 
 
 def test_paused_clips_pause_600_to_900_ms_where_the_sentence_is_unfinished():
-    from rtmedia.clients.loadtest_speech import PAUSED_SENTENCES, paused_clips
+    from rtmedia.clients.loadtest.speech import PAUSED_SENTENCES, paused_clips
 
     clips = paused_clips(16000, 20, seed=3)
     assert len(clips) == len(PAUSED_SENTENCES) >= 20

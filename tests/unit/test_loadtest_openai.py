@@ -21,9 +21,9 @@ import pytest
 from aiohttp import web
 from openai.types.realtime import RealtimeClientEvent, RealtimeServerEvent
 from rtmedia.clients.audio_file import write_audio
-from rtmedia.clients.cli import CliError
+from rtmedia.clients.commands.cli import CliError
 from rtmedia.clients.credentials import Credentials
-from rtmedia.clients.loadtest import (
+from rtmedia.clients.loadtest.harness import (
     CONFIG_ID,
     Run,
     Utterance,
@@ -32,8 +32,8 @@ from rtmedia.clients.loadtest import (
     input_rate,
     session_config,
 )
-from rtmedia.clients.loadtest_openai import SocketPerson, api_session, append_event, socket_clips, ws_url
-from rtmedia.clients.loadtest_speech import Clip, audio_files, load_clips
+from rtmedia.clients.loadtest.openai_ws import SocketPerson, api_session, append_event, socket_clips, ws_url
+from rtmedia.clients.loadtest.speech import Clip, audio_files, load_clips
 from rtmedia.server.cli import build_parser
 from rtmedia.web.openai.realtime_config import RealtimeConfig
 

@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from rtmedia.engines.lm_models import DEFAULT_INSTRUCTIONS
-from rtmedia.engines.openai_chat import OpenAIResponder, ResponderError
-from rtmedia.engines.responder import (
+from rtmedia.engines.lm.models import DEFAULT_INSTRUCTIONS
+from rtmedia.engines.responders.contract import (
     NO_RESULT,
     CallDelta,
     FunctionCall,
@@ -28,7 +27,8 @@ from rtmedia.engines.responder import (
     ReplyRequest,
     chat_messages,
 )
-from rtmedia.engines.responder import ResponderError as BaseResponderError
+from rtmedia.engines.responders.contract import ResponderError as BaseResponderError
+from rtmedia.engines.responders.openai_chat import OpenAIResponder, ResponderError
 
 REPLY = "Paris is the capital of France, and it is lovely in spring."
 

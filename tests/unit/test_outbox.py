@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from rtmedia.protocol.events import server_event, to_json
-from rtmedia.server.outbox import Outbox
+from rtmedia.server.session.outbox import Outbox
 
 
 def delta(text: str):

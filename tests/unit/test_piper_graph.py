@@ -16,10 +16,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from piper.config import PiperConfig, SynthesisConfig
 from piper.voice import PiperVoice
-from rtmedia.engines import tts as tts_module
-from rtmedia.engines.piper_bf16 import SIZES, Bf16Decoder, bf16_unavailable
-from rtmedia.engines.piper_graph import PiperParts, split, split_cached
-from rtmedia.engines.tts import TtsEngine, TtsItem, default_voices, voice_from_path
+from rtmedia.engines.tts import piper as tts_module
+from rtmedia.engines.tts.piper import TtsEngine, TtsItem, default_voices, voice_from_path
+from rtmedia.engines.tts.piper_bf16 import SIZES, Bf16Decoder, bf16_unavailable
+from rtmedia.engines.tts.piper_graph import PiperParts, split, split_cached
 
 SENTENCES = "Please call me back tomorrow afternoon at the office, and bring the report. Hi."
 
@@ -252,7 +252,7 @@ def test_a_split_is_kept_on_disk_under_its_voice_file_hash(tmp_path, monkeypatch
     cache = tmp_path / "cache"
     made = split_cached(small, cache)
     assert made == split(small) and len(list(cache.iterdir())) == 1
-    monkeypatch.setattr("rtmedia.engines.piper_graph.split", lambda path: pytest.fail("split again"))
+    monkeypatch.setattr("rtmedia.engines.tts.piper_graph.split", lambda path: pytest.fail("split again"))
     assert split_cached(small, cache) == made
     monkeypatch.undo()
     _graph(["Conv", "LeakyRelu", "Tanh"], tmp_path, "ok")  # the same path, other content

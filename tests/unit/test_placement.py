@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rtmedia.engines.lm import EmbeddedLmEngine, LmEngine
-from rtmedia.engines.lm_synthetic import SHAPES, SyntheticLmEngine
+from rtmedia.engines.lm.engine import EmbeddedLmEngine, LmEngine
+from rtmedia.engines.lm.synthetic import SHAPES, SyntheticLmEngine
 from rtmedia.protocol import logs
 from rtmedia.server import cli
 from rtmedia.server.app import RtmediaServer
 from rtmedia.server.config import ServerConfig
-from rtmedia.server.metrics import Metrics
-from rtmedia.server.placement import (
+from rtmedia.server.lanes.placement import (
     build_lm_engines,
     build_video_engine,
     build_whisper_engine,
     graph_runner,
     placement,
 )
+from rtmedia.server.observe.metrics import Metrics
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 

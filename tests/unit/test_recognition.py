@@ -1,4 +1,4 @@
-"""Turn recognition (server/recognition.py) driven by a fake recogniser: segments, deltas,
+"""Turn recognition (server/hearing/recognition.py) driven by a fake recogniser: segments, deltas,
 the transcript, what is submitted for audio, pauses, ends and aborts, and the language a stream
 opens with."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from rtmedia.engines.asr import AsrEvent
-from rtmedia.server.recognition import Recognizer, Turn
-from rtmedia.server.scheduler import Priority
+from rtmedia.engines.asr.pocketsphinx import AsrEvent
+from rtmedia.server.hearing.recognition import Recognizer, Turn
+from rtmedia.server.lanes.scheduler import Priority
 
 
 def partial(text: str, delta: str) -> AsrEvent:
@@ -21,7 +21,7 @@ def final(text: str, words: list[tuple[str, int, int, float]] | None = None, end
 
 
 class FakeAsr:
-    """The ASR handle's surface (server/engine_access.py Asr): recognize() returns what
+    """The ASR handle's surface (server/lanes/access.py Asr): recognize() returns what
     `reply(item, priority)` gives."""
 
     def __init__(self, reply=None) -> None:

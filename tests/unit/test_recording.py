@@ -12,12 +12,12 @@ import stat
 import av
 import numpy as np
 import pytest
-from rtmedia.engines.resample import make_resampler
+from rtmedia.engines.audio.resample import make_resampler
 from rtmedia.protocol.events import client_event
 from rtmedia.protocol.recording import FILE_RATE, RATE, OggOpusFile, Timeline, open_private
 from rtmedia.server.config import ServerConfig
-from rtmedia.server.recording import RecordingPolicy, event_json
-from rtmedia.server.session_config import ConfigError, SessionSettings
+from rtmedia.server.observe.recording import RecordingPolicy, event_json
+from rtmedia.server.session.config import ConfigError, SessionSettings
 from rtmedia.web.openai.realtime_config import RealtimeError, new_config
 
 

@@ -8,13 +8,20 @@ import asyncio
 import itertools
 
 import pytest
-from rtmedia.engines.responder import CallDelta, CallError, FunctionCall, Incomplete, Message, ReplyRequest
+from rtmedia.engines.responders.contract import (
+    CallDelta,
+    CallError,
+    FunctionCall,
+    Incomplete,
+    Message,
+    ReplyRequest,
+)
 from rtmedia.protocol.events import to_json
-from rtmedia.server.metrics import Metrics
-from rtmedia.server.outbox import Outbox
-from rtmedia.server.reply import ACK_FRESH_S, PLAYED_TOLERANCE_MS, ReplyPipeline, Response
-from rtmedia.server.session_config import SessionSettings
-from rtmedia.server.session_limits import Limits
+from rtmedia.server.observe.metrics import Metrics
+from rtmedia.server.session.config import SessionSettings
+from rtmedia.server.session.limits import Limits
+from rtmedia.server.session.outbox import Outbox
+from rtmedia.server.session.reply import ACK_FRESH_S, PLAYED_TOLERANCE_MS, ReplyPipeline, Response
 
 CLAUSES = [("Hello there,", 0, 1000), ("how are you today?", 1000, 3000)]
 
@@ -24,7 +31,7 @@ def response(**fields) -> Response:
 
 
 async def test_timings_are_the_time_each_stage_added_and_sum_to_at_most_voice_to_voice():
-    from rtmedia.server.recognition import Turn
+    from rtmedia.server.hearing.recognition import Turn
 
     turn = Turn("item_0", stopped_at=10.5)
     turn.speech_end_at = 10.0
@@ -45,7 +52,7 @@ async def test_timings_are_the_time_each_stage_added_and_sum_to_at_most_voice_to
 
 def test_a_replys_leading_silence_is_trimmed_to_ten_ms():
     import numpy as np
-    from rtmedia.server.reply import trim_lead
+    from rtmedia.server.session.reply import trim_lead
 
     rate = 22050
     pcm = np.concatenate([np.zeros(rate // 20, "<i2"), np.full(100, 3000, "<i2")]).tobytes()  # 50 ms quiet

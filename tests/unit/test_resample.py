@@ -7,7 +7,7 @@ import warnings
 
 import numpy as np
 import pytest
-from rtmedia.engines.resample import (
+from rtmedia.engines.audio.resample import (
     ALAW_TABLE,
     ULAW_TABLE,
     FirDownsampler,

@@ -8,8 +8,8 @@ import time
 
 import pytest
 from rtmedia.engines.base import EngineError
-from rtmedia.server.metrics import Metrics
-from rtmedia.server.scheduler import LanePolicy, Priority, Scheduler
+from rtmedia.server.lanes.scheduler import LanePolicy, Priority, Scheduler
+from rtmedia.server.observe.metrics import Metrics
 
 
 class FakeEngine:
@@ -246,8 +246,8 @@ async def test_a_woken_tick_lane_steps_at_once_and_keeps_its_period(scheduler):
 
 
 def test_vad_tick_drops_results_of_a_closed_session():
-    from rtmedia.server.audio_input import AudioInput, VadTick
-    from rtmedia.server.session_config import SessionSettings
+    from rtmedia.server.hearing.audio_input import AudioInput, VadTick
+    from rtmedia.server.session.config import SessionSettings
 
     got: dict[str, list] = {"open": [], "closed": []}
     tick = VadTick(engine=None)  # type: ignore[arg-type]
@@ -263,8 +263,8 @@ def test_vad_tick_only_counts_audio_that_nothing_uses():
     input offset, so turning transcription on later continues at the right offset."""
     import dataclasses
 
-    from rtmedia.server.audio_input import AudioInput, VadTick
-    from rtmedia.server.session_config import SessionSettings
+    from rtmedia.server.hearing.audio_input import AudioInput, VadTick
+    from rtmedia.server.session.config import SessionSettings
 
     got: list = []
     tick = VadTick(engine=None)  # type: ignore[arg-type]
@@ -377,7 +377,7 @@ async def test_a_step_past_its_deadline_fails_its_items_then_the_lane_refuses_un
     ones are refused at once (LaneStalled, retryable) rather than queue behind a step that may
     never end; no second step runs on the engine meanwhile; when the step returns, the lane serves."""
     from rtmedia.engines.base import EngineUnavailable
-    from rtmedia.server.faults import LaneStalled, StepDeadlineExceeded
+    from rtmedia.server.lanes.faults import LaneStalled, StepDeadlineExceeded
 
     engine = HangingEngine("e")
     scheduler.add("e", engine, LanePolicy(max_batch=1, step_deadline_s=0.2))
@@ -409,7 +409,7 @@ async def test_a_step_past_its_deadline_fails_its_items_then_the_lane_refuses_un
 async def test_a_hung_shard_holds_up_only_its_own_items(scheduler):
     """A sharded lane (one recogniser worker per runner): the shard whose step hangs refuses its
     items; the other shard goes on being served."""
-    from rtmedia.server.faults import LaneStalled, StepDeadlineExceeded
+    from rtmedia.server.lanes.faults import LaneStalled, StepDeadlineExceeded
 
     engine = HangingEngine("e")
     shard = {"hang": 0, "a": 0, "b": 1, "c": 1}.__getitem__
@@ -430,7 +430,7 @@ async def test_out_of_memory_fails_only_its_batch_and_the_lane_stays_healthy(sch
     """A batch that runs out of memory is stepped one item at a time (a smaller step may fit); an
     item that does not fit alone fails alone, with an error that names the lane and says out of
     memory; the next request succeeds and the lane stays healthy."""
-    from rtmedia.server.faults import StepFailed, fault_status, is_out_of_memory
+    from rtmedia.server.lanes.faults import StepFailed, fault_status, is_out_of_memory
 
     engine = HangingEngine("e")
     scheduler.add("e", engine, LanePolicy(max_batch=8, max_wait_ms=30))
@@ -481,7 +481,7 @@ async def test_health_watch_reports_a_stalled_lane_and_its_recovery(caplog):
         engine.release.set()
         await _eventually(lambda: not scheduler.unhealthy)
         assert gauge("e") == 1 and heard[-1] == {} and len(heard) == 2
-        logged = [r.getMessage() for r in caplog.records if r.name == "rtmedia.server.scheduler"]
+        logged = [r.getMessage() for r in caplog.records if r.name == "rtmedia.server.lanes.scheduler"]
         assert sum("is unhealthy" in m for m in logged) == 1 and sum("lane e recovered" in m for m in logged) == 1
     finally:
         await scheduler.close()
@@ -592,8 +592,8 @@ async def _tokens(lane, prompt, n=4):
 
 
 async def test_lm_lane_out_of_memory_fails_that_step_only():
-    from rtmedia.server.faults import StepFailed, is_out_of_memory
-    from rtmedia.server.lm_lane import LmLane
+    from rtmedia.server.lanes.faults import StepFailed, is_out_of_memory
+    from rtmedia.server.lanes.lm_lane import LmLane
 
     engine = FakeLm()
     lane = LmLane("llm", engine, Metrics(), step_deadline_s=1.0)
@@ -611,8 +611,8 @@ async def test_lm_lane_out_of_memory_fails_that_step_only():
 async def test_lm_lane_step_past_its_deadline_fails_and_refuses_until_it_returns():
     """A decode step past the deadline fails its generations then; one waiting for a slot fails
     too (nothing can step), a new one is refused at once; when the step returns the lane works."""
-    from rtmedia.server.faults import LaneStalled, StepDeadlineExceeded
-    from rtmedia.server.lm_lane import LmLane
+    from rtmedia.server.lanes.faults import LaneStalled, StepDeadlineExceeded
+    from rtmedia.server.lanes.lm_lane import LmLane
 
     engine = FakeLm(slots=1)
     lane = LmLane("llm", engine, Metrics(), step_deadline_s=0.2)

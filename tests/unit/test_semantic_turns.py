@@ -1,4 +1,4 @@
-"""semantic_vad's decisions (server/semantic_turns.py), with the scorers stood in for: a pause ends
+"""semantic_vad's decisions (server/hearing/semantic_turns.py), with the scorers stood in for: a pause ends
 its turn at a candidate point whose threshold its words' score reaches, and only there; words are
 scored once; a doubtful last word holds a pause open until 1.5 s; a pause with no words never ends early; without a score the pause ends at
 silence_duration_ms (reason silence); the acoustic scorer, when loaded, can hold a turn back; the
@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from rtmedia.server.audio_input import Stop
-from rtmedia.server.metrics import Metrics
-from rtmedia.server.recognition import Turn
-from rtmedia.server.semantic_turns import SemanticTurns
-from rtmedia.server.session_config import SessionSettings
+from rtmedia.server.hearing.audio_input import Stop
+from rtmedia.server.hearing.recognition import Turn
+from rtmedia.server.hearing.semantic_turns import SemanticTurns
+from rtmedia.server.observe.metrics import Metrics
+from rtmedia.server.session.config import SessionSettings
 
 
 class StandInTurns:

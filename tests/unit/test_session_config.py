@@ -4,8 +4,8 @@ turn_detection.idle_timeout_ms (server_vad only, OpenAI's bounds); the transport
 from __future__ import annotations
 
 import pytest
-from rtmedia.server.realtime_service import transport_of
-from rtmedia.server.session_config import (
+from rtmedia.server.services.realtime import transport_of
+from rtmedia.server.session.config import (
     ConfigError,
     SessionSettings,
     check_max_output_tokens,

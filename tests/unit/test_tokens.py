@@ -1,10 +1,10 @@
-"""The token file (rtmedia.protocol.tokens) and per-token session quotas (server/auth.py)."""
+"""The token file (rtmedia.protocol.tokens) and per-token session quotas (server/security/auth.py)."""
 
 from __future__ import annotations
 
 import pytest
 from rtmedia.protocol.tokens import TokenTable, bearer, parse_tokens
-from rtmedia.server.auth import Quotas
+from rtmedia.server.security.auth import Quotas
 
 A = "a" * 16
 B = "b-token.0123456789+/="
@@ -73,7 +73,7 @@ def test_quotas_concurrent_and_per_minute():
 
 def test_session_caps_bound_what_a_client_may_ask_for():
     """session.update's max_session_s and idle_timeout_s stop at the server's maxima."""
-    from rtmedia.server.session_config import ConfigError, SessionSettings
+    from rtmedia.server.session.config import ConfigError, SessionSettings
     from rtmedia.v1 import realtime_pb2
 
     caps = {"max_session_s": 7200, "idle_timeout_s": 600}

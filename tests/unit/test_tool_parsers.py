@@ -1,4 +1,4 @@
-"""Function calls in a local LM's streamed text (rtmedia.engines.tool_parsers): each form's
+"""Function calls in a local LM's streamed text (rtmedia.engines.responders.tool_parsers): each form's
 parser on calls split across many tokens, text around calls, several calls, and malformed
 JSON; the form is picked from the chat template."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from rtmedia.engines.responder import CallDelta, CallError
-from rtmedia.engines.tool_parsers import HermesParser, JsonParser, parser_for
+from rtmedia.engines.responders.contract import CallDelta, CallError
+from rtmedia.engines.responders.tool_parsers import HermesParser, JsonParser, parser_for
 
 
 def run(parser, text: str, piece: int) -> list:

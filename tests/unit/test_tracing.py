@@ -1,4 +1,4 @@
-"""server/tracing.py's settings: when tracing is on (the flag, the OTEL_* endpoint variables),
+"""server/observe/tracing.py's settings: when tracing is on (the flag, the OTEL_* endpoint variables),
 which protocol and URL the exporter gets, the one-line errors, the service name; and that a
 server without tracing sets nothing of OpenTelemetry up (no provider, global or its own)."""
 
@@ -11,7 +11,7 @@ from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 from rtmedia.server.cli import build_parser, config_from_args
-from rtmedia.server.tracing import TraceExport, otlp_exporter, resource, tracing_from_env
+from rtmedia.server.observe.tracing import TraceExport, otlp_exporter, resource, tracing_from_env
 
 OTEL = (
     "OTEL_EXPORTER_OTLP_ENDPOINT",

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from rtmedia.engines.text_chunks import CHUNK_MAX_WORDS, split_text
-from rtmedia.engines.tts import default_voices, unsupported_rate_message, voice_from_path
+from rtmedia.engines.tts.piper import default_voices, unsupported_rate_message, voice_from_path
+from rtmedia.engines.tts.text_chunks import CHUNK_MAX_WORDS, split_text
 
 
 @pytest.mark.parametrize("text,chunks", [
@@ -59,7 +59,7 @@ def test_local_voice_needs_its_config(tmp_path):
     "You said: the weather is nice, and the sky is blue today. Goodbye!",
 ])
 def test_streamed_text_chunks_like_the_whole_text(text):
-    from rtmedia.engines.text_chunks import TextChunker
+    from rtmedia.engines.tts.text_chunks import TextChunker
 
     for step in (1, 2, 3, 7):
         chunker = TextChunker()
@@ -70,7 +70,7 @@ def test_streamed_text_chunks_like_the_whole_text(text):
 
 
 def test_a_streamed_clause_ends_when_its_punctuation_arrives():
-    from rtmedia.engines.text_chunks import TextChunker
+    from rtmedia.engines.tts.text_chunks import TextChunker
 
     chunker = TextChunker()
     assert chunker.feed("Paris, the capital of France") == ["Paris,"]

@@ -1,4 +1,4 @@
-"""semantic_vad's scorers (engines/turn.py). The text scorer on the embedded SmolLM2 (int8, as
+"""semantic_vad's scorers (engines/turn/scorers.py). The text scorer on the embedded SmolLM2 (int8, as
 the server runs it): every finished transcript of tests/support/turn_texts.py scores above the
 medium eagerness's first threshold and every unfinished one below it (AUC 1), with and without
 an assistant message before them. The acoustic scorer's features equal the reference
@@ -12,9 +12,9 @@ import importlib.util
 import numpy as np
 import pytest
 from rtmedia.engines.base import EngineError
-from rtmedia.engines.lm import EmbeddedLmEngine
-from rtmedia.engines.turn import AcousticTurnModel, TurnPrompt, smart_turn_input, smart_turn_path
-from rtmedia.server.semantic_turns import THRESHOLDS, threshold
+from rtmedia.engines.lm.engine import EmbeddedLmEngine
+from rtmedia.engines.turn.scorers import AcousticTurnModel, TurnPrompt, smart_turn_input, smart_turn_path
+from rtmedia.server.hearing.semantic_turns import THRESHOLDS, threshold
 
 from tests.support.turn_texts import FINISHED, UNFINISHED
 

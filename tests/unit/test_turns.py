@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from rtmedia.engines.vad import WINDOW, VadEngine, VadItem
-from rtmedia.server.turns import BOUNDS, WINDOW_MS, TurnDetector, TurnEvent, check_turn_params
+from rtmedia.engines.vad.silero import WINDOW, VadEngine, VadItem
+from rtmedia.server.hearing.turns import BOUNDS, WINDOW_MS, TurnDetector, TurnEvent, check_turn_params
 
 from tests.support.speech import Speaker
 

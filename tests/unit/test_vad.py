@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from rtmedia.engines.base import EngineError
-from rtmedia.engines.silero_graph import read_weights
-from rtmedia.engines.vad import SAMPLE_RATE, WINDOW, VadEngine, VadItem, VadStream, model_path
+from rtmedia.engines.vad.silero import SAMPLE_RATE, WINDOW, VadEngine, VadItem, VadStream, model_path
+from rtmedia.engines.vad.silero_graph import read_weights
 
 from tests.support.speech import Speaker
 from tests.support.throughput import best_of, cpu_seconds, vad_windows

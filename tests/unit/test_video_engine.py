@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 from rtmedia.engines.base import EngineError
-from rtmedia.engines.video import VideoEngine, VideoOneShot, VideoStep
-from rtmedia.engines.video_plan import Assembler, causal_plan, make_plan
+from rtmedia.engines.video.decoder import VideoEngine, VideoOneShot, VideoStep
+from rtmedia.engines.video.plan import Assembler, causal_plan, make_plan
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from rtmedia.engines.graphs import GraphConfig, GraphRunner
-from rtmedia.engines.video import VideoEngine
+from rtmedia.engines.video.decoder import VideoEngine
 
 from tests.support.graphs import FakeBackend, decode_all
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from rtmedia.engines.video import VaeInfo
+from rtmedia.engines.video.decoder import VaeInfo
 from rtmedia.protocol.video_mp4 import Fmp4Writer
 from rtmedia.server import cli
 from rtmedia.server.config import ServerConfig
-from rtmedia.server.video_service import (
+from rtmedia.server.services.video import (
     DEFAULT_LIMITS,
     MAX_FPS,
     MIN_FPS,

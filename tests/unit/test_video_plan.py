@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from rtmedia.engines.video_plan import (
+from rtmedia.engines.video.plan import (
     OVERLAP,
     Assembler,
     LatentTooShort,

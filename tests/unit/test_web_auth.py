@@ -349,7 +349,7 @@ async def test_reload_swaps_the_token_table(sessionless, tmp_path, caplog):
 
 @dataclass
 class StandIn(realtime_pb2_grpc.RealtimeServiceServicer):
-    """The server's edge: authorization metadata checked like rtmedia.server.auth does; a token
+    """The server's edge: authorization metadata checked like rtmedia.server.security.auth does; a token
     over its quota refused with QUOTA; `full` refuses with MAX_SESSIONS; `end` closes every
     session with session.closed{server_shutdown}."""
 

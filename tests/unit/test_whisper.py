@@ -1,4 +1,4 @@
-"""The Whisper recogniser (engines/whisper.py): its pure parts, and the real tiny.en model on
+"""The Whisper recogniser (engines/asr/whisper.py): its pure parts, and the real tiny.en model on
 Piper speech and on sounds that hold no words."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from rtmedia.engines.asr import AsrItem
-from rtmedia.engines.base import EngineError
-from rtmedia.engines.whisper import (
+from rtmedia.engines.asr.pocketsphinx import AsrItem
+from rtmedia.engines.asr.whisper import (
     _WINDOW_S,
     LocalAgreement,
     WhisperEngine,
@@ -20,6 +19,7 @@ from rtmedia.engines.whisper import (
     window_frames,
     without_restart,
 )
+from rtmedia.engines.base import EngineError
 
 from tests.support.speech import normalise, wer
 

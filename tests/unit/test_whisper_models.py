@@ -1,4 +1,4 @@
-"""Whisper models a deployment brings (engines/whisper.py `WhisperEngine(model_dir, runtime)`):
+"""Whisper models a deployment brings (engines/asr/whisper.py `WhisperEngine(model_dir, runtime)`):
 tiny random transformers Whisper directories (English-only, multilingual, 128 log-mel bins),
 their CTranslate2 conversions, the languages a multilingual model takes or detects, the
 one-line errors of directories that are no Whisper model; and the torch backend's static KV
@@ -14,11 +14,11 @@ import sys
 
 import numpy as np
 import pytest
-from rtmedia.engines.asr import AsrItem
+from rtmedia.engines.asr.pocketsphinx import AsrItem
+from rtmedia.engines.asr.whisper import Vocabulary, WhisperEngine, embedded_model_dir, log_mel, window_frames
+from rtmedia.engines.asr.whisper_torch import TorchBackend, padded_batch
 from rtmedia.engines.base import EngineError
 from rtmedia.engines.graphs import GraphConfig, GraphRunner
-from rtmedia.engines.whisper import Vocabulary, WhisperEngine, embedded_model_dir, log_mel, window_frames
-from rtmedia.engines.whisper_torch import TorchBackend, padded_batch
 
 from tests.support.graphs import FakeBackend
 from tests.support.speech import Speaker

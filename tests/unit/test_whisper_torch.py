@@ -1,4 +1,4 @@
-"""The torch backend of the Whisper engine (engines/whisper_torch.py): the CTranslate2 weights'
+"""The torch backend of the Whisper engine (engines/asr/whisper_torch.py): the CTranslate2 weights'
 mapping, and agreement with CTranslate2 (float32) on the embedded tiny.en — encoder states,
 decoder scores, alignments, and the engine's text and word times on Piper speech; a random
 transformers Whisper directory loads and matches transformers' own forward."""
@@ -10,9 +10,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from rtmedia.engines.asr import AsrItem
-from rtmedia.engines.base import EngineError
-from rtmedia.engines.whisper import (
+from rtmedia.engines.asr.pocketsphinx import AsrItem
+from rtmedia.engines.asr.whisper import (
     CTranslate2Backend,
     Vocabulary,
     WhisperEngine,
@@ -20,7 +19,8 @@ from rtmedia.engines.whisper import (
     log_mel,
     window_frames,
 )
-from rtmedia.engines.whisper_torch import TorchBackend, negative_dtw, read_ctranslate2
+from rtmedia.engines.asr.whisper_torch import TorchBackend, negative_dtw, read_ctranslate2
+from rtmedia.engines.base import EngineError
 
 from tests.support.speech import Speaker
 from tests.support.whisper_models import tiny_whisper

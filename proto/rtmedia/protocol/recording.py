@@ -1,6 +1,6 @@
 """Stereo recordings of a conversation: the user on the left, the agent on the right, one clock
-(docs/operations.md#recordings). The server's session recordings (rtmedia.server.recording) and
-`rtmedia talk --record` (rtmedia.clients.talk) both write them with these parts.
+(docs/operations.md#recordings). The server's session recordings (rtmedia.server.observe.recording) and
+`rtmedia talk --record` (rtmedia.clients.commands.talk) both write them with these parts.
 
 `Timeline` lays audio on the recording's clock, in 24 kHz samples from its start. Audio comes
 as runs (`add`), each under a key (the user's input, one reply): a run's audio is continuous
@@ -15,7 +15,7 @@ writes its bytes to a file descriptor itself, so that a full disk or a closed fi
 OSError of the caller's own write (never lost inside FFmpeg), and counts them.
 
 Resampling to 24 kHz is the caller's resampler (`make_resampler(src, dst)`, with `process` and
-`flush` as rtmedia.engines.resample's have): this module imports nothing but the protocol.
+`flush` as rtmedia.engines.audio.resample's have): this module imports nothing but the protocol.
 """
 
 from __future__ import annotations

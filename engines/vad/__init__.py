@@ -1,0 +1,1 @@
+"""Voice activity detection: Silero VAD, batched across sessions, and its batch-wide graph."""

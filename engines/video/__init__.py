@@ -1,0 +1,1 @@
+"""Chunked video decode: the Wan VAE decoder engine and the frame plans it steps through."""

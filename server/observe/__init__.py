@@ -1,0 +1,2 @@
+"""What an operator sees: Prometheus metrics and the metrics port, OpenTelemetry traces, session
+recordings."""

@@ -1,0 +1,1 @@
+"""The gRPC port's guards: TLS, bearer tokens with quotas, and the admission interceptor."""

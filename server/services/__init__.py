@@ -1,0 +1,2 @@
+"""The gRPC servicers: RealtimeService (Converse), SpeechService, VideoService and NVIDIA Riva's speech
+API."""

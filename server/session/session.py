@@ -1,0 +1,913 @@
+"""A duplex speech session: one Converse stream (docs/protocol.md#sessions).
+
+`Session` holds the session's lifecycle (open, finish, drain, close) and the dispatch
+of client events to their handlers; its config, turn state, audio input, camera frames
+and conversation history live here. The rest is in the parts it owns, one each:
+- the outbox (server/session/outbox.py): control events overtake queued media, media of a
+  cancelled response's epoch are dropped;
+- the recogniser feed (server/hearing/recognition.py): turn audio to the ASR lanes in order, its
+  results into transcription events (a server_vad turn's segment ends at each pause, so
+  its final is ready when speech_stopped comes: Limits.early_finals);
+- the reply pipeline (server/session/reply.py): transcript -> responder -> TTS -> audio deltas;
+- the conversation items (server/session/items.py): item create (text or audio), delete, retrieve and
+  truncate, over the history, whose messages carry their item ids;
+- the idle-turn timer (server/session/idle_turns.py): turn_detection.idle_timeout_ms;
+- the function calls out and their wait (server/session/tool_calls.py): the filler and the timeout;
+- semantic_vad's decisions at each pause (server/hearing/semantic_turns.py).
+
+The session never calls an engine: it and its parts use the scheduler's typed handles
+(server/lanes/access.py): its audio input is attached to the VAD tick, turn audio goes to
+the ASR lanes, replies to a responder's lane and the TTS lane.
+Every task of the session is owned here and cancelled by `close()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from rtmedia.engines.responders.contract import Message, ReplyRequest
+from rtmedia.protocol.events import server_event
+from rtmedia.server.hearing.audio_input import Action, AudioInput, Stop
+from rtmedia.server.hearing.recognition import Recognizer, Turn, token_infos
+from rtmedia.server.hearing.semantic_turns import SemanticTurns
+from rtmedia.server.lanes.access import EngineAccess
+from rtmedia.server.lanes.faults import fault_status
+from rtmedia.server.lanes.scheduler import Priority
+from rtmedia.server.observe.recording import NO_RECORDINGS, RecordingPolicy
+from rtmedia.server.session.config import (
+    PCM16,
+    ConfigError,
+    SessionSettings,
+    check_max_output_tokens,
+    check_output_modality,
+    output_tokens,
+)
+from rtmedia.server.session.idle_turns import IdleTimer
+from rtmedia.server.session.interruptions import Voice
+from rtmedia.server.session.items import ConversationItems
+from rtmedia.server.session.limits import Limits
+from rtmedia.server.session.outbox import Outbox
+from rtmedia.server.session.reply import TTS_WINDOW_FRAMES, ReplyPipeline, Response
+from rtmedia.server.session.tool_calls import ToolCalls
+from rtmedia.v1 import realtime_pb2
+
+TURN_END_REASONS = {"silence": realtime_pb2.TURN_END_REASON_SILENCE,
+                    "semantic": realtime_pb2.TURN_END_REASON_SEMANTIC,
+                    "max_wait": realtime_pb2.TURN_END_REASON_MAX_WAIT}
+
+# Re-exported: other modules import these from here (Limits: server/app.py and
+# server/services/realtime.py; TTS_WINDOW_FRAMES: tests/perf/bench_speech.py).
+__all__ = ["TTS_WINDOW_FRAMES", "Limits", "Session"]
+
+log = logging.getLogger(__name__)
+DTMF_KEYS = "0123456789*#ABCD"
+PREEMPT_TTS_BEHIND = 2  # TTS items queued at which a pause prepares no reply (the lanes are behind)
+ARRIVALS = 3000  # input chunks whose arrival times are kept (a turn's end is looked up among them)
+
+
+@dataclass(frozen=True)
+class SessionContext:
+    """What the sessions of one server share: the engines (through the scheduler's handles),
+    the limits, and the admission figures that session.created states."""
+
+    access: EngineAccess
+    limits: Limits
+    max_sessions: int
+    lm_slots: int
+    recording: RecordingPolicy = NO_RECORDINGS  # which sessions are recorded (server/observe/recording.py)
+
+
+class Session:
+    """One Converse stream. `handle()` takes client events; the service's writer
+    loop writes what `outbox.get()` returns."""
+
+    def __init__(self, session_id: str, context: SessionContext, settings: SessionSettings) -> None:
+        self.id = session_id
+        self.context = context
+        access = self.access = context.access
+        self.metrics = access.metrics
+        self._bytes_in = access.metrics.bytes_total.labels("in")
+        self.settings = settings
+        self.limits: Limits = context.limits
+        self.outbox = Outbox(self.limits.max_outbox_events, self.limits.max_outbox_bytes, self._outbox_failed)
+        self.writer: asyncio.Task[Any] | None = None  # the servicer's writer, ended if the outbox fails
+        self.started = time.monotonic()
+        self.last_input = self.started
+        self.closing_reason: str | None = None
+        self.caller: str | None = None  # the name of the token it was opened with (--auth-tokens)
+        self.transport = "grpc"  # how the client reached it (metadata rtmedia-transport)
+        self._ids = itertools.count(1)
+        self.client_ids: set[str] = set()  # item ids the client chose: the server's own skip them
+        self.history: list[Message] = []  # the conversation, each message under its item id
+        self.turn: Turn | None = None  # the turn being spoken, or buffered for a commit
+        self.pending_turns: deque[Turn] = deque()  # committed turns not yet transcribed, oldest first
+        # Committed turns (manual, none) whose audio is still on its way through the VAD tick,
+        # oldest first: the audio the tick delivers goes to the first of them, not to `turn`.
+        self._committing: deque[Turn] = deque()
+        self.buffer_ms = 0.0  # uncommitted input audio (manual / none)
+        self._since_commit_ms = 0.0  # of it, what came after the last commit asked for
+        self.speech_start_ms = 0
+        self.voice: Voice | None = None  # voice over a reply, being judged (confirmed interruptions)
+        self._unannounced: set[str] = set()  # judged voices' items whose transcript is no turn's
+        self._asr_samples = 0  # 16 kHz samples sent to the recogniser
+        self.input_ms = 0.0  # input audio appended so far
+        self._arrivals: deque[tuple[float, float]] = deque(maxlen=ARRIVALS)  # (input_ms after a chunk, perf_counter)
+        self._quiet_since = 0.0  # perf_counter of the last speech stop or idle timeout
+        self._quiet_input_ms = 0.0  # input_ms then, or when the last response ended
+        self.camera: deque[bytes] = deque()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.replies = ReplyPipeline(
+            self.id, self.outbox, self.history, self.limits,
+            tts=access.tts, replies=access.replies,
+            metrics=access.metrics, settings=lambda: self.settings, request=self._reply_request,
+            spawn=self.spawn, new_id=self.new_id, on_done=self._response_done,
+        )
+        self.items = ConversationItems(self)
+        self.tools = ToolCalls(lambda: self.settings.tool_filler_ms, lambda: self.settings.tool_timeout_ms,
+                               self._tool_filler, self._tool_timeout)
+        self._fillers = itertools.cycle(self.limits.tool_fillers)
+        self.idle = IdleTimer(self._idle_since, lambda: self.settings.idle_timeout_ms, self._idle_expired)
+        self.recognizer = Recognizer(
+            access.asr, fast_final=True, language=settings.language, priority=Priority.REALTIME,
+            on_event=self._on_asr_event,
+            on_delta=self.on_transcript_delta, on_complete=self._complete, on_error=self.on_recognition_error,
+        )
+        self.input = AudioInput(settings, self.limits.inbox_ms, self.on_audio, access.vad.open())
+        access.vad.attach(self.input)
+        self.semantic = SemanticTurns(self.id, access.turns, self.metrics, lambda: self.settings,
+                                      self._end_turn_at, self.spawn, self.limits.turn_thresholds)
+        self.track(self.recognizer.start(f"session-{self.id}-asr"))
+        if settings.noise_reduction:
+            self._noise_reduction(settings.noise_reduction)
+
+    # ---- helpers ---------------------------------------------------------
+    def new_id(self, prefix: str) -> str:
+        while (new := f"{prefix}_{self.id[-6:]}_{next(self._ids)}") in self.client_ids:
+            pass
+        return new
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        return self.track(asyncio.create_task(coro, name=f"session-{self.id}-{name}"))
+
+    def track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]:
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("session task failed", exc_info=task.exception(), extra={"session_id": self.id})
+            self.error("server_error", "an internal error stopped part of the session; the server logged it "
+                       "with the session id")
+
+    def send(self, name: str, /, **fields: Any) -> None:
+        self.outbox.control(server_event(name, **fields))
+
+    def error(self, code: str, message: str, event_id: str = "", param: str = "") -> None:
+        self.outbox.control(server_event("error", code=code, message=message, event_id=event_id, param=param))
+
+    def created_event(self) -> realtime_pb2.ConverseResponse:
+        limits = self.limits.to_proto(self.context.max_sessions, self.context.lm_slots)
+        return server_event("session.created", session_id=self.id, session=self.settings.to_proto(), limits=limits)
+
+    @property
+    def epoch(self) -> int:
+        """The current response epoch: the outbox sends media of this epoch only."""
+        return self.replies.epoch
+
+    @property
+    def response(self) -> Response | None:
+        """The latest response."""
+        return self.replies.response
+
+    @property
+    def responses(self) -> dict[str, Response]:
+        return self.replies.responses
+
+    @property
+    def responding(self) -> bool:
+        return self.replies.generating
+
+    # ---- client events ---------------------------------------------------
+    def handle(self, request: realtime_pb2.ConverseRequest) -> None:
+        """Handle one client event and answer it before the next is handled: the answer (success
+        or error) is queued here, not after an await, so that a session's answers follow the order
+        of the client events they answer. What waits for the input still queued for the VAD tick
+        (a committed turn's audio reaching the recogniser, a response's transcript) goes on after
+        the answer. (An audio item's conversation.item.added follows its transcript, as documented.)"""
+        kind = request.WhichOneof("event")
+        event_id = request.event_id
+        self.last_input = time.monotonic()
+        if (problem := self._oversized_id(request, kind)) is not None:
+            field, size = problem
+            self.error("invalid_value", f"{kind or 'the request'}: {field} is {size} bytes; the limit is "
+                       f"{self.limits.max_id_bytes}; the event was dropped",
+                       event_id if field != "event_id" else "", field)
+            return
+        handler = getattr(self, f"on_{kind}", None)
+        if handler is None:
+            self.error("unknown_event", "the request carries no known event (empty oneof or a newer client)",
+                       event_id)
+            return
+        handler(getattr(request, kind), event_id)
+
+    def _oversized_id(self, request: realtime_pb2.ConverseRequest, kind: str | None) -> tuple[str, int] | None:
+        """(field, bytes) of an id the server would echo that is over `max_id_bytes`, or None."""
+        limit = self.limits.max_id_bytes
+        fields = [("event_id", request.event_id)]
+        if kind in ("response_cancel", "playback_ack"):
+            fields.append(("response_id", getattr(request, kind).response_id))
+        elif kind in ("conversation_item_truncate", "conversation_item_delete", "conversation_item_retrieve"):
+            fields.append(("item_id", getattr(request, kind).item_id))
+        elif kind == "conversation_item_create":
+            fields.append(("item.id", request.conversation_item_create.item.id))
+        for field, value in fields:
+            if len(value) * 4 > limit and (size := len(value.encode())) > limit:  # a char is 1-4 bytes
+                return field, size
+        return None
+
+    def on_input_audio_buffer_append(self, event: Any, event_id: str) -> None:
+        data = event.audio
+        if self.settings.input_encoding == PCM16 and len(data) % 2:
+            self.error("invalid_audio", f"input_audio_buffer.append: {len(data)} bytes is not a whole number of "
+                       "PCM16 samples; the chunk was dropped", event_id, "audio")
+            return
+        self._bytes_in.inc(len(data))
+        overflow = self.input.append(data)
+        if overflow is None or overflow.chunk_kept:
+            chunk_ms = len(data) / self.input.bytes_per_ms
+            self.input_ms += chunk_ms
+            self._arrivals.append((self.input_ms, time.perf_counter()))
+            if not self.settings.vad_turns:
+                self.buffer_ms += chunk_ms
+                self._since_commit_ms += chunk_ms
+        if overflow is None:
+            return
+        self.metrics.input_backpressure.inc()
+        if overflow.discarded_ms:  # with VAD: the input stays close to the speaker
+            what = "queued audio" if overflow.chunk_kept else "audio (this chunk, over the inbox by itself, included)"
+            self.error("input_backpressure", f"the input inbox was full ({self.limits.inbox_ms} ms); "
+                       f"{overflow.discarded_ms} ms of {what} were discarded", event_id)
+            self.send("input_audio_buffer.cleared", discarded_ms=overflow.discarded_ms, reason="input_backpressure")
+        else:  # without VAD: the chunk is refused whole, the buffer keeps everything before it
+            queued = round(len(self.input.inbox) / self.input.bytes_per_ms)
+            self.error("input_backpressure", f"the input inbox already holds {queued} ms not yet processed (its "
+                       f"bound is {self.limits.inbox_ms} ms): this chunk of {round(len(data) / self.input.bytes_per_ms)}"
+                       " ms was refused whole and nothing was discarded; send it again", event_id, "audio")
+
+    def on_session_update(self, event: Any, event_id: str) -> None:
+        try:
+            new = self.settings.updated(event.session, self.access.tts.rates, self.access.replies.names,
+                                        self.limits.max_id_bytes, self.limits.max_instructions_chars,
+                                        self.limits.session_caps, self.access.replies.tool_callers,
+                                        self.access.asr.languages)
+            if new.recording != self.settings.recording:
+                new = self.context.recording.checked(new)
+        except ConfigError as exc:
+            self.error(exc.code, str(exc), event_id, exc.param)
+            return
+        if new.turn_type == "semantic_vad" and not self.access.turns.available:
+            self.error("invalid_value", "turn_detection.type semantic_vad needs an LM to score the user's words, and "
+                       "this server runs none (--no-llm without --transformers-model); use server_vad",
+                       event_id, "turn_detection.type")
+            return
+        mid_turn = (self.turn is not None and not self.turn.transcript.done()) or self.buffer_ms > 0 \
+            or bool(self._committing)  # a committed turn's audio not yet decoded
+        if new.input_format != self.settings.input_format and (mid_turn or self.input.inbox):
+            self.error("invalid_state", "input_audio_format cannot change mid-turn; commit or clear the input "
+                       "audio buffer first", event_id, "input_audio_format")
+            return
+        old, self.settings = self.settings, new
+        self.recognizer.language = new.language  # from the next turn (or segment) on
+        self.input.reconfigure(new, reset=False)
+        if old.noise_reduction != new.noise_reduction:
+            self._noise_reduction(new.noise_reduction)
+        if old.turn_type != new.turn_type or not new.preemptive:
+            self.replies.discard_preemptive("session_update")
+        if old.turn_type != new.turn_type and self.turn is not None:
+            self._end_turn()
+        if (old.turn_type, old.idle_timeout_ms) != (new.turn_type, new.idle_timeout_ms):
+            self._quiet_since, self._quiet_input_ms = time.perf_counter(), self.input_ms  # counts from now
+        self.send("session.updated", session=new.to_proto())
+        self.idle.arm()
+
+    def _noise_reduction(self, kind: str) -> None:
+        """The VAD hears the input through a `kind` suppressor from the next tick after it is open
+        ("": none); the tick closes the one it replaces."""
+        async def hand_over() -> None:
+            stream = await self.access.vad.denoise(kind) if kind else None
+            if self.settings.noise_reduction == kind:
+                self.input.denoise(stream)
+            elif stream is not None:  # changed again meanwhile
+                await self.access.vad.close_denoise(stream)
+
+        self.spawn(hand_over(), "noise-reduction")
+
+    def on_input_audio_buffer_commit(self, event: Any, event_id: str) -> None:
+        if self.settings.vad_turns:
+            self.error("invalid_state", "input_audio_buffer.commit is for manual and none turn detection; "
+                       f"{self.settings.turn_type} commits turns itself", event_id)
+        elif self.settings.turn_type == "manual" and self.responding:
+            self.error("response_in_progress", "manual mode is half duplex: input is not committed while a "
+                       "response plays", event_id)
+        elif self._since_commit_ms < 1:  # nothing appended since the last commit (or clear)
+            self.error("input_audio_buffer_commit_empty", "the input audio buffer is empty: nothing to commit",
+                       event_id)
+        else:
+            self._commit()
+
+    def _commit(self) -> Turn:
+        """The buffered input (manual, none) becomes a turn, committed at once: the buffer's
+        length is known now, and input_audio_buffer.committed goes out in the order of the client's
+        events. The part of its audio still queued for the VAD tick reaches it there
+        (`_committing`), and the recogniser hears the turn's end once all of it has."""
+        turn = self.turn or self._start_turn()
+        self.turn = None
+        turn.audio_ms = round(self.buffer_ms)
+        self.buffer_ms = self._since_commit_ms = 0
+        self._committing.append(turn)
+        self._committed(turn)
+        self.input.after_input(self._commit_delivered)
+        return turn
+
+    def _commit_delivered(self) -> None:
+        """The oldest committed turn has all its audio: the recogniser hears its end."""
+        self._finish_recognition(self._committing.popleft())
+
+    def on_input_audio_buffer_clear(self, event: Any, event_id: str) -> None:
+        # Without VAD the buffer counts all uncommitted audio, the inbox's included; with VAD
+        # only the inbox holds input not yet taken.
+        queued = self.input.clear()
+        dropped = queued if self.settings.vad_turns else round(self.buffer_ms)
+        self.buffer_ms = self._since_commit_ms = 0
+        if self.turn is not None:  # the recogniser forgets the uncommitted turn
+            self.recognizer.send("abort", self.turn)
+            self.turn = None
+        self.replies.discard_preemptive("input_cleared")
+        self.send("input_audio_buffer.cleared", discarded_ms=dropped, reason="client")
+
+    def on_conversation_item_create(self, event: Any, event_id: str) -> None:
+        self.items.create(event, event_id)
+
+    def on_conversation_item_truncate(self, event: Any, event_id: str) -> None:
+        self.items.truncate(event, event_id)
+
+    def on_conversation_item_delete(self, event: Any, event_id: str) -> None:
+        self.items.delete(event, event_id)
+
+    def on_conversation_item_retrieve(self, event: Any, event_id: str) -> None:
+        self.items.retrieve(event, event_id)
+
+    def on_response_create(self, event: Any, event_id: str) -> None:
+        filler = self.response if self.response is not None and self.response.filler else None
+        if filler is not None and filler.audible(time.perf_counter()):
+            self.replies.cancel("answer_started")  # the answer takes the filler's place, even mid-playback
+        if self.responding:
+            self.error("response_in_progress", "a response is already in progress; cancel it first", event_id)
+            return
+        options = {name: getattr(event, name) if event.HasField(name) else None
+                   for name in ("instructions", "max_output_tokens", "output_modality", "conversation")}
+        instructions, max_tokens = options["instructions"], options["max_output_tokens"]
+        if instructions is not None and len(instructions) > self.limits.max_instructions_chars:
+            self.error("invalid_value", f"response.create: instructions has {len(instructions)} characters; the "
+                       f"limit is {self.limits.max_instructions_chars}", event_id, "instructions")
+            return
+        try:
+            if max_tokens is not None:
+                check_max_output_tokens(max_tokens)
+            if options["output_modality"] is not None:
+                check_output_modality(options["output_modality"])
+        except ConfigError as exc:
+            self.error("invalid_value", f"response.create: {exc}", event_id, exc.param)
+            return
+        if options["conversation"] not in (None, "auto", "none"):
+            self.error("invalid_value", f"response.create: conversation {options['conversation'][:32]!r} must be "
+                       "\"auto\" or \"none\"", event_id, "conversation")
+            return
+        start = {"modality": options["output_modality"], "joins_history": options["conversation"] != "none"}
+        # none mode responds to the buffered audio, committing it (not for an out-of-band
+        # response). The response starts now, answered by response.created; it waits for its
+        # turn's transcript, which comes once the turn's audio has gone through the VAD tick.
+        commit = self.settings.turn_type == "none" and start["joins_history"] and \
+            (self.buffer_ms >= 1 or bool(self.input.inbox))
+        self._respond_to(self._commit() if commit else None, instructions, max_tokens, event_id, start)
+
+    def _respond_to(self, turn: Turn | None, instructions: str | None, max_tokens: int | None,
+                    event_id: str, start: dict[str, Any]) -> None:
+        turn = turn or (self.pending_turns[-1] if self.pending_turns else None)
+        if turn is None and not any(m.text or m.call for m in self.history):
+            self.error("invalid_state", "response.create: there is nothing to respond to (no audio, turn or text)",
+                       event_id)
+            return
+        self.idle.cancel()
+        if start["joins_history"]:
+            self.tools.stop()  # the answer to the calls, or the user moved on: the wait ends
+        self.replies.start(turn, instructions, max_tokens, **start, request_event_id=event_id)
+
+    def on_response_cancel(self, event: Any, event_id: str) -> None:
+        response = self.response
+        if response is None or response.done or (event.response_id and event.response_id != response.response_id):
+            self.error("response_not_found", f"response.cancel: no response {event.response_id or ''} in progress"
+                       .replace("  ", " "), event_id, "response_id")
+            return
+        self.replies.cancel("client_cancelled")
+
+    def on_input_audio_buffer_dtmf(self, event: Any, event_id: str) -> None:
+        """A key the caller pressed (a telephony door): told back as OpenAI's SIP event."""
+        if len(event.event) != 1 or event.event not in DTMF_KEYS:
+            self.error("invalid_value", f"input_audio_buffer.dtmf: event is a keypad key, one of 0-9, *, #, A-D; "
+                       f"got {event.event[:16]!r}", event_id, "event")
+            return
+        self.send("input_audio_buffer.dtmf_event_received", event=event.event, received_at=int(time.time()))
+
+    def on_playback_ack(self, event: Any, event_id: str) -> None:
+        response = self.responses.get(event.response_id)
+        if response is None:
+            self.error("response_not_found", f"playback.ack: unknown response {event.response_id!r}", event_id,
+                       "response_id")
+            return
+        if event.played_ms < 0 or event.played_ms > response.sent_ms:
+            self.error("invalid_value", f"playback.ack: played_ms={event.played_ms} is outside 0..{response.sent_ms}",
+                       event_id, "played_ms")
+            return
+        response.heard_ms, response.heard_at = event.played_ms, time.perf_counter()
+        self.send("playback.acknowledged", response_id=response.response_id, played_ms=event.played_ms)
+        if response is self.response:
+            self.idle.arm()
+
+    def on_camera_frame(self, event: Any, event_id: str) -> None:
+        image = event.image
+        if len(image) > self.limits.max_camera_frame_bytes:
+            self.error("invalid_value", f"camera.frame: {len(image)} bytes is over the "
+                       f"{self.limits.max_camera_frame_bytes}-byte limit; the frame was dropped", event_id, "image")
+        elif not (image.startswith(b"\xff\xd8\xff") or image.startswith(b"\x89PNG\r\n\x1a\n")):
+            self.error("invalid_value", "camera.frame: the image is neither JPEG nor PNG; the frame was dropped",
+                       event_id, "image")
+        else:
+            self.camera.append(image)
+            while len(self.camera) > self.limits.max_camera_frames or \
+                    sum(map(len, self.camera)) > self.limits.max_camera_total_bytes:
+                self.camera.popleft()  # the oldest is retired first
+
+    def on_session_close(self, event: Any, event_id: str) -> None:
+        self.finish("client")
+
+    # ---- audio results from the VAD tick ----------------------------------
+    def on_audio(self, actions: list[Action]) -> None:
+        semantic = self.settings.turn_type == "semantic_vad"
+        for kind, value in actions:
+            if kind == "started":
+                self._on_speech_started(value)
+            elif kind == "audio":
+                if self.settings.transcription:
+                    offset_ms, pcm = value
+                    turn = self._committing[0] if self._committing else self.turn or self._start_turn()
+                    if turn.input_offset_ms is None:
+                        turn.input_offset_ms, turn.asr_offset_ms = offset_ms, self._asr_samples // 16
+                    self._asr_samples += len(pcm) // 2
+                    self.recognizer.send("audio", turn, pcm)
+                    if semantic:
+                        self.semantic.audio(pcm)
+                    if self.voice is not None and turn is self.turn:
+                        self.voice.speech_ms = offset_ms + len(pcm) // 32 - self.voice.start_ms
+                        self._judge(self.voice.heard, final=False)
+                    if turn.cut_done is not None and not turn.spoke_after_pause:  # speech resumed after a pause
+                        turn.spoke_after_pause = True
+                        if self.replies.preemptive is not None and self.replies.preemptive.turn is turn:
+                            self.replies.discard_preemptive("speech_resumed")
+            elif kind == "pause":
+                voice = self.voice is not None and self.settings.transcription
+                if self.turn is not None and (self.limits.early_finals or semantic or voice):
+                    self.turn.cut_done = asyncio.get_running_loop().create_future()
+                    self.recognizer.send("cut", self.turn)
+                    if voice:
+                        self._judge_pause(self.turn)
+                    else:
+                        self._preempt_at(self.turn)
+                        if semantic:
+                            self.semantic.paused(self.turn)
+            elif kind == "candidate":
+                if self.turn is not None and semantic and self.voice is None:
+                    self.semantic.candidate(self.turn, *value)
+            elif kind == "stopped":
+                self._on_speech_stopped(value)
+            elif kind == "marker":
+                value()
+
+    def _preempt_at(self, turn: Turn) -> None:
+        """The user paused: once the recogniser's early final is in, the reply to the words so far
+        is prepared (held) unless speech resumed (server/session/reply.py: `preempt`). Skipped, and
+        counted, while the TTS or the responder's lane is behind: other sessions' replies first."""
+        settings = self.settings
+        if not (settings.preemptive and settings.create_response and settings.transcription) \
+                or self.responding or self.closing_reason is not None:
+            return
+        if self.access.tts.waiting >= PREEMPT_TTS_BEHIND or self.access.replies.behind(settings.responder):
+            self.metrics.preemptive.labels("skipped").inc()
+            return
+        turn.spoke_after_pause = False
+        cut = turn.cut_done
+
+        async def at_early_final() -> None:
+            await asyncio.shield(cut)
+            if self.turn is turn and turn.cut_done is cut and not turn.spoke_after_pause and turn.said \
+                    and not self.responding and self.voice is None and self.settings.preemptive:
+                request = self._reply_request(said=Message("user", turn.said, turn.item_id))
+                self.replies.preempt(turn, turn.said, request)
+
+        self.spawn(at_early_final(), "preempt")
+
+    def _end_turn_at(self, stop: Stop) -> None:
+        """semantic_vad decided: the turn ends at the VAD tick's step, woken for it."""
+        self.input.end_turn(stop)
+        self.access.vad.wake()
+
+    def _start_turn(self) -> Turn:
+        self.turn = Turn(self.new_id("item"), asyncio.get_running_loop().create_future())
+        return self.turn
+
+    def _end_turn(self) -> None:
+        """The turn being spoken ends with all its audio delivered: committed, and its end
+        heard by the recogniser."""
+        turn, self.turn = self.turn, None
+        if turn is None:
+            return
+        self._committed(turn)
+        self._finish_recognition(turn)
+
+    def _committed(self, turn: Turn) -> None:
+        """input_audio_buffer.committed: the turn is pending until its transcript is in."""
+        turn.stopped_at = time.perf_counter()
+        self.pending_turns.append(turn)
+        self.send("input_audio_buffer.committed", item_id=turn.item_id, audio_ms=turn.audio_ms)
+
+    def _finish_recognition(self, turn: Turn) -> None:
+        """All the turn's audio went to the recogniser: its transcript follows (empty without
+        transcription)."""
+        if self.settings.transcription:
+            self.recognizer.send("end", turn)
+        else:
+            turn.transcript.set_result("")
+
+    def _on_speech_started(self, start_ms: int) -> None:
+        self.idle.cancel()
+        if self.voice is not None:  # one ended, its transcript not in yet: it was no interruption
+            voice, self.voice = self.voice, None
+            self._dismiss(voice, voice.heard)
+            self._unannounced.add(voice.item_id)
+        self.replies.discard_preemptive("speech_started")
+        turn = self._start_turn()
+        self.speech_start_ms = start_ms
+        interrupts = self.settings.interrupt_response and self.response is not None \
+            and self.response.audible(time.perf_counter())
+        if interrupts and self.settings.interruption.mode == "confirmed":
+            paused = self.replies.pause()
+            if paused is not None:  # (a text-only reply is not paused: it is cancelled, as ever)
+                turn.eager = True  # its words are wanted early
+                self.voice = Voice(turn.item_id, start_ms, paused, self.input.collected_at,
+                                   self.settings.interruption)
+                self.send("input_audio_buffer.speech_tentative", item_id=turn.item_id, audio_start_ms=start_ms,
+                          response_id=paused.response_id)
+                return
+        self.tools.stop()  # the user moved on: no filler or apology over them
+        self.send("input_audio_buffer.speech_started", item_id=turn.item_id, audio_start_ms=start_ms)
+        if interrupts:
+            started = self.input.collected_at
+            self.replies.cancel("turn_detected")
+            self.metrics.barge_in.observe(time.perf_counter() - started)
+        self._turn_begun()
+
+    def _turn_begun(self) -> None:
+        self.replies.prepare()  # the reply's prompt, up to the user's words
+        if self.settings.turn_type == "semantic_vad":
+            said = [m.text for m in self.history if m.role == "assistant" and m.text]
+            self.semantic.started(said[-1] if said else "")
+
+    # ---- voice over a reply, judged (confirmed interruptions, server/session/interruptions.py) ----------
+    def _on_asr_event(self, turn: Turn, event: Any) -> None:
+        if self.voice is not None and turn.item_id == self.voice.item_id and not event.is_final:
+            self.voice.hear(f"{turn.said} {event.hypothesis or event.text}")
+            self._judge(self.voice.heard, final=False)
+
+    def _judge(self, text: str, final: bool) -> None:
+        voice = self.voice
+        if voice is None:
+            return
+        verdict = voice.verdict(text, voice.speech_ms, final)
+        if verdict == "interrupt":
+            self._confirm(voice)
+        elif verdict == "backchannel":
+            self._dismiss(voice, text)
+
+    def _judge_pause(self, turn: Turn) -> None:
+        """The voice paused: its words so far (the early final) judge it; the reply resumes if
+        they do not come within false_interruption_timeout_ms."""
+        voice = self.voice
+        assert voice is not None and turn.cut_done is not None
+        cut = turn.cut_done
+
+        async def judge() -> None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(cut), voice.settings.false_interruption_timeout_ms / 1000)
+            if self.voice is voice:
+                voice.heard = turn.said
+                self._judge(turn.said, final=True)
+
+        self.spawn(judge(), "voice-judge")
+
+    def _confirm(self, voice: Voice) -> None:
+        """The voice interrupts: its held speech_started and deltas go out, and the reply is
+        cancelled at the heard point, as an immediate barge-in would have."""
+        self.voice = None
+        self.tools.stop()
+        turn = self.turn if self.turn is not None and self.turn.item_id == voice.item_id else None
+        if turn is not None:
+            turn.eager = False
+        self.send("input_audio_buffer.speech_started", item_id=voice.item_id, audio_start_ms=voice.start_ms)
+        for delta in voice.deltas:
+            self.send("conversation.item.input_audio_transcription.delta", item_id=voice.item_id, delta=delta)
+        self.metrics.interruptions.labels("interrupted").inc()
+        log.debug("interruption confirmed",
+                  extra={"session_id": self.id, "heard": voice.heard.strip(), "speech_ms": voice.speech_ms})
+        if self.response is voice.response and voice.response.audible(time.perf_counter()):
+            self.replies.cancel("turn_detected")
+            self.metrics.barge_in.observe(time.perf_counter() - voice.started_at)
+        else:
+            self.replies.resume(voice.response)
+        if turn is not None:
+            self._turn_begun()
+
+    def _dismiss(self, voice: Voice, text: str) -> None:
+        """The voice is no interruption (so far): the reply resumes, and the client hears what
+        was said (input_audio_buffer.backchannel). Later words of the same turn may still
+        interrupt."""
+        if voice.dismissed:
+            return
+        voice.dismissed = True
+        self.metrics.interruptions.labels("resumed").inc()
+        self.send("input_audio_buffer.backchannel", item_id=voice.item_id, transcript=text.strip(),
+                  audio_start_ms=voice.start_ms, response_id=voice.response.response_id)
+        self.replies.resume(voice.response)
+
+    def _voice_ended(self, turn: Turn, stop: Stop) -> None:
+        """The VAD ended a turn still being judged: its transcript decides (`_complete`); the
+        reply resumes by false_interruption_timeout_ms if the transcript has not confirmed it."""
+        voice = self.voice
+        assert voice is not None
+        self.turn, voice.stop = None, stop
+        self._finish_recognition(turn)
+        if not voice.dismissed:
+            async def resume_later() -> None:
+                await asyncio.sleep(voice.settings.false_interruption_timeout_ms / 1000)
+                if self.voice is voice:
+                    self._dismiss(voice, turn.said)
+
+            voice.timer = self.spawn(resume_later(), "voice-timer")
+
+    def _voice_heard(self, turn: Turn) -> None:
+        """A judged turn's transcript is in: an interruption becomes the user's turn as any
+        other (its speech_stopped, commit and transcript follow); else it was a backchannel."""
+        voice = self.voice
+        assert voice is not None and voice.stop is not None
+        if voice.timer is not None:
+            voice.timer.cancel()
+        if voice.verdict(turn.said, voice.speech_ms, final=True) != "interrupt":
+            self._dismiss(voice, turn.said)
+            self.voice = None
+            self.close_if_drained()
+            return
+        self._confirm(voice)
+        self._turn_begun()
+        speaking, self.turn = self.turn, turn  # (the user may have begun another turn meanwhile)
+        self._on_speech_stopped(voice.stop, recognised=True)
+        self.turn = speaking
+        self._complete(turn)
+
+    def _reply_request(self, instructions: str | None = None, max_tokens: int | None = None,
+                       said: Message | None = None) -> ReplyRequest:
+        """What the responder gets: the history's messages that hold words (a turn in which
+        nothing was recognised is an item, but no message), then `said` (a preemptive reply's
+        words so far), the instructions and token limit (0, "inf": the server's ceiling)."""
+        settings = self.settings
+        history = [m for m in self.history if m.text or m.call is not None or m.role == "tool"]
+        return ReplyRequest(
+            history=[*history, said] if said is not None else history,
+            instructions=settings.instructions if instructions is None else instructions,
+            max_output_tokens=output_tokens(settings.max_output_tokens if max_tokens is None else max_tokens),
+            images=list(self.camera),
+            conversation=self.id,
+            tools=settings.tools,
+            tool_choice=settings.tool_function if settings.tool_choice == "function" else settings.tool_choice,
+        )
+
+    def _on_speech_stopped(self, stop: Stop, recognised: bool = False) -> None:
+        """The turn ends; `recognised`: its transcript is in already (a judged voice's)."""
+        if self.voice is not None and self.turn is not None and self.turn.item_id == self.voice.item_id:
+            self._voice_ended(self.turn, stop)
+            return
+        turn = self.turn or self._start_turn()
+        end_ms = stop.audio_end_ms
+        turn.speech_end_at = self._arrival(end_ms)
+        self.send("input_audio_buffer.speech_stopped", item_id=turn.item_id, audio_end_ms=end_ms,
+                  reason=TURN_END_REASONS[stop.reason], score=stop.score)
+        self.metrics.turn_ends.labels(stop.reason).inc()
+        self.semantic.ended()
+        turn.silence_ms, turn.end_reason = stop.silence_ms, stop.reason
+        turn.audio_ms = end_ms - max(0, self.speech_start_ms - self.settings.prefix_padding_ms)
+        if recognised:
+            self.turn = None
+            self._committed(turn)
+        else:
+            self._end_turn()
+        self._quiet_since, self._quiet_input_ms = time.perf_counter(), self.input_ms
+        if self.settings.create_response and self.closing_reason in (None, "server_shutdown"):
+            if self.responding:  # interrupt_response off: the new turn waits its turn
+                self.replies.discard_preemptive("response_in_progress")
+                self.error("response_in_progress", "a turn ended while a response is in progress; "
+                           "it is in the history but gets no response of its own")
+                return
+            self.replies.start(turn)
+        else:
+            self.replies.discard_preemptive("no_response")
+            self.idle.arm()
+        self.close_if_drained()
+
+    def _arrival(self, input_ms: float) -> float:
+        """When the input up to `input_ms` had arrived (perf_counter); 0: not known."""
+        at = 0.0
+        for end_ms, t in reversed(self._arrivals):
+            if end_ms < input_ms:
+                break
+            at = t
+        return at
+
+    # ---- idle turns (server/session/idle_turns.py) ---------------------------------------
+    def _idle_since(self) -> float | None:
+        """When this session became quiet for turn_detection.idle_timeout_ms: the end of the
+        last response's playback or the last speech stop or timeout, whichever came last; None
+        while not quiet (no response yet, a turn or response in progress, a function call out,
+        closing)."""
+        response = self.response
+        if not self.settings.vad_turns or self.closing_reason is not None or response is None \
+                or not response.done or self.turn is not None or self.responding or self.tools.out:
+            return None
+        return max(response.playback_end(), self._quiet_since)
+
+    def _idle_expired(self, since: float) -> None:
+        """input_audio_buffer.timeout_triggered: an empty turn is committed and answered."""
+        now = time.perf_counter()
+        end_ms = round(self.input_ms)
+        start_ms = max(round(self._quiet_input_ms), end_ms - round((now - since) * 1000))
+        turn = Turn(self.new_id("item"), asyncio.get_running_loop().create_future())  # (no latency metric)
+        self.send("input_audio_buffer.timeout_triggered", item_id=turn.item_id, audio_start_ms=max(0, start_ms),
+                  audio_end_ms=end_ms)
+        self.send("input_audio_buffer.committed", item_id=turn.item_id, audio_ms=0)
+        turn.transcript.set_result("")
+        self.history.append(Message("user", "", turn.item_id))
+        self._quiet_since, self._quiet_input_ms = now, self.input_ms
+        if self.settings.create_response:
+            self.replies.start(turn)
+        else:
+            self.idle.arm()
+
+    # ---- the wait for a function call's output (server/session/tool_calls.py) --------------
+    def _tool_filler(self) -> None:
+        """A call is still out after tool_filler_ms: a filler, unless something plays already."""
+        if not self.responding and self.closing_reason is None:
+            self.replies.start(None, joins_history=False, say=next(self._fillers), filler=True)
+
+    def _tool_timeout(self) -> None:
+        """A call went unanswered for tool_timeout_ms: the server's apology ends the wait (a
+        filler still playing gives way to it)."""
+        if self.closing_reason is not None:
+            return
+        if self.responding and self.response is not None and self.response.filler:
+            self.replies.cancel("tool_timeout")
+        if not self.responding:
+            self.replies.start(None, say=self.limits.tool_apology, reason="tool_timeout")
+
+    # ---- recognition results (server/hearing/recognition.py) ---------------------------
+    def on_transcript_delta(self, turn: Turn, delta: str) -> None:
+        if self.voice is not None and turn.item_id == self.voice.item_id:
+            self.voice.deltas.append(delta)  # the turn is not announced yet
+            return
+        self.send("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, delta=delta)
+
+    def on_recognition_error(self, turn: Turn, exc: Exception) -> None:
+        """An engine fault while transcribing (server/hearing/recognition.py): the client is told with
+        conversation.item.input_audio_transcription.failed (the code is the fault's status reason,
+        lowercase), and the session goes on."""
+        log.warning("transcription failed: %s", exc, extra={"session_id": self.id})
+        self.send("conversation.item.input_audio_transcription.failed", item_id=turn.item_id,
+                  code=fault_status(exc)[1].lower(),
+                  message=f"transcribing {turn.item_id or 'the turn'} failed: {exc}; the turn keeps what was "
+                          "recognised before, and the session goes on")
+
+    def transcript_completed(self, turn: Turn) -> None:
+        """conversation.item.input_audio_transcription.completed: the turn's transcript, its
+        segments' finals joined, with word timings in the input; the turn is no longer pending."""
+        words = [{"word": w, "start_ms": s, "end_ms": e, "confidence": c} for w, s, e, c in turn.words]
+        self.send("conversation.item.input_audio_transcription.completed", item_id=turn.item_id,
+                  transcript=turn.said, words=words, tokens=token_infos(turn.tokens))
+        self.forget_turn(turn)
+
+    def forget_turn(self, turn: Turn) -> None:
+        if turn in self.pending_turns:
+            self.pending_turns.remove(turn)
+
+    def _complete(self, turn: Turn) -> None:
+        """A committed turn's transcript is in: the turn joins the history (as an item, even when
+        nothing was recognised; the responders see only messages with words)."""
+        if self.voice is not None and turn.item_id == self.voice.item_id and self.voice.stop is not None:
+            self._voice_heard(turn)
+            return
+        if turn.item_id in self._unannounced:
+            self._unannounced.discard(turn.item_id)
+            return
+        self.transcript_completed(turn)
+        self.history.append(Message("user", turn.said, turn.item_id))
+        self.close_if_drained()
+
+    # ---- lifecycle ---------------------------------------------------------------
+    def finish(self, reason: str) -> None:
+        """Close the session with session.closed{reason}; a response in flight is cancelled,
+        unless the server is draining: then what is in flight finishes first (see `draining`)."""
+        if self.closing_reason is not None:
+            return
+        self.closing_reason = reason
+        self.idle.cancel()
+        if reason == "server_shutdown":
+            self.close_if_drained()
+            return
+        if self.responding:
+            self.replies.cancel(reason)
+        self.outbox.close(server_event("session.closed", reason=reason))
+
+    @property
+    def in_flight(self) -> bool:
+        """A turn being spoken (or buffered for a manual commit), a response being asked for or
+        given, or a finished turn whose transcript is still being recognised."""
+        manual_buffer = self.settings.turn_type == "manual" and self.buffer_ms > 0
+        transcribing = any(not turn.transcript.done() for turn in self.pending_turns)
+        return self.turn is not None or manual_buffer or self.responding or transcribing
+
+    def close_if_drained(self) -> None:
+        """Draining (server_shutdown): the session closes once nothing is in flight: a turn the
+        user is speaking is heard to its end and answered, and the reply goes out in full."""
+        if self.closing_reason == "server_shutdown" and not self.outbox.closed and not self.in_flight:
+            self.outbox.close(server_event("session.closed", reason=self.closing_reason))
+
+    def _response_done(self, response: Response) -> None:
+        """A response's response.done is queued: one that called functions makes the session wait
+        for their outputs; when draining, the session may close now; else the idle-turn timer
+        runs from the end of its playback."""
+        self._quiet_input_ms = self.input_ms
+        if response.calls and self.closing_reason is None:
+            self.tools.made(response.calls)
+        self.close_if_drained()
+        self.idle.arm()
+
+    def _outbox_failed(self) -> None:
+        """The client kept not reading (server/session/outbox.py): the session ends at once, and the
+        writer, which may be waiting on a client that never reads, is stopped."""
+        if self.closing_reason is None:
+            self.closing_reason = "client_too_slow"
+        if self.replies.generating:
+            self.replies.cancel("client_too_slow")
+        if self.writer is not None:
+            self.writer.cancel()
+
+    def shutdown_now(self) -> None:
+        """The drain grace period ended: close even if a response is still running."""
+        if self.responding:
+            self.replies.cancel("server_shutdown")
+        self.outbox.close(server_event("session.closed", reason="server_shutdown"))
+
+    async def close(self) -> None:
+        """Free every resource of the session: tasks, VAD row, recogniser state."""
+        self.idle.cancel()
+        self.tools.stop()
+        self.semantic.ended()  # the scorer's slot
+        self.access.vad.detach(self.input)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(task, 5)
+        await self.recognizer.close()
+        await self.items.close()
+        for turn in [self.turn, *self.pending_turns]:
+            if turn is not None and not turn.transcript.done():
+                turn.transcript.cancel()
+        self.replies.forget()
+
