@@ -53,7 +53,7 @@ from typing import Any
 
 from rtmedia.engines.responders.contract import Waiting
 from rtmedia.server.lanes.faults import LaneStalled, StepDeadlineExceeded, step_failed
-from rtmedia.server.lanes.scheduler import LaneHealth, Priority, wait_step
+from rtmedia.server.lanes.lane_base import LaneHealth, Priority, wait_step
 from rtmedia.server.observe.metrics import Metrics
 
 log = logging.getLogger(__name__)
