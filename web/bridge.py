@@ -53,44 +53,44 @@ import asyncio
 import codecs
 import json
 import logging
-import re
 import secrets
 import ssl
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 from aiohttp import web
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription, rtcsctptransport
-from rtmedia.clients.client import CHANNEL_OPTIONS
-from rtmedia.clients.credentials import read_pem
 from rtmedia.protocol.tokens import (
     OPENAI_KEY_PROTOCOL_PREFIX,
     WEBSOCKET_PROTOCOL_PREFIX,
-    Token,
     TokenTable,
     bearer,
-    is_loopback,
-    target_host,
 )
+from rtmedia.web.app_keys import BEARER_KEY, SECRET_KEY, TOKEN_KEY, WS_PROTOCOL_KEY
+from rtmedia.web.bridge_config import BridgeConfig, is_local_target, is_metadata_value, parse_udp_ports
 from rtmedia.web.http_errors import ServerLog, error_response, json_errors, refusal
 from rtmedia.web.openai.openai_api import OpenAIConfig, OpenAIFront, Upstream, openai_errors
-from rtmedia.web.openai.realtime_calls import SECRET_KEY
 from rtmedia.web.openai.realtime_events import Translator
+from rtmedia.web.server_channel import server_channel, server_credentials, trace_context
 from rtmedia.web.telephony.sip_api import SipCallsApi
 from rtmedia.web.telephony.twilio import TwilioConfig, TwilioDoor
 from rtmedia.web.webrtc.ice_binding import IceBinding, binding_in_force, ice_binding, install_ice_binding
 from rtmedia.web.webrtc.offers import (
-    MAX_BODY_BYTES,
-    MAX_MEDIA_SECTIONS,
     NEGOTIATION_ERRORS,
     negotiation_failure,
     validate_offer,
 )
 from rtmedia.web.webrtc.peer import OfferError, Peer, VideoDefaults
 from rtmedia.web.webrtc.tracks import PLAYOUT_RATE, set_audio_prefetch
+
+# Re-exported: the bridge's settings and helpers are importable from here as before.
+__all__ = [
+    "BEARER_KEY", "TOKEN_KEY", "WS_PROTOCOL_KEY", "Bridge", "BridgeConfig", "OfferError", "VideoDefaults",
+    "cap_sctp_chunk_size", "ice_server", "is_local_target", "parse_udp_ports", "server_credentials",
+    "start_beside", "validate_offer",
+]
 
 log = logging.getLogger("rtmedia.web")
 
@@ -104,156 +104,12 @@ PEER_ID_BYTES = 32  # secrets.token_urlsafe: 256 bits, 43 characters
 SCTP_MAX_USER_DATA = 1100
 DRAIN_RETRY_AFTER_S = 5  # Retry-After of an offer refused while draining: another replica, or this one restarted
 AUTH_MESSAGE = "authentication required: send Authorization: Bearer TOKEN"
-# What the authenticate middleware leaves on the request (aiohttp's typed request keys).
-TOKEN_KEY = web.RequestKey("rtmedia_token", Token)  # the bridge's token that matched (its name is loggable)
-BEARER_KEY = web.RequestKey("rtmedia_bearer", str)  # the presented secret: forwarded to the server, never logged
-# The subprotocol that carried the token, for a WebSocket route to select (a browser drops a
-# handshake whose answer selects none of the subprotocols it offered).
-WS_PROTOCOL_KEY = web.RequestKey("rtmedia_ws_protocol", str)
 
 
 def cap_sctp_chunk_size(limit: int = SCTP_MAX_USER_DATA) -> int:
     """Lower aiortc's SCTP DATA chunk size to `limit` bytes (never raise it); returns the size in force."""
     rtcsctptransport.USERDATA_MAX_LENGTH = min(rtcsctptransport.USERDATA_MAX_LENGTH, limit)
     return rtcsctptransport.USERDATA_MAX_LENGTH
-
-
-@dataclass
-class BridgeConfig:
-    target: str = "127.0.0.1:50051"
-    host: str = "127.0.0.1"
-    port: int = 8080
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    ice_servers: list[str] = field(default_factory=list)
-    udp_ports: tuple[int, int] | None = None
-    max_peers: int = 8
-    input_rate: int = 16000  # the session's input rate: the microphone is resampled to it
-    # Microphone frames held before decoding: 0 decodes each packet as it arrives (a late
-    # packet is dropped), N adds N x 20 ms (aiortc's own 4: 80 ms). Raise it on paths with
-    # much jitter or reordering.
-    audio_prefetch: int = 0
-    # The connect deadline: an answered peer whose connection (ICE and DTLS) is not up within this
-    # is closed, giving back its slot and its session. A browser on loopback connects well within
-    # a second; a TURN relay across the world within a few.
-    connect_timeout_s: float = 10.0
-    max_body_bytes: int = MAX_BODY_BYTES  # an HTTP request body (aiohttp's client_max_size); larger is 413
-    max_media_sections: int = MAX_MEDIA_SECTIONS  # m= sections of one offer; more is 400
-    # Address ICE's UDP media sockets bind (and gather host candidates) on; None: `host`'s.
-    # "0.0.0.0": every IPv4 address, "::" or "": every address.
-    media_host: str | None = None
-    session: dict[str, Any] = field(default_factory=dict)  # session.update fields every session starts with
-    video: VideoDefaults = field(default_factory=VideoDefaults)
-    # The web port's token file (rtmedia.protocol.tokens; None: the table the Bridge is given, or none).
-    auth_tokens: str | None = None
-    # Toward the server: TLS (server_ca: PEM roots, implies it; default the system's), a client
-    # certificate (mutual TLS, implies it), and the token calls carry when the browser gave none.
-    server_tls: bool = False
-    server_ca: str | None = None
-    server_cert: str | None = None
-    server_key: str | None = None
-    server_token: str | None = None
-    # OpenAI's audio HTTP APIs under /v1/ (rtmedia.web.openai.openai_api); None: not served.
-    openai: OpenAIConfig | None = field(default_factory=OpenAIConfig)
-    # Twilio Media Streams under /twilio/ (rtmedia.web.telephony.twilio); None: not served.
-    twilio: TwilioConfig | None = None
-    # The SIP door's calls API, forwarded from /v1/sip/calls to its control URL; None: not served.
-    sip_calls: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.sip_calls is not None and not re.match(r"https?://[^/\s]+/?$", self.sip_calls):
-            raise ValueError(f"--sip-calls must be the SIP door's control URL, http://HOST:PORT; got {self.sip_calls!r}")
-        if not 0 <= self.audio_prefetch <= 16:
-            raise ValueError(f"audio_prefetch must be 0..16 frames, got {self.audio_prefetch}")
-        if not self.connect_timeout_s > 0:
-            raise ValueError(f"connect_timeout_s must be more than 0 seconds, got {self.connect_timeout_s}")
-        if self.max_peers < 1:
-            raise ValueError(f"max_peers must be at least 1, got {self.max_peers}")
-        if not 1024 <= self.max_body_bytes <= 16 * 1024 * 1024:
-            raise ValueError(f"max_body_bytes must be 1024..16777216, got {self.max_body_bytes}")
-        if not 1 <= self.max_media_sections <= 64:
-            raise ValueError(f"max_media_sections must be 1..64, got {self.max_media_sections}")
-        if self.input_rate not in (8000, 16000, 24000):
-            raise ValueError(f"input_rate must be 8000, 16000 or 24000, got {self.input_rate}")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("a TLS certificate needs its key and a key its certificate (--tls-cert and --tls-key)")
-        if self.udp_ports is not None:
-            lo, hi = self.udp_ports
-            if not 1 <= lo <= hi <= 65535:
-                raise ValueError(f"udp_ports must be a range A-B with 1 <= A <= B <= 65535, got {lo}-{hi}")
-        for url in self.ice_servers:
-            if not url.startswith(("stun:", "turn:", "turns:")):
-                raise ValueError(f"ICE server {url!r} must be a stun:, turn: or turns: URL")
-        if bool(self.server_cert) != bool(self.server_key):
-            raise ValueError("a client certificate needs its key and a key its certificate "
-                             "(--server-cert and --server-key)")
-        if self.server_ca or self.server_cert:
-            self.server_tls = True
-        if self.server_token is not None:
-            self.server_token = self.server_token.strip() or None
-        if self.server_token and not is_metadata_value(self.server_token):
-            raise ValueError("--server-token: a token is printable ASCII without spaces")
-        if self.server_token and not self.server_tls and not is_local_target(self.target):
-            raise ValueError(f"refusing to send --server-token in plaintext to {self.target}; "
-                             "use --server-tls (or a loopback or unix: target)")
-
-    @property
-    def media_bind_host(self) -> str:
-        return self.host if self.media_host is None else self.media_host
-
-    @property
-    def forwards_tokens(self) -> bool:
-        """Whether tokens may travel to the server: over TLS, or to this machine."""
-        return self.server_tls or is_local_target(self.target)
-
-
-def is_metadata_value(text: str) -> bool:
-    """Printable ASCII without spaces: what a bearer token is and a gRPC metadata value may carry."""
-    return bool(text) and all("!" <= c <= "~" for c in text)
-
-
-TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
-MAX_TRACESTATE = 512
-
-
-def trace_context(request: web.Request | None) -> tuple[tuple[str, str], ...]:
-    """The request's W3C `traceparent` (and `tracestate`) headers as gRPC metadata, when well formed."""
-    parent = request.headers.get("traceparent", "").strip() if request is not None else ""
-    if not TRACEPARENT.fullmatch(parent):
-        return ()
-    assert request is not None
-    state = request.headers.get("tracestate", "").strip()
-    keep = 0 < len(state) <= MAX_TRACESTATE and all(" " <= c <= "~" for c in state)
-    return (("traceparent", parent), *((("tracestate", state),) if keep else ()))
-
-
-def is_local_target(target: str) -> bool:
-    """A gRPC target on this machine (unix:, a loopback address, localhost)."""
-    return is_loopback(target_host(target))
-
-
-def server_channel(target: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
-    if credentials is None:
-        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-    return grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
-
-
-def server_credentials(config: BridgeConfig) -> grpc.ChannelCredentials | None:
-    """The channel credentials toward the server (files read now, so a bad one fails at start);
-    None: plaintext."""
-    if not config.server_tls:
-        return None
-    return grpc.ssl_channel_credentials(root_certificates=read_pem("--server-ca", config.server_ca, b"CERTIFICATE"),
-                                        private_key=read_pem("--server-key", config.server_key, b"PRIVATE KEY"),
-                                        certificate_chain=read_pem("--server-cert", config.server_cert, b"CERTIFICATE"))
-
-
-def parse_udp_ports(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(part) for part in text.split("-"))
-    except ValueError:
-        raise ValueError(f"--udp-ports must look like 40000-40100, got {text!r}") from None
-    return lo, hi
 
 
 def ice_server(url: str) -> RTCIceServer:

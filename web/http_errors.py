@@ -23,8 +23,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.log import server_logger
-from rtmedia.web.openai.openai_api import is_openai_path
 from rtmedia.web.openai.openai_errors import http_error
+from rtmedia.web.openai.openai_models import is_openai_path
 
 log = logging.getLogger("rtmedia.web")
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -31,17 +30,11 @@ import grpc
 from aiohttp import web
 from rtmedia.v1 import speech_pb2, speech_pb2_grpc
 from rtmedia.web.openai.openai_errors import RETRY_AFTER_S, SERVER_ERROR, OpenAIError
+from rtmedia.web.openai.openai_models import MODELS, TRANSCRIPTION_MODELS, check_model, model_entry
 from rtmedia.web.openai.realtime_calls import ClientSecrets
-from rtmedia.web.openai.realtime_config import REALTIME_MODELS, unknown_model
 from rtmedia.web.openai.realtime_ws import RealtimeLimits
 
 log = logging.getLogger("rtmedia.web")
-PREFIX = "/v1/"
-OWNER = "rtmedia"
-# Model names each endpoint accepts: rtmedia's own, and OpenAI's, which map onto the same engines.
-SPEECH_MODELS = ("rtmedia-piper", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
-TRANSCRIPTION_MODELS = ("rtmedia-asr", "whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
-MODELS = (*SPEECH_MODELS, *TRANSCRIPTION_MODELS, *REALTIME_MODELS)
 MAX_UPLOAD_BYTES = 25 * 1024 * 1024  # OpenAI's own limit on a transcription upload
 MAX_REQUESTS = 16  # concurrent requests on the front; one more is a 429
 MAX_AUDIO_SECONDS = 3600.0  # a transcription's decoded audio (a small file of a low bitrate can hold hours)
@@ -78,27 +71,6 @@ class Upstream:
     metadata: Callable[[web.Request], tuple[tuple[str, str], ...]]
     draining: Callable[[], bool] = lambda: False
     calls: Any = None  # the WebRTC bridge, for Realtime calls (answer, own_peer); None: no calls
-
-
-def sse(event: dict[str, Any]) -> bytes:
-    """One server-sent event of the APIs' streams; an `error` event is also named `error`, as
-    OpenAI's are (the SDK raises it)."""
-    prefix = "event: error\n" if event.get("type") == "error" else ""
-    return f"{prefix}data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
-
-
-def is_openai_path(path: str) -> bool:
-    return path.startswith(PREFIX)
-
-
-def check_model(model: Any, known: tuple[str, ...]) -> str:
-    """The request's `model`: a string the endpoint accepts, else a 400 or 404 naming it."""
-    if not isinstance(model, str) or not model:
-        raise OpenAIError(400, "model is required: a string, one of " + ", ".join(known), param="model",
-                          code="missing_model" if model in (None, "") else "invalid_type")
-    if model not in known:
-        raise OpenAIError(404, unknown_model(model, known), param="model", code="model_not_found")
-    return model
 
 
 class OpenAIFront:
@@ -186,16 +158,12 @@ class OpenAIFront:
             self.active -= 1
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [_model(m) for m in await self.model_names(request)]})
+        return web.json_response({"object": "list", "data": [model_entry(m) for m in await self.model_names(request)]})
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         check_model(name, MODELS if name in MODELS else await self.model_names(request))
-        return web.json_response(_model(name))
-
-
-def _model(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
+        return web.json_response(model_entry(name))
 
 
 @web.middleware

@@ -30,15 +30,18 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from aiohttp import web
 from rtmedia.v1 import speech_pb2, speech_pb2_grpc
 from rtmedia.web.audio_encode import FORMATS, StreamEncoder, rate_problem
-from rtmedia.web.openai.openai_api import SPEECH_MODELS, OpenAIFront, check_model
-from rtmedia.web.openai.openai_api import sse as sse_event
 from rtmedia.web.openai.openai_errors import SERVER_ERROR, OpenAIError, from_rpc
+from rtmedia.web.openai.openai_models import SPEECH_MODELS, check_model
+from rtmedia.web.openai.sse import sse as sse_event
+
+if TYPE_CHECKING:  # the front mounts these handlers; they only name its type
+    from rtmedia.web.openai.openai_api import OpenAIFront
 
 log = logging.getLogger("rtmedia.web")
 

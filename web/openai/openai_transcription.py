@@ -59,7 +59,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import grpc
 from aiohttp import web
@@ -67,9 +67,13 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.multipart import BodyPartReader
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
 from rtmedia.web.audio_decode import RATE, SAMPLE_BYTES, AudioDecodeError, PcmDecoder
-from rtmedia.web.openai.openai_api import TRANSCRIPTION_MODELS, OpenAIFront, check_model, sse
 from rtmedia.web.openai.openai_errors import OpenAIError, from_rpc
+from rtmedia.web.openai.openai_models import TRANSCRIPTION_MODELS, check_model
+from rtmedia.web.openai.sse import sse
 from rtmedia.web.subtitles import Cue, srt, vtt
+
+if TYPE_CHECKING:  # the front mounts these handlers; they only name its type
+    from rtmedia.web.openai.openai_api import OpenAIFront
 
 log = logging.getLogger("rtmedia.web")
 T = TypeVar("T")

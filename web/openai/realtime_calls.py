@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 from rtmedia.protocol.tokens import Token
+from rtmedia.web.app_keys import BEARER_KEY, SECRET_KEY, TOKEN_KEY
 from rtmedia.web.openai.openai_errors import OpenAIError
 from rtmedia.web.openai.realtime_config import RealtimeConfig, RealtimeError, new_config
 from rtmedia.web.openai.realtime_events import Translator
@@ -75,8 +76,6 @@ class ClientSecrets:
 
 
 async def create_client_secret(request: web.Request, front: Any) -> web.Response:
-    from rtmedia.web.bridge import BEARER_KEY, TOKEN_KEY
-
     body = await _json_body(request)
     after = body.get("expires_after") or {}
     if not isinstance(after, dict) or after.get("anchor", "created_at") != "created_at":
@@ -208,5 +207,3 @@ async def _offer(request: web.Request) -> tuple[str, dict[str, Any] | None]:
         raise OpenAIError(400, "session must be a JSON object", param="session", code="invalid_value")
     return sdp, session
 
-
-SECRET_KEY = web.RequestKey("rtmedia_client_secret", str)  # the ek_ key a request presented

@@ -33,6 +33,7 @@ from rtmedia.clients import events
 from rtmedia.clients.errors import RtmediaError
 from rtmedia.clients.session import RealtimeSession
 from rtmedia.v1 import realtime_pb2
+from rtmedia.web.app_keys import WS_PROTOCOL_KEY
 from rtmedia.web.openai.openai_errors import SERVER_ERROR, OpenAIError, from_rpc
 from rtmedia.web.openai.realtime_calls import attach
 from rtmedia.web.openai.realtime_config import (
@@ -173,8 +174,6 @@ class RealtimeSocket:
 
 async def realtime_socket(request: web.Request, front: Any) -> web.StreamResponse:
     """The `/v1/realtime` route of the OpenAI front (rtmedia.web.openai.openai_api.OpenAIFront)."""
-    from rtmedia.web.bridge import WS_PROTOCOL_KEY
-
     ws = web.WebSocketResponse(protocols=tuple(p for p in (SUBPROTOCOL, request.get(WS_PROTOCOL_KEY)) if p),
                                max_msg_size=front.realtime.max_frame_bytes, heartbeat=front.realtime.heartbeat_s,
                                compress=False)
