@@ -9,7 +9,8 @@ per tree and load: runs held, and the median and spread of CPU per session. The 
 generator is the current tree's client in every run, so only the server differs.
 
     .venv/bin/python tests/perf/bench_versions.py (--before ../before | --tls) [--rounds 4]
-        [--listen-duration 30] [--talk-duration 45] [--side-by-side | --ping [--pings 2000]]
+        [--listen-duration 30] [--talk-duration 45] [--talk-sessions 16]
+        [--side-by-side | --ping [--pings 2000]]
         [--side-sessions 8]
         [--out results.json]
 
@@ -259,6 +260,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--listen-duration", type=float, default=30.0)
     parser.add_argument("--talk-duration", type=float, default=45.0)
+    parser.add_argument("--talk-sessions", type=int, default=LOADS["talk"][0],
+                        help="sessions of the talk load (default 16)")
     parser.add_argument("--side-by-side", action="store_true",
                         help="with --tls: plaintext and TLS servers at once, each under half the talk load")
     parser.add_argument("--side-sessions", type=int, default=LOADS["talk"][0] // 2,
@@ -270,6 +273,7 @@ def main() -> None:
                         help="with --side-by-side: every Nth round is plaintext/plaintext (default 3)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    LOADS["talk"] = (args.talk_sessions, LOADS["talk"][1])
     if (args.side_by_side or args.ping) and not args.tls:
         parser.error("--side-by-side and --ping need --tls")
     if args.before and not (args.before / "server" / "cli.py").is_file():
