@@ -19,7 +19,17 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
+        # Registered in this order (the order of the exposition).
+        self._engine_work(self.registry)
+        self._sessions(self.registry)
+        self._responses(self.registry)
+        self._admission(self.registry)
+        self._recordings(self.registry)
+        self._video_and_graphs(self.registry)
+        self._rpcs(self.registry)
+
+    def _engine_work(self, r: CollectorRegistry) -> None:
+        """The lanes, the ASR workers and the media: queues, batches, steps, faults, bytes."""
         self.lane_queue_depth = Gauge(
             "rtmedia_lane_queue_depth", "Work items waiting in a lane", ["lane"], registry=r
         )
@@ -70,6 +80,9 @@ class Metrics:
             "rtmedia_tts_first_audio_seconds", "Synthesize: request to first audio chunk",
             buckets=STEP_BUCKETS, registry=r,
         )
+
+    def _sessions(self, r: CollectorRegistry) -> None:
+        """Open sessions, by transport, and their outcomes."""
         self.sessions_active = Gauge("rtmedia_sessions_active", "Open Converse sessions", registry=r)
         self.sessions_capacity = Gauge(
             "rtmedia_sessions_capacity", "Converse sessions this replica is sized for (capacity_sessions): "
@@ -84,6 +97,9 @@ class Metrics:
             "rtmedia_sessions_total", "Converse sessions by outcome (admitted, rejected, completed, cancelled, failed)",
             ["outcome"], registry=r,
         )
+
+    def _responses(self, r: CollectorRegistry) -> None:
+        """Responses and turns: latency, stages, prepared replies, interruptions, turn ends, LM slots."""
         self.response_latency = Histogram(
             "rtmedia_response_latency_seconds", "speech_stopped (or commit) to the first reply audio sent",
             buckets=LATENCY_BUCKETS, registry=r,
@@ -129,6 +145,9 @@ class Metrics:
         self.lm_slots = Gauge(
             "rtmedia_lm_slots", "LM KV-cache slots: busy, free, and generations waiting for one", ["state"], registry=r
         )
+
+    def _admission(self, r: CollectorRegistry) -> None:
+        """Draining, tokens, refused calls and input backpressure."""
         self.sessions_draining = Gauge(
             "rtmedia_sessions_draining", "Sessions finishing their turn in flight before a shutdown closes them",
             registry=r,
@@ -144,6 +163,9 @@ class Metrics:
         self.input_backpressure = Counter(
             "rtmedia_input_backpressure_total", "Times a session's input inbox overflowed", registry=r
         )
+
+    def _recordings(self, r: CollectorRegistry) -> None:
+        """Session recordings (--record-dir)."""
         self.recordings_active = Gauge(
             "rtmedia_recordings_active", "Session recordings being written (--record-dir)", registry=r
         )
@@ -162,6 +184,9 @@ class Metrics:
             "rtmedia_recording_dropped_total", "Events and audio chunks left out of recordings because the writer "
             "fell behind (its queue was full)", registry=r,
         )
+
+    def _video_and_graphs(self, r: CollectorRegistry) -> None:
+        """DecodeVideo streams and the engines' CUDA graphs."""
         self.video_chunks_total = Counter(
             "rtmedia_video_chunks_total", "DecodeVideo chunks sent (a chunk split into parts counts once)", registry=r
         )
@@ -186,6 +211,9 @@ class Metrics:
             "rtmedia_graph_capture_failures", "CUDA-graph captures that failed (an engine then runs eagerly)",
             ["engine"], registry=r,
         )
+
+    def _rpcs(self, r: CollectorRegistry) -> None:
+        """The gRPC server's RPCs."""
         self.grpc_handled = Counter(
             "grpc_server_handled_total", "RPCs completed on the server",
             ["grpc_type", "grpc_service", "grpc_method", "grpc_code"], registry=r,
