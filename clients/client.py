@@ -6,13 +6,13 @@ Each call raises `RtmediaError` (clients/errors.py) for a failed status, never a
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
 import numpy as np
+from rtmedia.clients.channels import DEFAULT_TARGET, aio_channel, channel
 from rtmedia.clients.credentials import Credentials
 from rtmedia.clients.errors import RtmediaError
 from rtmedia.v1 import common_pb2, realtime_pb2, speech_pb2, speech_pb2_grpc, video_pb2, video_pb2_grpc
@@ -21,26 +21,9 @@ from rtmedia.v1.realtime_pb2_grpc import RealtimeServiceStub
 if TYPE_CHECKING:
     from rtmedia.clients.session import RealtimeSession
 
-DEFAULT_TARGET = os.environ.get("RTMEDIA_TARGET", "127.0.0.1:50051")  # the CLI's --target default too
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 30_000),
-]
 # Rates the server takes PCM16 at; other input rates are resampled to 16 kHz here first.
 SERVER_RATES = (8000, 16000, 24000, 48000)
 Audio = bytes | np.ndarray | Iterable[bytes]  # what transcribe() takes: PCM16 bytes, samples, or chunks
-
-
-def channel(target: str = DEFAULT_TARGET, credentials: Credentials | None = None,
-            options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
-    """A sync channel: the credentials' TLS and token, the client's options plus `options`."""
-    return (credentials or Credentials()).channel(target, [*CHANNEL_OPTIONS, *options])
-
-
-def aio_channel(target: str = DEFAULT_TARGET, credentials: Credentials | None = None,
-                options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-    """A grpc.aio channel, as `channel()` makes a sync one."""
-    return (credentials or Credentials()).aio_channel(target, [*CHANNEL_OPTIONS, *options])
 
 
 @dataclass

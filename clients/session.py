@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 from rtmedia.clients import events
 from rtmedia.clients.audio_file import pcm16
-from rtmedia.clients.client import DEFAULT_TARGET, aio_channel
+from rtmedia.clients.channels import DEFAULT_TARGET, aio_channel
 from rtmedia.clients.credentials import Credentials
 from rtmedia.clients.errors import RtmediaError
 from rtmedia.protocol.events import client_event

@@ -8,7 +8,7 @@ import re
 
 import grpc
 from aiohttp import web
-from rtmedia.clients.client import CHANNEL_OPTIONS
+from rtmedia.clients.channels import CHANNEL_OPTIONS
 from rtmedia.clients.credentials import read_pem
 from rtmedia.web.bridge_config import BridgeConfig
 

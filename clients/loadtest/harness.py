@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rtmedia.clients import events
-from rtmedia.clients.client import CHANNEL_OPTIONS, DEFAULT_TARGET
+from rtmedia.clients.channels import CHANNEL_OPTIONS, DEFAULT_TARGET
 from rtmedia.clients.commands import talk
 from rtmedia.clients.commands.cli import CliError
 from rtmedia.clients.credentials import (

@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rtmedia.clients.client import CHANNEL_OPTIONS  # noqa: E402
+from rtmedia.clients.channels import CHANNEL_OPTIONS  # noqa: E402
 from rtmedia.v1 import video_pb2, video_pb2_grpc  # noqa: E402
 
 from tests.perf.bench_realtime import SENTENCES, Clip, summary, talk_turns  # noqa: E402
