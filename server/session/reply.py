@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from rtmedia.engines.asr.whisper import normal_words
+from rtmedia.engines.asr.contract import normal_words
 from rtmedia.engines.base import EngineError
 from rtmedia.engines.responders.contract import (
     CallDelta,
@@ -49,7 +49,7 @@ from rtmedia.engines.responders.contract import (
     ResponderError,
     Waiting,
 )
-from rtmedia.engines.tts.piper import TtsItem
+from rtmedia.engines.tts.piper import TtsItem, TtsStream
 from rtmedia.engines.tts.text_chunks import TextChunker
 from rtmedia.protocol.events import server_event
 from rtmedia.server.hearing.recognition import Turn
@@ -353,87 +353,17 @@ class ReplyPipeline:
         settings = self._settings()
         status, text = "completed", ""
         calls: dict[int, Call] = {}  # by the responder's index
-        text_only = response.text_only
-        spoken: list[asyncio.Future[bytes]] = []
-        texts: asyncio.Queue[tuple[str, bool] | None] = asyncio.Queue()  # chunks to speak, and whether final
-        sending: asyncio.Queue[tuple[str, asyncio.Future[bytes]] | None] = asyncio.Queue()
-        sender: asyncio.Future[None] | None = None
-        synthesizer: asyncio.Future[None] | None = None
+        speech: _Speech | None = None
         try:
             if turn is not None:
                 await asyncio.wait_for(asyncio.shield(turn.transcript), self.limits.transcript_wait_s)
                 response.transcript_at = response.transcript_at or time.perf_counter()
             request = request or self._request(instructions, max_tokens)
-            tts = None if text_only else self.tts.open(settings.voice, settings.output_rate,
-                                                       window_frames=TTS_WINDOW_FRAMES, speed=settings.speed)
-
-            async def send_all() -> None:
-                assert tts is not None
-                while (item := await sending.get()) is not None:
-                    said, audio = item
-                    pcm = await audio
-                    if not response.sent_samples:
-                        pcm = trim_lead(pcm, tts.output_rate)
-                    await self._send_audio(response, said, pcm, tts.output_rate)
-
-            async def synthesize_all() -> None:
-                """The stream's items one at a time, in order (the stream is stateful): each chunk,
-                then, while the stream has more, the later windows of its long sentences. The first
-                item is due at once (the user is waiting); each later one when the audio before it
-                would run out at the client, less TTS_DUE_MARGIN_S (the lane runs the item due
-                soonest, so a session about to run dry goes before one with audio to spare)."""
-                assert tts is not None
-                loop = asyncio.get_running_loop()
-                playing_from, audio_s = None, 0.0  # when the first audio was ready; audio so far
-                while (chunk := await texts.get()) is not None:
-                    text, final = chunk
-                    while True:
-                        due = None if playing_from is None else playing_from + audio_s - TTS_DUE_MARGIN_S
-                        priority = Priority.REALTIME if response.released.is_set() else Priority.INTERACTIVE
-                        submitted = time.perf_counter() if self.trace is not None else 0.0
-                        spoken.append(asyncio.ensure_future(self.tts.synthesize(
-                            TtsItem(tts, text, final=final), priority, due)))
-                        if len(spoken) == 1:  # the first clause: the responder waits until it is spoken
-                            self.replies.pause(settings.responder, self.conversation)
-                            spoken[0].add_done_callback(lambda _: self.replies.resume(settings.responder,
-                                                                                      self.conversation))
-                        sending.put_nowait((text, spoken[-1]))
-                        await asyncio.wait([spoken[-1]])
-                        if spoken[-1].cancelled() or spoken[-1].exception() is not None:
-                            sending.put_nowait(None)  # the sender stops at the failed item
-                            return
-                        if not response.first_audio_ready_at:
-                            response.first_audio_ready_at = time.perf_counter()
-                        audio_s += (clause_s := len(spoken[-1].result()) / 2 / tts.output_rate)
-                        if self.trace is not None:
-                            self.trace.clause(response, text, submitted, time.perf_counter(), clause_s)
-                        response.synthesized_s = audio_s
-                        if playing_from is None and audio_s:
-                            playing_from = loop.time()
-                        if not tts.pending:
-                            break
-                        text = ""
-                sending.put_nowait(None)
-
-            if not text_only:
-                sender = asyncio.ensure_future(send_all())
-                synthesizer = asyncio.ensure_future(synthesize_all())
-
-            async def speak(chunks: list[str], final: bool = False) -> None:
-                if text_only:
-                    return
-                assert sender is not None
-                for chunk in chunks:
-                    if spoken:  # the responder waits for the TTS item submitted last (the LM's pacing)
-                        await asyncio.wait([spoken[-1]])
-                        await response.released.wait()  # a held reply prepares its first clause only
-                    if sender.done():
-                        sender.result()  # sending failed: raise it here
-                    texts.put_nowait((chunk, False))
-                if final:
-                    texts.put_nowait(("", True))  # flushes the resampler's tail
-                    texts.put_nowait(None)
-
+            tts = None if response.text_only else self.tts.open(settings.voice, settings.output_rate,
+                                                                window_frames=TTS_WINDOW_FRAMES,
+                                                                speed=settings.speed)
+            speech = _Speech(self, response, settings, tts)
+            speak = speech.speak
             chunker = TextChunker()
             if say is None and self.trace is not None:  # the responder's span; its traceparent goes upstream
                 request = self.trace.responder_started(response, settings.responder, request)
@@ -463,9 +393,7 @@ class ReplyPipeline:
             if self.trace is not None:
                 self.trace.responder_ended(response)
             await speak(chunker.flush(), final=True)
-            if synthesizer is not None and sender is not None:
-                await synthesizer
-                await sender
+            await speech.finished()
         except TimeoutError:
             status, reason = "failed", "the transcript of the turn did not arrive in time"
         except Exception as exc:
@@ -474,8 +402,8 @@ class ReplyPipeline:
             status, reason = "failed", (str(exc) if isinstance(exc, ResponderError | EngineError) else
                                         "an internal error; the server logged it with the session id")
         finally:
-            for task in [*spoken, *(t for t in (sender, synthesizer) if t is not None)]:
-                task.cancel()
+            if speech is not None:
+                speech.cancel()
             self.replies.resume(settings.responder, self.conversation)
             if self.trace is not None:  # (a no-op once the responder's stream ended)
                 self.trace.responder_ended(response, "failed" if status == "failed" else "cancelled")
@@ -622,6 +550,104 @@ class ReplyPipeline:
             if message.item_id == response.item_id:
                 self.history[n] = Message("assistant", response.heard_text(), response.item_id)
                 return
+
+
+class _Speech:
+    """The spoken side of one response (none for a text-only one, whose `stream` is None): its
+    text chunks go to the TTS stream one item at a time, in order (`_synthesize_all`), and each
+    item's audio to the client as soon as it is synthesised (`_send_all`), while the responder
+    produces the next text (`speak`)."""
+
+    def __init__(self, pipeline: ReplyPipeline, response: Response, settings: SessionSettings,
+                 stream: TtsStream | None) -> None:
+        self.pipeline = pipeline
+        self.response = response
+        self.settings = settings
+        self.stream = stream
+        self.spoken: list[asyncio.Future[bytes]] = []
+        self.texts: asyncio.Queue[tuple[str, bool] | None] = asyncio.Queue()  # chunks to speak, and whether final
+        self.sending: asyncio.Queue[tuple[str, asyncio.Future[bytes]] | None] = asyncio.Queue()
+        self.sender: asyncio.Future[None] | None = None
+        self.synthesizer: asyncio.Future[None] | None = None
+        if stream is not None:
+            self.sender = asyncio.ensure_future(self._send_all())
+            self.synthesizer = asyncio.ensure_future(self._synthesize_all())
+
+    async def _send_all(self) -> None:
+        tts, response = self.stream, self.response
+        assert tts is not None
+        while (item := await self.sending.get()) is not None:
+            said, audio = item
+            pcm = await audio
+            if not response.sent_samples:
+                pcm = trim_lead(pcm, tts.output_rate)
+            await self.pipeline._send_audio(response, said, pcm, tts.output_rate)
+
+    async def _synthesize_all(self) -> None:
+        """The stream's items one at a time, in order (the stream is stateful): each chunk,
+        then, while the stream has more, the later windows of its long sentences. The first
+        item is due at once (the user is waiting); each later one when the audio before it
+        would run out at the client, less TTS_DUE_MARGIN_S (the lane runs the item due
+        soonest, so a session about to run dry goes before one with audio to spare)."""
+        tts, response, pipeline, settings = self.stream, self.response, self.pipeline, self.settings
+        spoken, sending = self.spoken, self.sending
+        assert tts is not None
+        loop = asyncio.get_running_loop()
+        playing_from, audio_s = None, 0.0  # when the first audio was ready; audio so far
+        while (chunk := await self.texts.get()) is not None:
+            text, final = chunk
+            while True:
+                due = None if playing_from is None else playing_from + audio_s - TTS_DUE_MARGIN_S
+                priority = Priority.REALTIME if response.released.is_set() else Priority.INTERACTIVE
+                submitted = time.perf_counter() if pipeline.trace is not None else 0.0
+                spoken.append(asyncio.ensure_future(pipeline.tts.synthesize(
+                    TtsItem(tts, text, final=final), priority, due)))
+                if len(spoken) == 1:  # the first clause: the responder waits until it is spoken
+                    pipeline.replies.pause(settings.responder, pipeline.conversation)
+                    spoken[0].add_done_callback(lambda _: pipeline.replies.resume(settings.responder,
+                                                                                  pipeline.conversation))
+                sending.put_nowait((text, spoken[-1]))
+                await asyncio.wait([spoken[-1]])
+                if spoken[-1].cancelled() or spoken[-1].exception() is not None:
+                    sending.put_nowait(None)  # the sender stops at the failed item
+                    return
+                if not response.first_audio_ready_at:
+                    response.first_audio_ready_at = time.perf_counter()
+                audio_s += (clause_s := len(spoken[-1].result()) / 2 / tts.output_rate)
+                if pipeline.trace is not None:
+                    pipeline.trace.clause(response, text, submitted, time.perf_counter(), clause_s)
+                response.synthesized_s = audio_s
+                if playing_from is None and audio_s:
+                    playing_from = loop.time()
+                if not tts.pending:
+                    break
+                text = ""
+        sending.put_nowait(None)
+
+    async def speak(self, chunks: list[str], final: bool = False) -> None:
+        if self.stream is None:
+            return
+        assert self.sender is not None
+        for chunk in chunks:
+            if self.spoken:  # the responder waits for the TTS item submitted last (the LM's pacing)
+                await asyncio.wait([self.spoken[-1]])
+                await self.response.released.wait()  # a held reply prepares its first clause only
+            if self.sender.done():
+                self.sender.result()  # sending failed: raise it here
+            self.texts.put_nowait((chunk, False))
+        if final:
+            self.texts.put_nowait(("", True))  # flushes the resampler's tail
+            self.texts.put_nowait(None)
+
+    async def finished(self) -> None:
+        """Once the last chunk is queued: every item synthesised and its audio sent."""
+        if self.synthesizer is not None and self.sender is not None:
+            await self.synthesizer
+            await self.sender
+
+    def cancel(self) -> None:
+        for task in [*self.spoken, *(t for t in (self.sender, self.synthesizer) if t is not None)]:
+            task.cancel()
 
 
 def trim_lead(pcm: bytes, rate: int) -> bytes:
