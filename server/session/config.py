@@ -155,28 +155,8 @@ class SessionSettings:
                 raise ConfigError(name, f"{name} has {len(getattr(config, name))} characters; the limit is {limit}")
         changes: dict[str, object] = {}
         if config.HasField("input_audio_format"):
-            fmt = config.input_audio_format
-            encoding = fmt.encoding or self.input_encoding
-            rate = fmt.sample_rate or (8000 if encoding != PCM16 else self.input_rate)
-            if encoding not in INPUT_RATES:
-                raise ConfigError("input_audio_format.encoding", f"input_audio_format.encoding={fmt.encoding} is not supported")
-            if rate not in INPUT_RATES[encoding]:
-                name = common_pb2.AudioEncoding.Name(encoding)
-                allowed = ", ".join(map(str, INPUT_RATES[encoding]))
-                raise ConfigError("input_audio_format.sample_rate",
-                                  f"input_audio_format.sample_rate={rate} is not supported for {name}; supported: {allowed}")
-            if fmt.channels not in (0, 1):
-                raise ConfigError("input_audio_format.channels",
-                                  f"input_audio_format.channels={fmt.channels}: only mono input is accepted")
-            changes.update(input_encoding=encoding, input_rate=rate)
-        if config.HasField("input_audio_transcription") and config.input_audio_transcription.HasField("enabled"):
-            changes["transcription"] = config.input_audio_transcription.enabled
-        if config.HasField("input_audio_transcription") and config.input_audio_transcription.HasField("language"):
-            param = "input_audio_transcription.language"
-            try:
-                changes["language"] = language_code(config.input_audio_transcription.language, languages, param)
-            except ValueError as exc:
-                raise ConfigError(param, str(exc), "unsupported_language") from None
+            changes.update(self._input_format(config.input_audio_format))
+        changes.update(_transcription_changes(config, languages))
         if config.HasField("turn_detection"):
             changes.update(_turn_changes(config.turn_detection))
             if config.turn_detection.HasField("interruption"):
@@ -190,47 +170,55 @@ class SessionSettings:
                 raise ConfigError("noise_reduction.type", f"noise_reduction.type {kind[:40]!r} is not one of "
                                   f"{', '.join(NOISE_REDUCTION)} (or \"\": off)")
             changes["noise_reduction"] = kind
-        for name in ("instructions", "voice", "responder", "output_sample_rate", "max_output_tokens",
-                     "max_session_s", "idle_timeout_s", "output_modality", "speed"):
-            if config.HasField(name):
-                changes["output_rate" if name == "output_sample_rate" else name] = getattr(config, name)
-        if "max_output_tokens" in changes:
-            check_max_output_tokens(changes["max_output_tokens"])  # type: ignore[arg-type]
-        if "output_modality" in changes:
-            check_output_modality(changes["output_modality"])  # type: ignore[arg-type]
-        if "speed" in changes and not MIN_SPEED <= changes["speed"] <= MAX_SPEED:  # type: ignore[operator]
-            raise ConfigError("speed", f"speed={changes['speed']:.4g} is outside {MIN_SPEED:g}..{MAX_SPEED:g}")
-        for name, (low, high) in SESSION_BOUNDS.items():
-            value, cap = changes.get(name), (caps or {}).get(name, high)
-            if name in ZERO_ALLOWED or value is None:
-                continue
-            if not low <= value <= min(high, cap):  # type: ignore[operator]
-                limit = " (the server's maximum)" if cap < high else ""
-                raise ConfigError(name, f"{name}={value} is outside {low}..{min(high, cap)}{limit}")
+        changes.update(_scalar_changes(config))
+        _check_bounds(changes, caps or {})
         if changes.get("turn_type", "server_vad") != "server_vad" and "idle_timeout_ms" not in changes:
             changes["idle_timeout_ms"] = None  # it means nothing without server_vad
         result = dataclasses.replace(self, **changes)  # type: ignore[arg-type]
         if result.idle_timeout_ms is not None and result.turn_type != "server_vad":
             raise ConfigError("turn_detection.idle_timeout_ms", "turn_detection.idle_timeout_ms is for server_vad "
                                                                f"turn detection only, not {result.turn_type}")
-        voice = result.voice or next(iter(voices))
-        if voice not in voices:
-            raise ConfigError("voice", f"voice {result.voice!r} is not known; voices: {', '.join(sorted(voices))}")
-        if result.output_rate and result.output_rate not in voices[voice]:
-            rates = ", ".join(map(str, voices[voice]))
-            raise ConfigError("output_sample_rate", f"sample_rate={result.output_rate} is not supported by voice "
-                                                    f"{voice}; supported rates: {rates}")
-        if result.responder not in responders:
-            raise ConfigError("responder", f"responder {result.responder!r} is not available; "
-                                           f"available: {', '.join(sorted(responders))}")
-        if result.tools and result.responder not in tool_responders:
-            able = ", ".join(sorted(tool_responders)) or "none on this server"
-            raise ConfigError("tools", f"the {result.responder} responder cannot call functions; the session goes "
-                                       f"on without tools (responders that can: {able})")
-        if result.tool_choice == "function" and result.tool_function not in {t.name for t in result.tools}:
-            raise ConfigError("tool_choice.name", f"tool_choice names {result.tool_function[:64]!r}, which is not "
-                                                  "one of the session's tools")
+        result._check_served(voices, responders, tool_responders)
         return result
+
+    def _input_format(self, fmt: common_pb2.AudioFormat) -> dict[str, object]:
+        """The input encoding and rate `fmt` asks for (an unset field keeps this session's, but
+        a G.711 encoding's rate is 8 kHz unless given)."""
+        encoding = fmt.encoding or self.input_encoding
+        rate = fmt.sample_rate or (8000 if encoding != PCM16 else self.input_rate)
+        if encoding not in INPUT_RATES:
+            raise ConfigError("input_audio_format.encoding", f"input_audio_format.encoding={fmt.encoding} is not supported")
+        if rate not in INPUT_RATES[encoding]:
+            name = common_pb2.AudioEncoding.Name(encoding)
+            allowed = ", ".join(map(str, INPUT_RATES[encoding]))
+            raise ConfigError("input_audio_format.sample_rate",
+                              f"input_audio_format.sample_rate={rate} is not supported for {name}; supported: {allowed}")
+        if fmt.channels not in (0, 1):
+            raise ConfigError("input_audio_format.channels",
+                              f"input_audio_format.channels={fmt.channels}: only mono input is accepted")
+        return {"input_encoding": encoding, "input_rate": rate}
+
+    def _check_served(self, voices: dict[str, list[int]], responders: Collection[str],
+                      tool_responders: Collection[str]) -> None:
+        """ConfigError unless this server serves the settings' voice at their output rate, their
+        responder, and their tools (a responder that can call functions; a named tool_choice)."""
+        voice = self.voice or next(iter(voices))
+        if voice not in voices:
+            raise ConfigError("voice", f"voice {self.voice!r} is not known; voices: {', '.join(sorted(voices))}")
+        if self.output_rate and self.output_rate not in voices[voice]:
+            rates = ", ".join(map(str, voices[voice]))
+            raise ConfigError("output_sample_rate", f"sample_rate={self.output_rate} is not supported by voice "
+                                                    f"{voice}; supported rates: {rates}")
+        if self.responder not in responders:
+            raise ConfigError("responder", f"responder {self.responder!r} is not available; "
+                                           f"available: {', '.join(sorted(responders))}")
+        if self.tools and self.responder not in tool_responders:
+            able = ", ".join(sorted(tool_responders)) or "none on this server"
+            raise ConfigError("tools", f"the {self.responder} responder cannot call functions; the session goes "
+                                       f"on without tools (responders that can: {able})")
+        if self.tool_choice == "function" and self.tool_function not in {t.name for t in self.tools}:
+            raise ConfigError("tool_choice.name", f"tool_choice names {self.tool_function[:64]!r}, which is not "
+                                                  "one of the session's tools")
 
     def to_proto(self) -> realtime_pb2.SessionConfig:
         turn_type = next(k for k, v in TURN_TYPES.items() if v == self.turn_type)
@@ -264,6 +252,47 @@ class SessionSettings:
             noise_reduction=realtime_pb2.NoiseReduction(type=self.noise_reduction),
             recording=self.recording,
         )
+
+
+def _transcription_changes(config: realtime_pb2.SessionConfig, languages: tuple[str, ...]) -> dict[str, object]:
+    """input_audio_transcription's set fields: enabled, and a language the recogniser knows."""
+    changes: dict[str, object] = {}
+    if config.HasField("input_audio_transcription") and config.input_audio_transcription.HasField("enabled"):
+        changes["transcription"] = config.input_audio_transcription.enabled
+    if config.HasField("input_audio_transcription") and config.input_audio_transcription.HasField("language"):
+        param = "input_audio_transcription.language"
+        try:
+            changes["language"] = language_code(config.input_audio_transcription.language, languages, param)
+        except ValueError as exc:
+            raise ConfigError(param, str(exc), "unsupported_language") from None
+    return changes
+
+
+def _scalar_changes(config: realtime_pb2.SessionConfig) -> dict[str, object]:
+    """The set scalar fields (instructions, voice, ... speed), those with a range of their own checked."""
+    changes: dict[str, object] = {}
+    for name in ("instructions", "voice", "responder", "output_sample_rate", "max_output_tokens",
+                 "max_session_s", "idle_timeout_s", "output_modality", "speed"):
+        if config.HasField(name):
+            changes["output_rate" if name == "output_sample_rate" else name] = getattr(config, name)
+    if "max_output_tokens" in changes:
+        check_max_output_tokens(changes["max_output_tokens"])  # type: ignore[arg-type]
+    if "output_modality" in changes:
+        check_output_modality(changes["output_modality"])  # type: ignore[arg-type]
+    if "speed" in changes and not MIN_SPEED <= changes["speed"] <= MAX_SPEED:  # type: ignore[operator]
+        raise ConfigError("speed", f"speed={changes['speed']:.4g} is outside {MIN_SPEED:g}..{MAX_SPEED:g}")
+    return changes
+
+
+def _check_bounds(changes: dict[str, object], caps: dict[str, int]) -> None:
+    """ConfigError for the first change outside SESSION_BOUNDS, whose upper bounds `caps` lowers."""
+    for name, (low, high) in SESSION_BOUNDS.items():
+        value, cap = changes.get(name), caps.get(name, high)
+        if name in ZERO_ALLOWED or value is None:
+            continue
+        if not low <= value <= min(high, cap):  # type: ignore[operator]
+            limit = " (the server's maximum)" if cap < high else ""
+            raise ConfigError(name, f"{name}={value} is outside {low}..{min(high, cap)}{limit}")
 
 
 def _turn_changes(turn: realtime_pb2.TurnDetection) -> dict[str, object]:
