@@ -14,12 +14,20 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 from rtmedia.clients.client import DEFAULT_TARGET, SpeechClient
+from rtmedia.clients.commands.common import (
+    AUDIO_IN_HELP,
+    RATE_HELP,
+    CliError,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from rtmedia.clients.credentials import (
     add_credential_flags,
     from_args,
@@ -31,32 +39,6 @@ from rtmedia.clients.credentials import (
 # Rates the server takes PCM16 at; other input rates are resampled to 16 kHz here.
 SERVER_RATES = (8000, 16000, 24000, 48000)
 DEBUG_ENV = "RTMEDIA_DEBUG"
-AUDIO_IN_HELP = ("any audio file (wav, mp3, m4a/aac, ogg/opus, flac, webm, ...; any rate, any channels: "
-                 "downmixed and resampled), or - for standard input")
-RATE_HELP = "IN is raw PCM16 mono at this rate in Hz (e.g. `rtmedia synth ... -o -` piped in)"
-
-
-class CliError(Exception):
-    """An error the CLI reports as one line and a non-zero exit."""
-
-
-def _number(kind: Callable[[str], Any], what: str, low: float, strict: bool) -> Callable[[str], Any]:
-    """An argparse type: `kind` of the text, refused (one argparse error line) below `low`."""
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < low or (strict and value == low) or value != value:  # NaN too
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-
-    return parse
-
-
-positive_int = _number(int, "a positive integer", 0, strict=True)
-non_negative_int = _number(int, "an integer of 0 or more", 0, strict=False)
-positive_float = _number(float, "a positive number", 0, strict=True)
 
 
 def add_debug_flag(p: argparse.ArgumentParser) -> None:
@@ -125,12 +107,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per device")
     p.set_defaults(func=cmd_devices)
 
+    # Imported here: the commands' own modules load only when the CLI builds its parser.
     from rtmedia.clients.commands.talk import add_talk_parser
-    from rtmedia.clients.loadtest.harness import add_loadtest_parser  # imported here: both import this module
+    from rtmedia.clients.commands.video import add_video_parser
+    from rtmedia.clients.loadtest.harness import add_loadtest_parser
 
     add_talk_parser(sub)
-    from rtmedia.clients.commands.video import add_video_parser
-
     add_video_parser(sub)
     add_loadtest_parser(sub)
     for name in ("voices", "synth", "transcribe", "health", "devices", "talk", "decode-video", "loadtest"):

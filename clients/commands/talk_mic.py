@@ -1,7 +1,7 @@
 """`rtmedia talk --mic`: a live duplex session with the microphone as the user's voice and the speaker
 playing the replies (clients/commands/audio_devices.py), shown in a live terminal view.
 
-It is `talk`'s session (clients/commands/talk.py) with live devices in place of the file and the simulated
+It is `talk`'s session (clients/commands/talk_session.py) with live devices in place of the file and the simulated
 player: the microphone streams in --chunk-ms chunks; the speaker's own output timing says how much
 of each reply was heard, and that is what `playback.ack` reports, so a barge-in truncates the
 history there. Latencies are acoustic: voice-to-voice runs from the capture of the turn's last
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rtmedia.clients.commands.audio_devices import DeviceError, Microphone, Speaker
-from rtmedia.clients.commands.cli import CliError
-from rtmedia.clients.commands.talk import (
+from rtmedia.clients.commands.common import CliError
+from rtmedia.clients.commands.talk_session import (
     ACK_EVERY_MS,
     ACK_TICK_S,
     CONFIG_ID,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 from rtmedia.clients.client import DEFAULT_TARGET, FRAME_PLANS, VIDEO_DTYPES, VideoClient
-from rtmedia.clients.commands.cli import CliError, non_negative_int, positive_float
+from rtmedia.clients.commands.common import CliError, non_negative_int, positive_float
 from rtmedia.clients.credentials import add_credential_flags, from_args
 
 

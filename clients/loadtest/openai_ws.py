@@ -1,4 +1,4 @@
-"""`rtmedia loadtest --transport openai-ws`: the simulated person of rtmedia.clients.loadtest.harness
+"""`rtmedia loadtest --transport openai-ws`: the simulated person of rtmedia.clients.loadtest.person
 speaking OpenAI's Realtime API (GA) to the web front's `/v1/realtime` WebSocket, as any client
 written for that API would, so that the two doors are measured by the same code.
 
@@ -33,23 +33,20 @@ import json
 import ssl
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import WSMsgType
-from rtmedia.clients.commands.cli import CliError
+from rtmedia.clients.commands.common import CliError
 from rtmedia.clients.credentials import TOKEN_ENV, Credentials
-from rtmedia.clients.loadtest.harness import (
-    API_INPUT_RATE,
-    CLOSE_WAIT_S,
-    CONFIG_ID,
-    Person,
-    Reply,
-    Run,
-)
+from rtmedia.clients.loadtest.person import Person, Reply
+from rtmedia.clients.loadtest.settings import API_INPUT_RATE, CLOSE_WAIT_S, CONFIG_ID
 from rtmedia.clients.loadtest.speech import Clip
 from rtmedia.protocol.tokens import is_loopback
+
+if TYPE_CHECKING:
+    from rtmedia.clients.loadtest.run import Run
 
 MODEL = "gpt-realtime"
 PATH = "/v1/realtime"
@@ -96,7 +93,7 @@ def ws_url(web_url: str) -> str:
 
 def api_session(profile: str, args: argparse.Namespace) -> dict[str, Any]:
     """The API's session object (session.update's `session`) for a profile: what
-    rtmedia.clients.loadtest.harness.session_config asks of a Converse session, in the API's terms."""
+    rtmedia.clients.loadtest.settings.session_config asks of a Converse session, in the API's terms."""
     turn: dict[str, Any] | None = None
     if args.turn_detection != "none":
         turn = {"type": args.turn_detection}
@@ -211,7 +208,7 @@ async def open_link(args: argparse.Namespace, credentials: Credentials) -> Socke
 # ---- one simulated person on the WebSocket ------------------------------------------------------------
 
 class SocketPerson(Person):
-    """rtmedia.clients.loadtest.harness.Person on `/v1/realtime`: the sender writes the API's text
+    """rtmedia.clients.loadtest.person.Person on `/v1/realtime`: the sender writes the API's text
     frames (control events first), the reader turns the API's events into Person's calls."""
 
     def __init__(self, run: Run, index: int, profile: str) -> None:

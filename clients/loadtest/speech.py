@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 from rtmedia.clients.audio_file import AudioFileError, probe_audio, read_audio, write_audio
-from rtmedia.clients.commands.cli import CliError
+from rtmedia.clients.commands.common import CliError
 from rtmedia.engines.audio.resample import float_to_pcm16
 from rtmedia.protocol.events import client_event
 

@@ -40,7 +40,8 @@ VARIANTS = ("typed", "bare")
 def bare_person() -> type:
     """The load tester's Person reading the bare stream: RealtimeClient's Converse call."""
     import grpc
-    from rtmedia.clients.loadtest import harness as loadtest
+    from rtmedia.clients.loadtest import person as loadtest
+    from rtmedia.clients.loadtest.settings import CLOSE_WAIT_S
     from rtmedia.protocol.events import client_event
     from rtmedia.v1.realtime_pb2_grpc import RealtimeServiceStub
 
@@ -58,7 +59,7 @@ def bare_person() -> type:
         async def end(self, reader: asyncio.Task[None]) -> None:
             await self.call.write(client_event("session.close"))
             await self.call.done_writing()
-            await asyncio.wait_for(asyncio.shield(reader), loadtest.CLOSE_WAIT_S)
+            await asyncio.wait_for(asyncio.shield(reader), CLOSE_WAIT_S)
 
         async def send(self, msg: Any) -> None:
             await self.call.write(msg)
@@ -83,7 +84,7 @@ def bare_person() -> type:
 
 
 def child(variant: str, argv: list[str]) -> int:
-    from rtmedia.clients.loadtest import harness as loadtest
+    from rtmedia.clients.loadtest import run as loadtest
     from rtmedia.server.cli import main
 
     if variant == "bare":

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from rtmedia.clients.audio_file import write_audio
 from rtmedia.clients.commands.cli import CliError
-from rtmedia.clients.loadtest.harness import check_args, session_config
+from rtmedia.clients.loadtest.harness import check_args
 from rtmedia.clients.loadtest.report import (
     LATENCIES,
     Stats,
@@ -21,6 +21,7 @@ from rtmedia.clients.loadtest.report import (
     summary_lines,
     write_plot,
 )
+from rtmedia.clients.loadtest.settings import session_config
 from rtmedia.clients.loadtest.speech import audio_files, load_clips
 from rtmedia.server.cli import build_parser
 

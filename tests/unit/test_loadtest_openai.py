@@ -23,16 +23,11 @@ from openai.types.realtime import RealtimeClientEvent, RealtimeServerEvent
 from rtmedia.clients.audio_file import write_audio
 from rtmedia.clients.commands.cli import CliError
 from rtmedia.clients.credentials import Credentials
-from rtmedia.clients.loadtest.harness import (
-    CONFIG_ID,
-    Run,
-    Utterance,
-    _loadtest,
-    check_args,
-    input_rate,
-    session_config,
-)
+from rtmedia.clients.loadtest.harness import _loadtest, check_args
 from rtmedia.clients.loadtest.openai_ws import SocketPerson, api_session, append_event, socket_clips, ws_url
+from rtmedia.clients.loadtest.person import Utterance
+from rtmedia.clients.loadtest.run import Run
+from rtmedia.clients.loadtest.settings import CONFIG_ID, input_rate, session_config
 from rtmedia.clients.loadtest.speech import Clip, audio_files, load_clips
 from rtmedia.server.cli import build_parser
 from rtmedia.web.openai.realtime_config import RealtimeConfig
