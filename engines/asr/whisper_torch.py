@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rtmedia.engines.asr.whisper import Decoded, embedded_model_dir, language_tokens, model_format
+from rtmedia.engines.asr.whisper_model import Decoded, embedded_model_dir, language_tokens, model_format
 from rtmedia.engines.base import EngineError
 
 _MEDIAN_WIDTH = 7  # CTranslate2's and openai-whisper's median filter over the attention
