@@ -91,8 +91,8 @@ class VideoLimits:
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> VideoLimits:
-        """The limits of a ServerConfig (its `video_max_*` fields)."""
-        return cls(**{f: getattr(config, cls.setting(f)) for f in cls.__dataclass_fields__})
+        """The limits of a ServerConfig (its video section's `max_*` fields)."""
+        return cls(**{f: getattr(config.video, f"max_{f}") for f in cls.__dataclass_fields__})
 
 
 DEFAULT_LIMITS = VideoLimits()
@@ -211,7 +211,7 @@ class VideoService(video_pb2_grpc.VideoServiceServicer):
     @classmethod
     def from_config(cls, access: EngineAccess, config: ServerConfig) -> VideoService:
         """The service with a ServerConfig's send limit, queue depth and video limits."""
-        return cls(access, config.max_send_bytes, config.video_queue_chunks, VideoLimits.from_config(config))
+        return cls(access, config.network.max_send_bytes, config.video.queue_chunks, VideoLimits.from_config(config))
 
     async def DecodeVideo(self, request, context) -> AsyncIterator[video_pb2.DecodeVideoResponse]:
         started = time.perf_counter()

@@ -23,7 +23,7 @@ def replays(metrics: Metrics, engine: str) -> float:
 
 
 def test_server_lm_engine_captures_and_replays_decode_graphs() -> None:
-    metrics, config = Metrics(), ServerConfig(**OPTIONS)
+    metrics, config = Metrics(), ServerConfig.of(**OPTIONS)
     where = placement(config)
     assert where.cuda and where.lm_dtype == torch.bfloat16 and where.lm_quantize is None
     engine = build_lm_engines(config, where, metrics)["llm"]
@@ -46,7 +46,7 @@ def test_server_lm_engine_captures_and_replays_decode_graphs() -> None:
 
 
 def test_no_cuda_graphs_captures_nothing() -> None:
-    metrics, config = Metrics(), ServerConfig(**OPTIONS, cuda_graphs=False)
+    metrics, config = Metrics(), ServerConfig.of(**OPTIONS, cuda_graphs=False)
     engine = build_lm_engines(config, placement(config), metrics)["llm"]
     engine.load()
     try:
@@ -63,7 +63,7 @@ async def test_server_on_cuda_answers_from_graphs() -> None:
 
     from tests.support.converse import Conversation
 
-    server = RtmediaServer(ServerConfig(**OPTIONS, llm=True, default_responder="llm", port=0, metrics_port=0,
+    server = RtmediaServer(ServerConfig.of(**OPTIONS, llm=True, default_responder="llm", port=0, metrics_port=0,
                                         grace_s=1, max_sessions=8))
     await server.start()
     try:

@@ -29,7 +29,7 @@ def _backends(dtype: str = "float16"):
 
 
 def test_encoder_and_decoder_graphs_equal_eager() -> None:
-    from rtmedia.engines.asr.whisper import Vocabulary, embedded_model_dir
+    from rtmedia.engines.asr.whisper_model import Vocabulary, embedded_model_dir
 
     graphed, eager, runner = _backends("float32")
     start = Vocabulary(embedded_model_dir()).start
@@ -44,7 +44,7 @@ def test_encoder_and_decoder_graphs_equal_eager() -> None:
 
 
 def test_engine_hears_the_same_over_graphs() -> None:
-    from rtmedia.engines.asr.pocketsphinx import AsrItem
+    from rtmedia.engines.asr.contract import AsrItem
     from rtmedia.engines.asr.whisper import WhisperEngine
 
     speech = pytest.importorskip("tests.support.speech")

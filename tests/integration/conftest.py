@@ -18,7 +18,7 @@ async def server(request):
     # demand): each is a quarter second of a start's CPU.
     options = {"max_sessions": 64, "llm": False, "default_responder": "echo", "grace_s": 1, "asr_decoders": 2,
                **getattr(request.module, "SERVER_OPTIONS", {})}
-    srv = RtmediaServer(ServerConfig(port=0, metrics_port=0, **options))
+    srv = RtmediaServer(ServerConfig.of(port=0, metrics_port=0, **options))
     await srv.start()
     yield srv
     await srv.stop(0)

@@ -10,7 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc
-from rtmedia.engines.asr.whisper import embedded_model_dir
+from rtmedia.engines.asr.whisper_model import embedded_model_dir
 from rtmedia.server.app import RtmediaServer
 from rtmedia.server.config import ServerConfig
 from rtmedia.v1 import common_pb2, speech_pb2, speech_pb2_grpc
@@ -26,7 +26,7 @@ async def server(tmp_path_factory):
     """The embedded tiny.en's CTranslate2 directory, brought as a model of its own name."""
     model = tmp_path_factory.mktemp("models") / NAME
     model.symlink_to(embedded_model_dir(), target_is_directory=True)
-    srv = RtmediaServer(ServerConfig(port=0, metrics_port=0, llm=False, default_responder="echo", grace_s=1,
+    srv = RtmediaServer(ServerConfig.of(port=0, metrics_port=0, llm=False, default_responder="echo", grace_s=1,
                                      asr_model=str(model), asr_backend="torch"))
     await srv.start()
     yield srv

@@ -144,7 +144,7 @@ async def test_transformers_directory_and_openai_server(tmp_path):
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     model_dir = tiny_llama_dir(tmp_path / "tiny")
-    server = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1, llm=False, default_responder="echo",
+    server = RtmediaServer(ServerConfig.of(port=0, metrics_port=0, grace_s=1, llm=False, default_responder="echo",
                                         transformers_model=str(model_dir), openai_url=f"http://127.0.0.1:{port}/v1",
                                         openai_model="remote-test"))
     await server.start()

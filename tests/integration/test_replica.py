@@ -95,9 +95,9 @@ def test_capacity_settings_parse_and_are_checked():
     assert (config.capacity_sessions, config.refuse_at_capacity, config.drain_delay_s, config.replica_name) == \
         (16, False, 2.0, "pod-1")
     with pytest.raises(ValueError, match=r"capacity_sessions must be within 0\.\.max_sessions"):
-        ServerConfig(capacity_sessions=300)
+        ServerConfig.of(capacity_sessions=300)
     with pytest.raises(ValueError, match=r"drain_delay_s must be within 0\.\.grace_s"):
-        ServerConfig(drain_delay_s=60)
+        ServerConfig.of(drain_delay_s=60)
 
 
 async def test_rtmedia_health_checks_grpc_health(server):

@@ -54,7 +54,7 @@ async def upstream():
 
 @pytest.fixture(scope="module")
 async def served(upstream):
-    server = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1, llm=False, default_responder="openai",
+    server = RtmediaServer(ServerConfig.of(port=0, metrics_port=0, grace_s=1, llm=False, default_responder="openai",
                                         openai_url=upstream.url, openai_model="stand-in"))
     await server.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:

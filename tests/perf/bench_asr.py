@@ -162,7 +162,7 @@ def engine_of(name: str, model: str | None = None):
 
 def turn(engine, cpu: Cpu, pcm: bytes) -> tuple[str, float, float, float]:
     """One utterance as a session's turn: (final text, final step s, partials CPU s, final CPU s)."""
-    from rtmedia.engines.asr.pocketsphinx import AsrItem
+    from rtmedia.engines.asr.contract import AsrItem
 
     stream = engine.open_stream(segment=False, fast_final=True)
     try:
@@ -179,7 +179,7 @@ def turn(engine, cpu: Cpu, pcm: bytes) -> tuple[str, float, float, float]:
 
 
 def batching(engine, pcms: list[bytes]) -> dict:
-    from rtmedia.engines.asr.pocketsphinx import AsrItem
+    from rtmedia.engines.asr.contract import AsrItem
 
     def once(together: bool) -> float:
         streams = [engine.open_stream(segment=False, fast_final=True) for _ in pcms]
@@ -201,7 +201,7 @@ def batching(engine, pcms: list[bytes]) -> dict:
 
 
 def gil(engine, pcms: list[bytes], seconds: float = 3.0) -> dict:
-    from rtmedia.engines.asr.pocketsphinx import AsrItem
+    from rtmedia.engines.asr.contract import AsrItem
 
     def spin() -> float:
         count, end = 0, time.perf_counter() + seconds

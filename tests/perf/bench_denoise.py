@@ -221,7 +221,7 @@ def turn_cover(vad, audios: list[np.ndarray], speech_sizes: list[int]) -> dict[s
 
 def finals(engine, audios: list[np.ndarray]) -> list[str]:
     """Each audio as one utterance's final, 16 utterances to a step."""
-    from rtmedia.engines.asr.pocketsphinx import AsrItem
+    from rtmedia.engines.asr.contract import AsrItem
 
     texts = []
     for i in range(0, len(audios), 16):

@@ -42,7 +42,7 @@ def pause(self, conversation):
 
 async def run(turns: int) -> dict:
     lm_lane.LmLane.pause = pause
-    server = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1))
+    server = RtmediaServer(ServerConfig.of(port=0, metrics_port=0, grace_s=1))
     await server.start()
     latency: dict[bool, list[float]] = {True: [], False: []}
     try:

@@ -22,7 +22,7 @@ async def start(sequential: bool) -> float:
     from rtmedia.server.app import RtmediaServer
     from rtmedia.server.config import ServerConfig
 
-    server = RtmediaServer(ServerConfig(port=0, metrics_port=0, llm=False, default_responder="echo", grace_s=1))
+    server = RtmediaServer(ServerConfig.of(port=0, metrics_port=0, llm=False, default_responder="echo", grace_s=1))
     if sequential:
         async def one_after_another() -> None:
             for engine in server.scheduler._engines():

@@ -28,7 +28,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rtmedia.engines.asr.pocketsphinx import AsrEngine, AsrItem  # noqa: E402
+from rtmedia.engines.asr.contract import AsrItem  # noqa: E402
+from rtmedia.engines.asr.pocketsphinx import AsrEngine  # noqa: E402
 from rtmedia.engines.tts.piper import TtsEngine, TtsItem, split_text  # noqa: E402
 from rtmedia.server.session.session import TTS_WINDOW_FRAMES  # noqa: E402
 from rtmedia.v1 import speech_pb2, speech_pb2_grpc  # noqa: E402

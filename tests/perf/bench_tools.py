@@ -104,7 +104,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                          ).astype("<i2").tobytes()
     results: dict[str, list[dict[str, float]]] = {way: [] for way in WAYS}
     async with ChatUpstream(script) as upstream:
-        server = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1, llm=False, default_responder="echo",
+        server = RtmediaServer(ServerConfig.of(port=0, metrics_port=0, grace_s=1, llm=False, default_responder="echo",
                                             openai_url=upstream.url, openai_model="stand-in"))
         await server.start()
         try:

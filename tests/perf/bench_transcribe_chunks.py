@@ -35,7 +35,7 @@ async def run(args: argparse.Namespace) -> dict:
     from rtmedia.server.config import ServerConfig
     from rtmedia.v1 import speech_pb2, speech_pb2_grpc
 
-    server = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1, llm=False, default_responder="echo"))
+    server = RtmediaServer(ServerConfig.of(port=0, metrics_port=0, grace_s=1, llm=False, default_responder="echo"))
     await server.start()
     result: dict = {"benchmark": "transcribe_chunks", "machine": machine(), "requests": args.requests,
                     "at_once": args.at_once, "runs": []}

@@ -159,7 +159,7 @@ def whisper_dir() -> tuple[Path, str]:
     """The embedded Whisper tiny.en, else a random model of its shape with a vocabulary.json of
     English Whisper's special tokens (what the torch backend reads)."""
     try:
-        from rtmedia.engines.asr.whisper import embedded_model_dir
+        from rtmedia.engines.asr.whisper_model import embedded_model_dir
 
         return embedded_model_dir(), "embedded tiny.en"
     except Exception:

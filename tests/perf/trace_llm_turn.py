@@ -42,7 +42,7 @@ def timeline(events: list[dict]) -> str:
 
 
 async def trace(sentences: list[str], turns: int) -> None:
-    server = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1))
+    server = RtmediaServer(ServerConfig.of(port=0, metrics_port=0, grace_s=1))
     await server.start()
     try:
         speaker = Speaker()

@@ -46,7 +46,7 @@ async def test_vanishing_slow_and_silent_clients_leave_nothing_behind():
 
 @pytest.fixture
 async def in_process():
-    server = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1, llm=False, default_responder="echo"))
+    server = RtmediaServer(ServerConfig.of(port=0, metrics_port=0, grace_s=1, llm=False, default_responder="echo"))
     await server.start()
     yield server
     await server.stop(0)

@@ -74,7 +74,7 @@ class ErrorLog(logging.Handler):
 async def fuzz_server(tmp_path_factory):
     tokens = tmp_path_factory.mktemp("fuzz") / "tokens"
     tokens.write_text(f"{GOOD} good\n{LIMITED} limited max_sessions=2\n")
-    server = RtmediaServer(ServerConfig(port=0, metrics_port=0, grace_s=1, max_sessions=64, llm=False,
+    server = RtmediaServer(ServerConfig.of(port=0, metrics_port=0, grace_s=1, max_sessions=64, llm=False,
                                         default_responder="echo", auth_tokens=str(tokens), riva=True))
     await server.start()
     yield server

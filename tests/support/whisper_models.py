@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import torch
-from rtmedia.engines.asr.whisper import embedded_model_dir
+from rtmedia.engines.asr.whisper_model import embedded_model_dir
 
 
 def multilingual_tokenizer(english: dict) -> dict:

@@ -13,16 +13,9 @@ from collections.abc import Iterator
 import jiwer
 import numpy as np
 import pytest
-from rtmedia.engines.asr.pocketsphinx import (
-    _FAST_SEARCH,
-    AsrEngine,
-    AsrEvent,
-    AsrItem,
-    AsrStream,
-    _Worker,
-    _worker_main,
-    language_code,
-)
+from rtmedia.engines.asr.contract import AsrEvent, AsrItem, AsrStream, language_code
+from rtmedia.engines.asr.pocketsphinx import AsrEngine
+from rtmedia.engines.asr.pocketsphinx_worker import _FAST_SEARCH, _Worker, _worker_main
 from rtmedia.engines.base import EngineError
 
 from tests.support.speech import Speaker, normalise, wer

@@ -26,7 +26,7 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 from rtmedia.protocol.tokens import is_loopback, target_host
-from rtmedia.server.cli import build_parser, config_from_args
+from rtmedia.server.cli import ServeConfig, build_parser, config_from_args
 from rtmedia.server.config import ServerConfig
 from rtmedia.server.observe.metrics import Metrics
 
@@ -374,16 +374,16 @@ def test_image_runs_the_server_as_a_container_needs(name):
     deploy_file = image_file(name, DEPLOY_FILE)
     data = yaml.safe_load(deploy_file.read_text())
     settings = data.get("server", data)
-    assert set(settings) <= {f for f in ServerConfig.__dataclass_fields__}, set(settings) - set(ServerConfig.__dataclass_fields__)
-    from_file = ServerConfig.load(deploy_file)
+    assert set(settings) <= {f for f in ServeConfig.keys()}, set(settings) - set(ServeConfig.keys())
+    from_file = ServeConfig.load(deploy_file)
     assert from_file.host == "0.0.0.0" and from_file.metrics_host == "0.0.0.0"
     args.config = str(deploy_file)
     config = config_from_args(args)
     assert config.host == "0.0.0.0" and config.metrics_host == "0.0.0.0"  # reachable through a published port
-    assert config.web and config.device == ("cuda" if name == "cuda" else "auto")
+    assert config.web.enabled and config.device == ("cuda" if name == "cuda" else "auto")
     exposed = {int(p.split("/")[0]) for v in stage.values("EXPOSE") for p in v.split()}
     assert exposed == {config.port, config.metrics_port, config.web_port}
-    defaults = ServerConfig()
+    defaults = ServeConfig()
     assert exposed == {defaults.port, defaults.metrics_port, defaults.web_port}
     # HEALTHCHECK: `rtmedia health` on grpc.health.v1 for the whole server, on its port
     options, argv = healthcheck(name)
@@ -531,7 +531,7 @@ def test_compose_server_runs_what_it_accepts(variant):
         (device,) = service["deploy"]["resources"]["reservations"]["devices"]
         assert device["capabilities"] == ["gpu"]
     assert config.host == "0.0.0.0" and config.metrics_host == "0.0.0.0"  # Prometheus scrapes it by name
-    assert not config.web  # the web front is its own service
+    assert not config.web.enabled  # the web front is its own service
     ports = published(service)
     assert ("tcp", (config.port, config.port)) in ports
     assert {p for _, p in ports} <= {(config.port,) * 2, (config.metrics_port,) * 2}, ports

@@ -23,7 +23,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from rtmedia.server.cli import build_parser, config_from_args
+from rtmedia.server.cli import ServeConfig, build_parser, config_from_args
 from rtmedia.server.config import ServerConfig
 from rtmedia.server.observe import metrics_http
 from rtmedia.server.observe.metrics import Metrics
@@ -476,8 +476,8 @@ def test_server_accepts_its_args_and_deploy_file(rendered, variant, tmp_path):
     # the deploy file alone loads too (an unknown key would stop start-up), and says only
     # what ServerConfig knows
     data = yaml.safe_load(Path(args.config).read_text())
-    assert set(data["server"]) <= set(ServerConfig.__dataclass_fields__), data
-    assert ServerConfig.load(args.config).capacity_sessions == data["server"]["capacity_sessions"]
+    assert set(data["server"]) <= set(ServeConfig.keys()), data
+    assert ServeConfig.load(args.config).capacity_sessions == data["server"]["capacity_sessions"]
     assert config.host == "0.0.0.0" and config.metrics_host == "0.0.0.0"  # reachable on the pod's address
     assert 0 < config.capacity_sessions <= config.max_sessions and config.refuse_at_capacity
     assert config.replica_name == FIELD_VALUES["metadata.name"]  # --replica-name $(POD_NAME)
@@ -486,7 +486,7 @@ def test_server_accepts_its_args_and_deploy_file(rendered, variant, tmp_path):
     # the token file is the Secret's key
     volume, key = mounted_file(docs, container(docs), config.auth_tokens)
     assert (volume["secret"]["secretName"], key) == ("rtmedia-tokens", "tokens")
-    assert config.web == (variant not in WEBRTC)
+    assert config.web.enabled == (variant not in WEBRTC)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -513,7 +513,7 @@ def test_ports_and_probes_are_the_servers(rendered, variant, tmp_path):
     assert by_name["grpc"]["appProtocol"] == "kubernetes.io/h2c"
     for port in service["spec"]["ports"]:
         assert named[port["targetPort"]] == port["port"], port
-    web = config.web_port if config.web else \
+    web = config.web_port if config.web.enabled else \
         parse(expand(container(docs, "web"))).port
     assert by_name["web"]["port"] == web
     template_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from riva.client.proto import riva_asr_pb2, riva_audio_pb2
-from rtmedia.engines.asr.pocketsphinx import AsrEvent
+from rtmedia.engines.asr.contract import AsrEvent
 from rtmedia.server.app import RtmediaServer
 from rtmedia.server.cli import build_parser
 from rtmedia.server.config import ServerConfig
@@ -129,5 +129,5 @@ def test_no_riva_flag_maps_onto_the_config() -> None:
     # health and reflection list (and start() registers) the Riva services only when on
     riva = {"nvidia.riva.asr.RivaSpeechRecognition", "nvidia.riva.tts.RivaSpeechSynthesis"}
     for on in (True, False):
-        server = RtmediaServer(ServerConfig(riva=on, llm=False, default_responder="echo"))
+        server = RtmediaServer(ServerConfig.of(riva=on, llm=False, default_responder="echo"))
         assert (riva <= set(server.services)) is on and "rtmedia.v1.SpeechService" in server.services

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from rtmedia.engines.asr.pocketsphinx import AsrItem, AsrStream
+from rtmedia.engines.asr.contract import AsrItem, AsrStream
 from rtmedia.engines.responders.contract import EchoResponder, Incomplete, Message, ReplyRequest
 from rtmedia.server.lanes.access import ASR, ASR_FINAL, Asr, Replies
 from rtmedia.server.lanes.scheduler import LanePolicy, Priority, Scheduler

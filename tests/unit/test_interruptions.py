@@ -4,7 +4,7 @@ words or voice that interrupt."""
 from __future__ import annotations
 
 import pytest
-from rtmedia.engines.asr.whisper import normal_words
+from rtmedia.engines.asr.contract import normal_words
 from rtmedia.server.session.interruptions import BACKCHANNELS, Interruption, Voice, is_backchannel
 
 PHRASES = Interruption().phrases

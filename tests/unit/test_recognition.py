@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from rtmedia.engines.asr.pocketsphinx import AsrEvent
+from rtmedia.engines.asr.contract import AsrEvent
 from rtmedia.server.hearing.recognition import Recognizer, Turn
 from rtmedia.server.lanes.scheduler import Priority
 

@@ -127,7 +127,7 @@ def test_the_policy_grants_or_refuses_recording():
 ])
 def test_bad_record_settings_are_refused(settings, problem):
     with pytest.raises(ValueError, match=problem):
-        ServerConfig(**settings)
+        ServerConfig.of(**settings)
 
 
 def test_the_realtime_api_door_takes_a_recording_boolean():

@@ -642,12 +642,12 @@ async def test_lm_lane_step_past_its_deadline_fails_and_refuses_until_it_returns
 def test_step_deadlines_come_from_the_config_and_bad_ones_are_refused():
     from rtmedia.server.config import STEP_DEADLINES_S, ServerConfig
 
-    config = ServerConfig(lane_step_deadlines_s={"video": 600, "tts": 0})
+    config = ServerConfig.of(lane_step_deadlines_s={"video": 600, "tts": 0})
     assert config.step_deadline("video") == 600 and config.step_deadline("tts") is None
     assert config.step_deadline("asr") == STEP_DEADLINES_S["asr"]
     with pytest.raises(ValueError, match="unknown lane 'vidoe'; lanes: vad, turn_audio, asr"):
-        ServerConfig(lane_step_deadlines_s={"vidoe": 5})
+        ServerConfig.of(lane_step_deadlines_s={"vidoe": 5})
     with pytest.raises(ValueError, match=r"video=-1 must be a number of seconds >= 0"):
-        ServerConfig(lane_step_deadlines_s={"video": -1})
+        ServerConfig.of(lane_step_deadlines_s={"video": -1})
     with pytest.raises(ValueError, match="lane_unhealthy_after_s must be a positive number"):
-        ServerConfig(lane_unhealthy_after_s=0)
+        ServerConfig.of(lane_unhealthy_after_s=0)

@@ -82,16 +82,18 @@ def test_rich_status_carries_error_info():
 
 
 def test_the_twilio_door_needs_the_web_port():
-    assert ServerConfig(web=True, web_twilio=True, web_twilio_insecure=True).web_twilio
+    from rtmedia.server.cli import ServeConfig
+
+    assert ServeConfig.of(web=True, web_twilio=True, web_twilio_insecure=True).web_twilio
     for bad, part in (({"web_twilio": True}, "it needs web"),
                       ({"web": True, "web_twilio_insecure": True}, "need web_twilio"),
                       ({"web": True, "web_twilio": True, "auth_tokens": "tokens"}, "--server-token")):
         with pytest.raises(ValueError, match=part):
-            ServerConfig(**bad)
+            ServeConfig.of(**bad)
 
 
 def test_turn_detection_defaults_of_the_deploy_file_are_checked():
-    config = ServerConfig(turn_detection="semantic_vad", turn_eagerness="high",
+    config = ServerConfig.of(turn_detection="semantic_vad", turn_eagerness="high",
                           semantic_thresholds={"high": [-2.0, -3.0, -3.0]})
     assert config.semantic_thresholds["high"] == [-2.0, -3.0, -3.0]
     for bad, part in (({"turn_detection": "smart"}, "turn_detection must be server_vad or semantic_vad"),
@@ -100,9 +102,9 @@ def test_turn_detection_defaults_of_the_deploy_file_are_checked():
                       ({"semantic_thresholds": {"high": [-3, -2, -4]}}, "none above the one before"),
                       ({"semantic_thresholds": {"auto": [-1, -2, -3]}}, "semantic_thresholds: auto=")):
         with pytest.raises(ValueError, match=part):
-            ServerConfig(**bad)
+            ServerConfig.of(**bad)
     from rtmedia.server.app import RtmediaServer
 
     with pytest.raises(ValueError, match="semantic_vad needs an LM"):
-        RtmediaServer(ServerConfig(port=0, metrics_port=0, llm=False, default_responder="echo",
+        RtmediaServer(ServerConfig.of(port=0, metrics_port=0, llm=False, default_responder="echo",
                                    turn_detection="semantic_vad"))

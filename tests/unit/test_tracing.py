@@ -122,7 +122,7 @@ def test_a_server_without_tracing_sets_nothing_up():
     from rtmedia.server.app import RtmediaServer
     from rtmedia.server.config import ServerConfig
 
-    server = RtmediaServer(ServerConfig(port=0, metrics_port=0, llm=False, default_responder="echo"))
+    server = RtmediaServer(ServerConfig.of(port=0, metrics_port=0, llm=False, default_responder="echo"))
     assert server.tracing is None and server.realtime.tracing is None
     # the global provider: never installed
     assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)

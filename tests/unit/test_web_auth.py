@@ -705,13 +705,11 @@ async def test_drain_closes_what_is_left_at_the_grace_deadline(sessionless):
 
 
 async def test_start_beside_takes_the_servers_target_and_tokens(sessionless):
-    class ServerConfig:
-        host, web_port, web_tls_cert, web_tls_key, web_max_peers = "127.0.0.1", 0, None, None, 3
-        web_openai_api = False  # `serve --no-openai-api`
-        web_twilio, web_twilio_auth_token_file, web_twilio_insecure, web_twilio_public_url = False, None, False, None
+    from rtmedia.web.settings import TwilioSettings, WebSettings
 
+    web = WebSettings(enabled=True, port=0, max_peers=3, openai_api=False)  # `serve --no-openai-api`
     tokens = table(f"{ALICE} alice")
-    bridge = await start_beside(ServerConfig(), "unix:/nonexistent/grpc.sock", tokens)
+    bridge = await start_beside(web, TwilioSettings(), "127.0.0.1", "unix:/nonexistent/grpc.sock", tokens)
     try:
         assert bridge.config.target == "unix:/nonexistent/grpc.sock" and bridge.config.max_peers == 3
         assert bridge.tokens is tokens and bridge.config.forwards_tokens
@@ -767,4 +765,4 @@ def test_serve_no_openai_api_reaches_the_server_config():
     def config(*flags):
         return cli.config_from_args(cli.build_parser().parse_args(["serve", "--web", *flags]))
 
-    assert config().web_openai_api and not config("--no-openai-api").web_openai_api
+    assert config().web.openai_api and not config("--no-openai-api").web.openai_api

@@ -10,15 +10,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from rtmedia.engines.asr.pocketsphinx import AsrItem
-from rtmedia.engines.asr.whisper import (
-    _WINDOW_S,
-    LocalAgreement,
-    WhisperEngine,
-    normal_words,
-    window_frames,
-    without_restart,
-)
+from rtmedia.engines.asr.contract import AsrItem, normal_words
+from rtmedia.engines.asr.whisper import _WINDOW_S, WhisperEngine
+from rtmedia.engines.asr.whisper_model import window_frames
+from rtmedia.engines.asr.whisper_text import LocalAgreement, without_restart
 from rtmedia.engines.base import EngineError
 
 from tests.support.speech import normalise, wer

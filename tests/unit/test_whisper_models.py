@@ -14,8 +14,9 @@ import sys
 
 import numpy as np
 import pytest
-from rtmedia.engines.asr.pocketsphinx import AsrItem
-from rtmedia.engines.asr.whisper import Vocabulary, WhisperEngine, embedded_model_dir, log_mel, window_frames
+from rtmedia.engines.asr.contract import AsrItem
+from rtmedia.engines.asr.whisper import WhisperEngine
+from rtmedia.engines.asr.whisper_model import Vocabulary, embedded_model_dir, log_mel, window_frames
 from rtmedia.engines.asr.whisper_torch import TorchBackend, padded_batch
 from rtmedia.engines.base import EngineError
 from rtmedia.engines.graphs import GraphConfig, GraphRunner

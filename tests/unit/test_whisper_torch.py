@@ -10,15 +10,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from rtmedia.engines.asr.pocketsphinx import AsrItem
-from rtmedia.engines.asr.whisper import (
-    CTranslate2Backend,
-    Vocabulary,
-    WhisperEngine,
-    embedded_model_dir,
-    log_mel,
-    window_frames,
-)
+from rtmedia.engines.asr.contract import AsrItem
+from rtmedia.engines.asr.whisper import WhisperEngine
+from rtmedia.engines.asr.whisper_ct2 import CTranslate2Backend
+from rtmedia.engines.asr.whisper_model import Vocabulary, embedded_model_dir, log_mel, window_frames
 from rtmedia.engines.asr.whisper_torch import TorchBackend, negative_dtw, read_ctranslate2
 from rtmedia.engines.base import EngineError
 

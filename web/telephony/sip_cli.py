@@ -12,6 +12,8 @@ import signal
 import sys
 from typing import Any
 
+from rtmedia.web.settings import SipSettings
+
 DESCRIPTION = """\
 Answer phone calls over SIP: each call is a duplex session of the rtmedia server.
 Phones, PBXs and trunks send INVITEs to --sip-listen (UDP and TCP; TLS with
@@ -26,36 +28,9 @@ SIGINT (or a second SIGTERM) stops at once.
 
 
 def add_sip_flags(p: argparse.ArgumentParser, aliases: bool = False) -> None:
-    """The --sip-* flags (`aliases`: also the short names `rtmedia sip` takes, --rtp-ports and --max-calls)."""
-    g = p.add_argument_group("SIP (docs/telephony.md)")
-    g.add_argument("--sip-listen", default=None, metavar="HOST:PORT",
-                   help="address for SIP over UDP and TCP (default 127.0.0.1:5060; 0.0.0.0 for every address)")
-    g.add_argument("--sip-tls-listen", default=None, metavar="HOST:PORT", help="also SIP over TLS here")
-    g.add_argument("--sip-tls-cert", default=None, metavar="FILE", help="PEM certificate of --sip-tls-listen")
-    g.add_argument("--sip-tls-key", default=None, metavar="FILE", help="PEM private key of --sip-tls-cert")
-    g.add_argument("--sip-srtp", default=None, choices=["off", "optional", "mandatory"],
-                   help="SRTP for the calls' media (default optional: when the caller offers it)")
-    g.add_argument("--sip-register", default=None, metavar="URI",
-                   help="register with a trunk or PBX as this address of record, sip:user@host[:port]")
-    g.add_argument("--sip-password-file", default=None, metavar="FILE",
-                   help="the digest password of --sip-register (default $RTMEDIA_SIP_PASSWORD)")
-    g.add_argument("--sip-public-address", default=None, metavar="ADDR",
-                   help="the address advertised in SDP and Contact (behind NAT, in Kubernetes)")
-    g.add_argument(*(["--sip-rtp-ports", "--rtp-ports"] if aliases else ["--sip-rtp-ports"]), dest="sip_rtp_ports",
-                   default=None, metavar="LOW-HIGH", help="UDP ports of the calls' RTP and RTCP (default 40000-40999)")
-    g.add_argument(*(["--sip-max-calls", "--max-calls"] if aliases else ["--sip-max-calls"]), dest="sip_max_calls",
-                   type=int, default=None, metavar="N",
-                   help="calls at once, 1..4 (default 4: what one PJSIP process holds); one more gets 486 Busy Here")
-    g.add_argument("--sip-rtp-timeout", type=float, default=None, metavar="S",
-                   help="end a call whose RTP stopped for S seconds (default 30)")
-    g.add_argument("--sip-config", default=None, metavar="FILE",
-                   help="YAML: trunks, per-number session settings, accept rules and hook, transfer targets")
-    g.add_argument("--sip-control", default=None, metavar="HOST:PORT",
-                   help="the calls API and /metrics (default 127.0.0.1:5070; 'off': none)")
-    g.add_argument("--sip-responder", default=None, help="responder of the calls' sessions (default: the server's)")
-    g.add_argument("--sip-echo-cancellation", default=None, choices=["on", "off"],
-                   help="remove the reply's echo from the caller's audio, for speakerphone lines (default off; "
-                        "per number in --sip-config)")
+    """The --sip-* flags, from web/settings.py SipSettings (`aliases`: also the short names
+    `rtmedia sip` takes, --rtp-ports and --max-calls)."""
+    SipSettings.add_door_flags(p, aliases)
 
 
 SIP_FLAGS = ("sip_listen", "sip_tls_listen", "sip_tls_cert", "sip_tls_key", "sip_srtp", "sip_register",
@@ -73,8 +48,9 @@ def sip_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def sip_config(args: argparse.Namespace) -> Any:
-    """The flags (and the --sip-config file) as a SipConfig; ValueError names a bad one."""
+def sip_config(settings: SipSettings | argparse.Namespace) -> Any:
+    """The settings (or the parsed flags), and the --sip-config file, as a SipConfig; ValueError
+    names a bad flag."""
     from rtmedia.web.telephony.sip_config import (
         SipConfig,
         Trunk,
@@ -85,31 +61,32 @@ def sip_config(args: argparse.Namespace) -> Any:
         sip_uri,
     )
 
-    kwargs: dict[str, Any] = load_file(args.sip_config) if args.sip_config else {}
-    if args.sip_listen:
-        kwargs["listen"] = host_port(args.sip_listen, "--sip-listen", 5060)
-    if args.sip_tls_listen:
-        kwargs["tls_listen"] = host_port(args.sip_tls_listen, "--sip-tls-listen", 5061)
+    args = SipSettings.from_args(settings) if isinstance(settings, argparse.Namespace) else settings
+    kwargs: dict[str, Any] = load_file(args.config) if args.config else {}
+    if args.listen:
+        kwargs["listen"] = host_port(args.listen, "--sip-listen", 5060)
+    if args.tls_listen:
+        kwargs["tls_listen"] = host_port(args.tls_listen, "--sip-tls-listen", 5061)
     for flag in ("tls_cert", "tls_key", "srtp", "public_address"):
-        if getattr(args, f"sip_{flag}") is not None:
-            kwargs[flag] = getattr(args, f"sip_{flag}")
-    if args.sip_rtp_ports:
-        kwargs["rtp_ports"] = port_range(args.sip_rtp_ports, "--sip-rtp-ports")
-    if args.sip_max_calls is not None:
-        kwargs["max_calls"] = args.sip_max_calls
-    if args.sip_rtp_timeout is not None:
-        kwargs["rtp_timeout_s"] = args.sip_rtp_timeout
-    if args.sip_control:
-        kwargs["control"] = None if args.sip_control == "off" else host_port(args.sip_control, "--sip-control")
-    if args.sip_echo_cancellation is not None:
-        kwargs["echo_cancellation"] = args.sip_echo_cancellation == "on"
-    if args.sip_responder:
-        kwargs["session"] = {**kwargs.get("session", {}), "responder": args.sip_responder}
-    if args.sip_register:
-        password = read_password(args.sip_password_file, "--sip-password-file")
-        kwargs["trunks"] = (Trunk.from_uri("register", sip_uri(args.sip_register, "--sip-register"), password),
+        if getattr(args, flag) is not None:
+            kwargs[flag] = getattr(args, flag)
+    if args.rtp_ports:
+        kwargs["rtp_ports"] = port_range(args.rtp_ports, "--sip-rtp-ports")
+    if args.max_calls is not None:
+        kwargs["max_calls"] = args.max_calls
+    if args.rtp_timeout is not None:
+        kwargs["rtp_timeout_s"] = args.rtp_timeout
+    if args.control:
+        kwargs["control"] = None if args.control == "off" else host_port(args.control, "--sip-control")
+    if args.echo_cancellation is not None:
+        kwargs["echo_cancellation"] = args.echo_cancellation == "on"
+    if args.responder:
+        kwargs["session"] = {**kwargs.get("session", {}), "responder": args.responder}
+    if args.register:
+        password = read_password(args.password_file, "--sip-password-file")
+        kwargs["trunks"] = (Trunk.from_uri("register", sip_uri(args.register, "--sip-register"), password),
                             *kwargs.get("trunks", ()))
-    elif args.sip_password_file:
+    elif args.password_file:
         raise ValueError("--sip-password-file goes with --sip-register")
     return SipConfig(**kwargs)
 
@@ -127,6 +104,7 @@ def add_sip_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level (DEBUG includes PJSIP's own lines)")
     add_sip_flags(p, aliases=True)
+    p.add_argument("--sip-settings", default=None, help=argparse.SUPPRESS)  # (serve --sip: the section as JSON)
     add_credential_flags(p)
     p.set_defaults(func=cmd_sip)
 
@@ -137,7 +115,8 @@ def cmd_sip(args: argparse.Namespace) -> None:
 
     if args.grace < 0:
         raise ValueError(f"--grace must be at least 0, got {args.grace:g}")
-    config = sip_config(args)
+    settings = SipSettings.from_json(args.sip_settings) if args.sip_settings else SipSettings.from_args(args)
+    config = sip_config(settings)
     credentials = from_args(args)
     logs.configure(args.log_level, args.log_format)
     asyncio.run(run_sip(config, lambda: credentials.aio_channel(args.target), args.grace, args.target))

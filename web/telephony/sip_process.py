@@ -12,14 +12,16 @@ import signal
 import sys
 from typing import Any
 
+from rtmedia.web.settings import SipSettings
+
 log = logging.getLogger("rtmedia.sip")
 READY = re.compile(rb"rtmedia sip: SIP on .* calls API (\S+)")
 START_TIMEOUT_S = 60.0
 
 
 class SipProcess:
-    def __init__(self, flags: list[str]) -> None:
-        self.flags = flags
+    def __init__(self, settings: SipSettings) -> None:
+        self.settings = settings  # (handed to the process as JSON: `rtmedia sip --sip-settings`)
         self.process: asyncio.subprocess.Process | None = None
         self.control: str | None = None  # the calls API's URL (None: --sip-control off)
         self._relay: asyncio.Task[None] | None = None
@@ -27,7 +29,7 @@ class SipProcess:
     async def start(self, target: str, log_format: str) -> None:
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "rtmedia.server.cli", "sip", "--target", target, "--log-format", log_format,
-            *self.flags, stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+            "--sip-settings", self.settings.to_json(), stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         assert self.process.stderr is not None
         lines: list[bytes] = []
         try:
