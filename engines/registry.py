@@ -38,6 +38,9 @@ class Registry(Generic[T]):
     def names(self) -> tuple[str, ...]:
         return tuple(self._entries)
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def __contains__(self, name: object) -> bool:
         return name in self._entries
 

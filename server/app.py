@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import shutil
@@ -24,8 +23,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_tts_pb2, riva_tts_pb2_grpc
-from rtmedia.engines.asr.pocketsphinx import AsrEngine
 from rtmedia.engines.audio.denoise import Denoiser
+from rtmedia.engines.responders.contract import Responder
 from rtmedia.engines.responders.openai_chat import OpenAIResponder
 from rtmedia.engines.tts.piper import TtsEngine, default_voices, voice_from_path
 from rtmedia.engines.turn.scorers import AcousticTurnModel
@@ -34,12 +33,13 @@ from rtmedia.protocol.tokens import TokenTable
 from rtmedia.server.config import MiB, ServerConfig
 from rtmedia.server.hearing.audio_input import WINDOW_MS, VadTick
 from rtmedia.server.lanes.access import ASR, ASR_FINAL, TTS, TURN_AUDIO, VAD, VIDEO, EngineAccess
+from rtmedia.server.lanes.lm_lane import LmLane
 from rtmedia.server.lanes.placement import (
     build_lm_engines,
     build_video_engine,
-    build_whisper_engine,
     placement,
 )
+from rtmedia.server.lanes.recognizer import add_asr
 from rtmedia.server.lanes.responders import build_responders
 from rtmedia.server.lanes.scheduler import LanePolicy, Priority, Scheduler
 from rtmedia.server.observe.metrics import Metrics
@@ -77,8 +77,8 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     """Message limits (docs/protocol.md#wire-format), the read-ahead window, and keepalive chosen for
     long-lived media streams."""
     return [
-        ("grpc.max_receive_message_length", config.max_receive_bytes),
-        ("grpc.max_send_message_length", config.max_send_bytes),
+        ("grpc.max_receive_message_length", config.network.max_receive_bytes),
+        ("grpc.max_send_message_length", config.network.max_send_bytes),
         # Ping idle connections every 30 s so dead peers (NAT, mobile) are noticed
         # within ~40 s; let clients ping as often as every 10 s, even without calls.
         ("grpc.keepalive_time_ms", 30_000),
@@ -87,8 +87,8 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 2),
         ("grpc.so_reuseport", 0),
-        *([("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", config.stream_window_bytes)]
-          if config.stream_window_bytes else []),
+        *([("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", config.network.stream_window_bytes)]
+          if config.network.stream_window_bytes else []),
     ]
 
 
@@ -100,99 +100,36 @@ class RtmediaServer:
         self.metrics = metrics or Metrics()
         # Traces (server/observe/tracing.py): this server's own provider, or None (off: nothing is set up).
         # Read first, so a bad OTEL_* protocol or endpoint stops the start at once with one line.
-        export = tracing_from_env(config.otel_endpoint)
+        export = tracing_from_env(config.tracing.endpoint)
         self.tracing = tracing if tracing is not None else Tracing.exporting(export) if export else None
         # Read first, so a bad file stops the start at once with one line naming it.
-        self.tls = ServerTls(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
-        self.tokens = TokenTable.load(config.auth_tokens)
+        auth = config.auth
+        self.tls = ServerTls(auth.tls_cert, auth.tls_key, auth.tls_client_ca) if auth.tls_cert else None
+        self.tokens = TokenTable.load(config.auth.auth_tokens)
         self.auth = AuthInterceptor(self.tokens, lambda reason: self.metrics.auth_refused.labels(reason).inc())
         self.placement = placement(config)  # device, precision, CUDA graphs (server/lanes/placement.py)
-        self.scheduler = scheduler = Scheduler(self.metrics, unhealthy_after_s=config.lane_unhealthy_after_s)
-        deadline = config.step_deadline
-        voices = default_voices() + [voice_from_path(p) for p in config.voices]
-        # One clause per step (Piper synthesises one text at a time, and a batch would hold every
-        # result until its last one is done), two steps at once on the two cores.
-        scheduler.add(TTS, TtsEngine(voices, intra_op_threads=config.tts_threads, precision=config.tts_precision),
-                      LanePolicy(max_batch=1, concurrency=config.tts_concurrency, step_deadline_s=deadline(TTS)))
-        self._add_asr(config, scheduler, deadline)
-        # Video decode: one latent step per work item, BULK, so speech runs between any two steps.
-        scheduler.add(VIDEO, build_video_engine(config, self.placement, self.metrics),
-                      LanePolicy(Priority.BULK, max_batch=1, concurrency=1, step_deadline_s=deadline(VIDEO)))
-        # The VAD tick: every window, one batched step over every session's new audio.
-        vad = VadEngine(parallel_runs=config.vad_threads)
-        denoiser = Denoiser()  # the sessions' noise reduction, in the tick (server/hearing/audio_input.py)
-        denoiser.load()
-        vad_tick = VadTick(vad, denoiser)
-        vad_tick.wake = scheduler.add_tick(VAD, vad, WINDOW_MS, vad_tick.collect, vad_tick.process,
-                                           vad_tick.deliver, step_deadline_s=deadline(VAD)).wake
-        if config.turn_audio_model:  # semantic_vad's acoustic scorer: single calls (batching gains nothing)
-            path = None if config.turn_audio_model == "smart-turn" else config.turn_audio_model
-            scheduler.add(TURN_AUDIO, AcousticTurnModel(path),
-                          LanePolicy(Priority.REALTIME, max_batch=1, step_deadline_s=deadline(TURN_AUDIO)))
-        lanes = {name: scheduler.add_lm(name, engine, deadline(name))
-                 for name, engine in build_lm_engines(config, self.placement, self.metrics).items()}
-        extra = {}
-        if config.openai_url:
-            extra["openai"] = OpenAIResponder(config.openai_url, config.openai_model, os.environ.get("OPENAI_API_KEY"))
-        responders = build_responders(lanes, extra)
-        if config.default_responder not in responders:
-            raise ValueError(f"default_responder {config.default_responder!r} is not available; "
-                             f"available: {', '.join(sorted(responders))}")
-        for name in responders.keys() - lanes.keys():  # replies that are not an LM lane's: one stream lane each
-            scheduler.add_stream(f"reply-{name}", LanePolicy(Priority.INTERACTIVE, concurrency=config.max_sessions))
+        self.scheduler = scheduler = Scheduler(self.metrics, unhealthy_after_s=config.lanes.unhealthy_after_s)
+        vad, vad_tick, lanes = self._add_lanes(config)
+        responders = self._add_responders(config, lanes)
         self.access = EngineAccess.of(scheduler, vad, vad_tick, responders)
         if self.tracing is not None:
             self.tracing.models = {name: model for name, model in (
-                ("openai", config.openai_model), ("transformers", config.transformers_model),
-                ("llm", f"synthetic-{config.synthetic_lm}" if config.synthetic_lm else "SmolLM2-135M-Instruct"))
+                ("openai", config.openai.model), ("transformers", config.lm.transformers_model),
+                ("llm", f"synthetic-{config.lm.synthetic_lm}" if config.lm.synthetic_lm else "SmolLM2-135M-Instruct"))
                 if model and name in responders}
-        if config.turn_detection == "semantic_vad" and not self.access.turns.available:
+        if config.turn.detection == "semantic_vad" and not self.access.turns.available:
             raise ValueError("turn_detection semantic_vad needs an LM to score the user's words: drop --no-llm "
                              "or give --transformers-model")
-        self.realtime = RealtimeService(self.access, max_sessions=config.max_sessions,
-                                        lm_slots=config.lm_slots, capacity=config.capacity_sessions,
-                                        refuse_at_capacity=config.refuse_at_capacity,
-                                        replica=config.replica_name or socket.gethostname(),
-                                        defaults=SessionSettings(responder=config.default_responder,
-                                                                 turn_type=config.turn_detection,
-                                                                 eagerness=config.turn_eagerness,
-                                                                 noise_reduction="" if config.noise_reduction == "off"
-                                                                 else config.noise_reduction),
-                                        limits=Limits(
-                                            early_finals=config.early_finals,
-                                            turn_thresholds={k: tuple(v) for k, v in
-                                                             config.semantic_thresholds.items()},
-                                            max_outbox_events=config.session_outbox_events,
-                                            max_outbox_bytes=config.session_outbox_bytes,
-                                            max_text_chars=config.session_text_chars,
-                                            max_instructions_chars=config.session_instructions_chars,
-                                            max_id_bytes=config.session_id_bytes,
-                                            max_session_s=config.session_max_duration_s,
-                                            max_idle_timeout_s=config.session_max_idle_s,
-                                            tool_fillers=tuple(config.tool_fillers),
-                                            tool_apology=config.tool_apology))
+        self.realtime = self._realtime_service(config)
         self.realtime.tracing = self.tracing
-        if config.record_dir:  # session recordings (server/observe/recording.py)
+        if config.recording.dir:  # session recordings (server/observe/recording.py)
             self.realtime.record(Recordings(RecordingPolicy(
-                config.record_dir, config.record_on_request, max_bytes=round(config.record_max_mb * MiB),
-                max_s=config.record_max_s, retention_h=config.record_retention_h), self.metrics))
+                config.recording.dir, config.recording.on_request, max_bytes=round(config.recording.max_mb * MiB),
+                max_s=config.recording.max_s, retention_h=config.recording.retention_h), self.metrics))
         self.private_target: str | None = None  # the in-process web front's own socket (start(private=True))
         self._private_dir: str | None = None
-        self.services = SERVICE_NAMES + (RIVA_SERVICE_NAMES if config.riva else [])
-        # The lanes each service needs ("": what any service needs; a responder other than the
-        # default is not among them): a lane that cannot recover makes those NOT_SERVING.
-        reply_lane = config.default_responder if config.default_responder in lanes else \
-            f"reply-{config.default_responder}"
-        speech_service, realtime_service, video_service = SERVICE_NAMES
-        riva_asr, riva_tts = RIVA_SERVICE_NAMES
-        self.lanes_needed: dict[str, set[str]] = {
-            speech_service: {TTS, ASR, ASR_FINAL},
-            realtime_service: {VAD, ASR, ASR_FINAL, TTS, reply_lane},
-            video_service: {VIDEO},
-            riva_asr: {VAD, ASR, ASR_FINAL},
-            riva_tts: {TTS},
-        }
-        self.lanes_needed[""] = set().union(*(self.lanes_needed[name] for name in self.services))
+        self.services = SERVICE_NAMES + (RIVA_SERVICE_NAMES if config.network.riva else [])
+        self.lanes_needed = self._lanes_needed(config, lanes)
         scheduler.on_health(self._lanes_changed)
         self.health = health.aio.HealthServicer()
         self.state = "starting"  # then serving; on SIGTERM leaving (drain_delay_s), draining, stopped
@@ -202,41 +139,90 @@ class RtmediaServer:
         self.port = 0
         self._server: grpc.aio.Server | None = None
 
-    def _asr_batch(self, kind: str, decodes: int) -> None:
-        self.metrics.asr_decodes.labels(kind).inc(decodes)
-        self.metrics.asr_batch.labels(kind).observe(decodes)
+    def _add_lanes(self, config: ServerConfig) -> tuple[VadEngine, VadTick, dict[str, LmLane]]:
+        """Every engine's lane: TTS, the recogniser's two, video, the VAD tick, the acoustic turn
+        scorer when asked for, and one LM lane per LM engine."""
+        scheduler = self.scheduler
+        deadline = config.step_deadline
+        voices = default_voices() + [voice_from_path(p) for p in config.tts.voices]
+        # One clause per step (Piper synthesises one text at a time, and a batch would hold every
+        # result until its last one is done), two steps at once on the two cores.
+        scheduler.add(TTS, TtsEngine(voices, intra_op_threads=config.tts.threads, precision=config.tts.precision),
+                      LanePolicy(max_batch=1, concurrency=config.tts.concurrency, step_deadline_s=deadline(TTS)))
+        add_asr(config, scheduler, self.placement, self.metrics, deadline)  # server/lanes/recognizer.py
+        # Video decode: one latent step per work item, BULK, so speech runs between any two steps.
+        scheduler.add(VIDEO, build_video_engine(config, self.placement, self.metrics),
+                      LanePolicy(Priority.BULK, max_batch=1, concurrency=1, step_deadline_s=deadline(VIDEO)))
+        # The VAD tick: every window, one batched step over every session's new audio.
+        vad = VadEngine(parallel_runs=config.vad.threads)
+        denoiser = Denoiser()  # the sessions' noise reduction, in the tick (server/hearing/audio_input.py)
+        denoiser.load()
+        vad_tick = VadTick(vad, denoiser)
+        vad_tick.wake = scheduler.add_tick(VAD, vad, WINDOW_MS, vad_tick.collect, vad_tick.process,
+                                           vad_tick.deliver, step_deadline_s=deadline(VAD)).wake
+        if config.turn.audio_model:  # semantic_vad's acoustic scorer: single calls (batching gains nothing)
+            path = None if config.turn.audio_model == "smart-turn" else config.turn.audio_model
+            scheduler.add(TURN_AUDIO, AcousticTurnModel(path),
+                          LanePolicy(Priority.REALTIME, max_batch=1, step_deadline_s=deadline(TURN_AUDIO)))
+        lanes = {name: scheduler.add_lm(name, engine, deadline(name))
+                 for name, engine in build_lm_engines(config, self.placement, self.metrics).items()}
+        return vad, vad_tick, lanes
 
-    def _add_asr(self, config: ServerConfig, scheduler: Scheduler, deadline: Callable[[str], float | None]) -> None:
-        """The recogniser's two lanes: `asr` for audio, `asr_final` for the items that only end
-        an utterance, so a turn's final never queues behind other streams' audio."""
-        if config.asr == "whisper":
-            # One model in this process, running `asr_parallel` batches at once. The `asr` lane has
-            # as many runners, each stepping the items of its share of the streams as one batch
-            # (sharded by stream, so a stream's items stay in order); `asr_final` has one.
-            whisper = build_whisper_engine(config, self.placement, self.metrics, self._asr_batch)
-            self.metrics.asr_streams.labels("0").set_function(functools.partial(whisper.streams_on, 0))
-            self.metrics.asr_partial_cadence.set_function(lambda: whisper.partial_cadence_ms)
-            scheduler.add(ASR, whisper, LanePolicy(Priority.REALTIME, max_batch=256, concurrency=config.asr_parallel,
-                                                   shard=lambda item: item.stream.id, step_deadline_s=deadline(ASR)))
-            scheduler.add(ASR_FINAL, whisper, LanePolicy(Priority.REALTIME, max_batch=256,
-                                                         step_deadline_s=deadline(ASR_FINAL)),
-                          lambda items: whisper.step(items, urgent=True))
-            return
-        # One runner per PocketSphinx worker, each stepping only its own streams' items; the
-        # `asr_final` lane's items each worker answers mid-step (its urgent pipe). A worker silent
-        # past the lanes' step deadline is killed and restarted, so a hung worker's lane recovers
-        # at its deadline.
-        silent = max(deadline(ASR) or 0, deadline(ASR_FINAL) or 0) or None
-        asr = AsrEngine(workers=config.asr_workers, decoders=config.asr_decoders,
-                        on_restart=lambda worker: self.metrics.asr_worker_restarts.labels(str(worker)).inc(),
-                        **({"reply_timeout_s": silent} if silent else {}))
-        for worker in range(config.asr_workers):  # read when scraped
-            self.metrics.asr_streams.labels(str(worker)).set_function(functools.partial(asr.streams_on, worker))
-            self.metrics.asr_decoders.labels(str(worker)).set_function(functools.partial(asr.decoders_on, worker))
-        for name, step in ((ASR, None), (ASR_FINAL, lambda items: asr.step(items, urgent=True))):
-            scheduler.add(name, asr, LanePolicy(Priority.REALTIME, max_batch=64, concurrency=config.asr_workers,
-                                                shard=lambda item: item.stream.worker,
-                                                step_deadline_s=deadline(name)), step)
+    def _add_responders(self, config: ServerConfig, lanes: dict[str, LmLane]) -> dict[str, Responder]:
+        """The responders on offer; those that are not an LM lane's get a stream lane each."""
+        scheduler = self.scheduler
+        extra = {}
+        if config.openai.url:
+            extra["openai"] = OpenAIResponder(config.openai.url, config.openai.model, os.environ.get("OPENAI_API_KEY"))
+        responders = build_responders(lanes, extra)
+        if config.lm.default_responder not in responders:
+            raise ValueError(f"default_responder {config.lm.default_responder!r} is not available; "
+                             f"available: {', '.join(sorted(responders))}")
+        for name in responders.keys() - lanes.keys():  # replies that are not an LM lane's: one stream lane each
+            scheduler.add_stream(f"reply-{name}", LanePolicy(Priority.INTERACTIVE, concurrency=config.limits.max_sessions))
+        return responders
+
+    def _realtime_service(self, config: ServerConfig) -> RealtimeService:
+        """Converse's servicer, with the sessions' defaults and limits from the config."""
+        return RealtimeService(self.access, max_sessions=config.limits.max_sessions,
+                       lm_slots=config.lm.slots, capacity=config.limits.capacity_sessions,
+                       refuse_at_capacity=config.limits.refuse_at_capacity,
+                       replica=config.network.replica_name or socket.gethostname(),
+                       defaults=SessionSettings(responder=config.lm.default_responder,
+                                                turn_type=config.turn.detection,
+                                                eagerness=config.turn.eagerness,
+                                                noise_reduction="" if config.vad.noise_reduction == "off"
+                                                else config.vad.noise_reduction),
+                       limits=Limits(
+                           early_finals=config.asr.early_finals,
+                           turn_thresholds={k: tuple(v) for k, v in
+                                            config.semantic_thresholds.items()},
+                           max_outbox_events=config.limits.outbox_events,
+                           max_outbox_bytes=config.limits.outbox_bytes,
+                           max_text_chars=config.limits.text_chars,
+                           max_instructions_chars=config.limits.instructions_chars,
+                           max_id_bytes=config.limits.id_bytes,
+                           max_session_s=config.limits.max_duration_s,
+                           max_idle_timeout_s=config.limits.max_idle_s,
+                           tool_fillers=tuple(config.limits.tool_fillers),
+                           tool_apology=config.limits.tool_apology))
+
+    def _lanes_needed(self, config: ServerConfig, lanes: dict[str, LmLane]) -> dict[str, set[str]]:
+        """The lanes each service needs ("": what any service needs; a responder other than the
+        default is not among them): a lane that cannot recover makes those NOT_SERVING."""
+        reply_lane = config.lm.default_responder if config.lm.default_responder in lanes else \
+            f"reply-{config.lm.default_responder}"
+        speech_service, realtime_service, video_service = SERVICE_NAMES
+        riva_asr, riva_tts = RIVA_SERVICE_NAMES
+        needed: dict[str, set[str]] = {
+            speech_service: {TTS, ASR, ASR_FINAL},
+            realtime_service: {VAD, ASR, ASR_FINAL, TTS, reply_lane},
+            video_service: {VIDEO},
+            riva_asr: {VAD, ASR, ASR_FINAL},
+            riva_tts: {TTS},
+        }
+        needed[""] = set().union(*(needed[name] for name in self.services))
+        return needed
 
     def refusal(self) -> tuple[str, str] | None:
         if self.state in ("serving", "leaving"):
@@ -302,38 +288,38 @@ class RtmediaServer:
                           *([RpcTracing(self.tracing)] if self.tracing is not None else [])],
         )
         speech_pb2_grpc.add_SpeechServiceServicer_to_server(
-            SpeechService(self.access, self.config.max_text_chars), server
+            SpeechService(self.access, self.config.network.max_text_chars), server
         )
         realtime_pb2_grpc.add_RealtimeServiceServicer_to_server(self.realtime, server)
         video_pb2_grpc.add_VideoServiceServicer_to_server(
             VideoService.from_config(self.access, self.config), server
         )
-        if self.config.riva:  # NVIDIA Riva's speech API on the same engines
+        if self.config.network.riva:  # NVIDIA Riva's speech API on the same engines
             riva_asr_pb2_grpc.add_RivaSpeechRecognitionServicer_to_server(
                 RivaAsrService(self.access), server)
             riva_tts_pb2_grpc.add_RivaSpeechSynthesisServicer_to_server(
-                RivaTtsService(self.access, self.config.max_text_chars), server)
+                RivaTtsService(self.access, self.config.network.max_text_chars), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [*self.services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server,
         )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{self.config.host}:{self.config.port}"
+        address = f"{self.config.network.host}:{self.config.network.port}"
         if self.tls is not None:
             self.port = server.add_secure_port(address, self.tls.credentials())
         else:
             self.port = server.add_insecure_port(address)
         if self.port == 0:
-            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+            raise OSError(f"could not bind {self.config.network.host}:{self.config.network.port}")
         if private:
             self._private_dir = tempfile.mkdtemp(prefix="rtmedia-")  # mode 0700
             self.private_target = f"unix:{self._private_dir}/grpc.sock"
             server.add_insecure_port(self.private_target)
         await server.start()
         self._server = server
-        log.info("listening", extra={"host": self.config.host, "port": self.port, "tls": self.tls is not None,
-                                     "mutual_tls": bool(self.config.tls_client_ca), "auth": self.tokens.enabled})
+        log.info("listening", extra={"host": self.config.network.host, "port": self.port, "tls": self.tls is not None,
+                                     "mutual_tls": bool(self.config.auth.tls_client_ca), "auth": self.tokens.enabled})
         where = self.placement.describe()
         log.info("engines on %s: LM %s, CUDA graphs %s", where["device"], where["lm_dtype"],
                  "on" if where["cuda_graphs"] else "off", extra=where)
@@ -350,16 +336,16 @@ class RtmediaServer:
         admitted), let active ones finish within the grace period, the delay included."""
         if self.state == "stopped":
             return
-        grace = self.config.grace_s if grace is None else grace
+        grace = self.config.network.grace_s if grace is None else grace
         started = time.monotonic()
-        if self.state == "serving" and self.config.drain_delay_s and grace:
+        if self.state == "serving" and self.config.network.drain_delay_s and grace:
             # Not ready at once, still admitting: a proxy polling readiness stops routing here
             # before any session would be refused.
             self.state = "leaving"
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             log.info("not ready; admitting sessions for the drain delay",
-                     extra={"drain_delay_s": self.config.drain_delay_s})
-            await asyncio.sleep(min(self.config.drain_delay_s, grace))
+                     extra={"drain_delay_s": self.config.network.drain_delay_s})
+            await asyncio.sleep(min(self.config.network.drain_delay_s, grace))
         self.state = "draining"
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = started + grace  # the delay counts against the grace period
@@ -385,9 +371,9 @@ async def serve(config: ServerConfig,
     front; the entry module passes it), dialling `target` (the server's private socket), and
     returns an object with `reload(tokens)`, `async drain(grace_s)` and `async stop()`."""
     server = RtmediaServer(config)
-    if config.metrics_port:
-        start_metrics_http(config.metrics_host, config.metrics_port, server.metrics.registry, server.http_status)
-        log.info("metrics", extra={"host": config.metrics_host, "port": config.metrics_port})
+    if config.network.metrics_port:
+        start_metrics_http(config.network.metrics_host, config.network.metrics_port, server.metrics.registry, server.http_status)
+        log.info("metrics", extra={"host": config.network.metrics_host, "port": config.network.metrics_port})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -410,7 +396,7 @@ async def serve(config: ServerConfig,
                 assert server.private_target is not None
                 bridge = await beside(config, server.private_target, server.tokens)
             await stopping
-        log.info("signal received: draining", extra={"grace_s": config.grace_s})
+        log.info("signal received: draining", extra={"grace_s": config.network.grace_s})
     finally:
         for task in (starting, stopping):
             task.cancel()
@@ -418,6 +404,6 @@ async def serve(config: ServerConfig,
                 await task
         loop.remove_signal_handler(signal.SIGHUP)
         # The bridge's peers are sessions of this server: both drain together, within the grace.
-        await asyncio.gather(server.stop(), *([bridge.drain(config.grace_s)] if bridge is not None else []))
+        await asyncio.gather(server.stop(), *([bridge.drain(config.network.grace_s)] if bridge is not None else []))
         if bridge is not None:
             await bridge.stop()

@@ -130,10 +130,11 @@ def check_speech() -> tuple[str, str, float | None]:
 
 def check_asr() -> tuple[str, str, float | None]:
     from rtmedia.server.config import ServerConfig
-    from rtmedia.server.lanes.placement import build_whisper_engine, placement
+    from rtmedia.server.lanes.placement import placement
+    from rtmedia.server.lanes.recognizer import build_recognizer
 
     config = ServerConfig()  # what `rtmedia serve` picks on this machine by default
-    engine = build_whisper_engine(config, placement(config), None)
+    engine = build_recognizer(config, placement(config), None)
     engine.load()
     try:
         engine.warmup()  # one decode

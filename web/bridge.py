@@ -74,6 +74,7 @@ from rtmedia.web.http_errors import ServerLog, error_response, json_errors, refu
 from rtmedia.web.openai.openai_api import OpenAIConfig, OpenAIFront, Upstream, openai_errors
 from rtmedia.web.openai.realtime_events import Translator
 from rtmedia.web.server_channel import server_channel, server_credentials, trace_context
+from rtmedia.web.settings import TwilioSettings, WebSettings
 from rtmedia.web.telephony.sip_api import SipCallsApi
 from rtmedia.web.telephony.twilio import TwilioConfig, TwilioDoor
 from rtmedia.web.webrtc.ice_binding import IceBinding, binding_in_force, ice_binding, install_ice_binding
@@ -565,20 +566,18 @@ def presented_token(request: web.Request) -> tuple[str | None, str | None]:
     return None, None
 
 
-async def start_beside(server_config: Any, target: str, tokens: TokenTable, sip_calls: str | None = None) -> Bridge:
-    """`rtmedia serve --web`: the bridge on the server's host, bridging to `target` (the server's
+async def start_beside(web: WebSettings, twilio: TwilioSettings, host: str, target: str, tokens: TokenTable,
+                       sip_calls: str | None = None) -> Bridge:
+    """`rtmedia serve --web`: the bridge on the server's `host` (with the `web` and `twilio` sections
+    of the server's configuration), bridging to `target` (the server's
     private plaintext address, e.g. `unix:/path`, that only this bridge dials) and checking the
     web port against `tokens`, the server's own table (the server calls `bridge.reload(tokens)`
     with the new one on SIGHUP, and `bridge.drain(grace_s)` on SIGTERM). The tokens browsers
     present go on to the server with their sessions. `sip_calls`: the SIP door's control URL
     (`serve --sip`), whose calls API the web port then serves."""
-    bridge = Bridge(BridgeConfig(target=target, host=server_config.host, port=server_config.web_port,
-                                 tls_cert=server_config.web_tls_cert, tls_key=server_config.web_tls_key,
-                                 max_peers=server_config.web_max_peers,
-                                 openai=OpenAIConfig() if server_config.web_openai_api else None,
-                                 twilio=TwilioConfig.load(server_config.web_twilio_auth_token_file,
-                                                          server_config.web_twilio_insecure,
-                                                          server_config.web_twilio_public_url)
-                                 if server_config.web_twilio else None, sip_calls=sip_calls), tokens)
+    bridge = Bridge(BridgeConfig(target=target, host=host, port=web.port, tls_cert=web.tls_cert, tls_key=web.tls_key,
+                                 max_peers=web.max_peers, openai=OpenAIConfig() if web.openai_api else None,
+                                 twilio=TwilioConfig.load(twilio.auth_token_file, twilio.insecure, twilio.public_url)
+                                 if twilio.enabled else None, sip_calls=sip_calls), tokens)
     await bridge.start()
     return bridge

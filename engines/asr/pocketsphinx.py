@@ -247,6 +247,11 @@ class AsrEngine:
         return LanePlan(max_batch=64, runners=self._n, shard=by_worker, final_runners=self._n,
                         final_shard=by_worker, gauges=gauges)
 
+    @property
+    def open_streams(self) -> int:
+        with self._mu:
+            return len(self._open)
+
     def streams_on(self, worker: int) -> int:
         """Streams open on a worker (for the metrics)."""
         return self._load[worker]

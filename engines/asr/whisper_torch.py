@@ -291,21 +291,8 @@ class TorchBackend:
         `max_length` (module docstring)."""
         torch = self._torch
         tk = self.tokens
-        length = len(prompts[0])
-        if any(len(p) != length for p in prompts):
-            raise ValueError("a batch's prompts must be of one length")
-        sot = prompts[0].index(tk.sot)
-        begin = sot
-        while begin < length and tk.sot <= prompts[0][begin] <= tk.no_timestamps:
-            begin += 1
-        if begin != length:
-            raise ValueError("a prompt ends with its task tokens (no text after them)")
-        total = max(max_tokens) + 4 + length
-        max_length = min(total // 2, total - (length - 1))
+        length, sot, max_length = self._lengths(prompts, max_tokens)
         batch = len(prompts)
-        if length + max_length > self.model.config.max_target_positions:
-            raise ValueError(f"a prompt of {length} tokens and {max_length} more pass the model's "
-                             f"{self.model.config.max_target_positions} positions")
         if self.static:
             padded = padded_batch(batch) if self.graphs is not None and self.graphs.eligible((encoded,)) else batch
             prompts = prompts + [prompts[0]] * (padded - batch)
@@ -364,11 +351,36 @@ class TorchBackend:
             finally:
                 if state is not None:
                     state.release()
-        results = []
         probs = no_speech.float().cpu().tolist()
-        for tokens, score, cap, prob in zip(out[:batch], scores.tolist()[:batch], max_tokens, probs[:batch],
-                                             strict=True):
-            score = score / len(tokens) if tokens else -math.inf  # CTranslate2's length penalty 1
+        return self._decoded(out[:batch], scores.tolist()[:batch], max_tokens, probs[:batch])
+
+    def _lengths(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[int, int, int]:
+        """A batch's prompt length, where its start-of-transcript token is, and the tokens it may
+        generate (CTranslate2's `max_length`); ValueError for prompts the decode cannot take."""
+        tk = self.tokens
+        length = len(prompts[0])
+        if any(len(p) != length for p in prompts):
+            raise ValueError("a batch's prompts must be of one length")
+        sot = prompts[0].index(tk.sot)
+        begin = sot
+        while begin < length and tk.sot <= prompts[0][begin] <= tk.no_timestamps:
+            begin += 1
+        if begin != length:
+            raise ValueError("a prompt ends with its task tokens (no text after them)")
+        total = max(max_tokens) + 4 + length
+        max_length = min(total // 2, total - (length - 1))
+        if length + max_length > self.model.config.max_target_positions:
+            raise ValueError(f"a prompt of {length} tokens and {max_length} more pass the model's "
+                             f"{self.model.config.max_target_positions} positions")
+        return length, sot, max_length
+
+    @staticmethod
+    def _decoded(out: list[list[int]], scores: list[float], max_tokens: list[int], probs: list[float]
+                 ) -> list[Decoded]:
+        """Each row's tokens (up to its cap) with CTranslate2's score (length penalty 1)."""
+        results = []
+        for tokens, score, cap, prob in zip(out, scores, max_tokens, probs, strict=True):
+            score = score / len(tokens) if tokens else -math.inf
             results.append(Decoded(tokens[:cap], score / max(1, len(tokens)), prob))
         return results
 

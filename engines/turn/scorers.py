@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rtmedia.engines.asr.whisper import normal_words
+from rtmedia.engines.asr.contract import normal_words
 from rtmedia.engines.base import EngineError, package_file
 
 # The system message of every scoring prompt (the thresholds were measured with it).

@@ -61,13 +61,22 @@ def _taps(weight: np.ndarray, taps: list[int]) -> np.ndarray:
     return np.ascontiguousarray(weight[:, :, taps].transpose(2, 1, 0).reshape(-1, weight.shape[0]))
 
 
-def batched_model(path: str) -> bytes:
-    """The serialized ONNX model computing Silero VAD at 16 kHz with batch-wide GEMMs."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+# The graph's integer constants: slice bounds, pads and shapes.
+_INTS = {
+    "i0": [0], "i1": [1], "i2": [2], "i3": [3], "i4": [4], "i5": [5], "i6": [6], "i129": [129],
+    "end": [1 << 30],
+    "pad_right_64": [0, 0, 0, 64],  # [B, 576] -> [B, 640]
+    "pad_frames_both": [0, 1, 0, 0, 1, 0],  # [B, T, C] -> [B, T + 2, C]
+    "pad_frames_front": [0, 1, 0, 0, 0, 0],  # [B, T, C] -> [B, T + 1, C]
+    "chunks": [0, 5, 128],
+    "flat_128": [0, 128],
+}
 
+
+def _weights(path: str) -> dict[str, np.ndarray]:
+    """The Silero weights the batched graph uses, laid out for its GEMMs."""
     w = read_weights(path)
-    tensors = {
+    return {
         "w_stft": np.ascontiguousarray(w["stft.forward_basis_buffer"][:, 0, :].T),  # [256, 258]
         "w1": _taps(w["encoder.0.reparam_conv.weight"], [0, 1, 2]), "b1": w["encoder.0.reparam_conv.bias"],
         "w2": _taps(w["encoder.1.reparam_conv.weight"], [0, 1, 2]), "b2": w["encoder.1.reparam_conv.bias"],
@@ -81,15 +90,14 @@ def batched_model(path: str) -> bytes:
         "w_out": np.ascontiguousarray(w["decoder.decoder.2.weight"][0]),  # [128, 1]
         "b_out": w["decoder.decoder.2.bias"],
     }
-    ints = {
-        "i0": [0], "i1": [1], "i2": [2], "i3": [3], "i4": [4], "i5": [5], "i6": [6], "i129": [129],
-        "end": [1 << 30],
-        "pad_right_64": [0, 0, 0, 64],  # [B, 576] -> [B, 640]
-        "pad_frames_both": [0, 1, 0, 0, 1, 0],  # [B, T, C] -> [B, T + 2, C]
-        "pad_frames_front": [0, 1, 0, 0, 0, 0],  # [B, T, C] -> [B, T + 1, C]
-        "chunks": [0, 5, 128],
-        "flat_128": [0, 128],
-    }
+
+
+def batched_model(path: str) -> bytes:
+    """The serialized ONNX model computing Silero VAD at 16 kHz with batch-wide GEMMs."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    tensors, ints = _weights(path), _INTS
     nodes = []
 
     def op(kind: str, inputs: list[str], out: str, **attrs: object) -> str:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from rtmedia.engines.asr.pocketsphinx import SAMPLE_RATE, AsrEvent, AsrItem
+from rtmedia.engines.asr.contract import SAMPLE_RATE, AsrEvent, AsrItem
 from rtmedia.engines.base import EngineError
 from rtmedia.server.lanes.scheduler import Priority
 from rtmedia.v1 import common_pb2

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from rtmedia.engines.asr.pocketsphinx import AsrEvent
+from rtmedia.engines.asr.contract import AsrEvent
 from rtmedia.server.hearing.audio_input import BYTES_PER_SAMPLE, WINDOW_MS, Action, AudioInput
 from rtmedia.server.hearing.endpointing import DEFAULTS, HistoryEndpointer
 from rtmedia.server.hearing.recognition import Recognizer, Turn

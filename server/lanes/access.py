@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from rtmedia.engines.asr.pocketsphinx import AsrEngine, AsrEvent, AsrItem, AsrStream, language_code
+from rtmedia.engines.asr.contract import AsrEvent, AsrItem, AsrStream, language_code
+from rtmedia.engines.asr.pocketsphinx import AsrEngine
 from rtmedia.engines.asr.whisper import WhisperEngine
 from rtmedia.engines.audio.denoise import DenoiseStream
 from rtmedia.engines.responders.contract import (

@@ -11,8 +11,8 @@ built from the result:
 | cpu | float32, int8 linear layers unless `lm_quantize none`; eager | float32, eager |
 | cuda | bfloat16; the decode step captured as CUDA graphs at warm-up for each padded batch size (`lm_batch_sizes`) | float32; steady-state decode steps admitted as graphs (`max_graphs`, `min_free_bytes`); `video_fast_path fused`: Triton decoder kernels |
 
-Whisper (`build_whisper_engine`) runs on CTranslate2 (int8) on a CPU and on torch (float16) on
-CUDA, its encoder and decoder step admitted as graphs up to `asr_max_graphs`
+Whisper (built by name in server/lanes/recognizer.py) runs on CTranslate2 (int8) on a CPU and on
+torch (float16) on CUDA, its encoder and decoder step admitted as graphs up to `asr_max_graphs`
 (`asr_backend`, `asr_compute_type` and `asr_model` choose otherwise).
 
 `cuda_graphs: false` (`--no-cuda-graphs`) runs everything eagerly. Each
@@ -24,14 +24,10 @@ engine's graph runner counts its replays and its misses by reason into
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from rtmedia.engines.asr.whisper import WhisperEngine
-from rtmedia.engines.base import EngineError
 from rtmedia.engines.graphs import MISS_REASONS, GraphConfig, GraphRunner
 from rtmedia.engines.lm.engine import EmbeddedLmEngine, LmEngine
 from rtmedia.engines.video.decoder import VideoEngine
@@ -84,19 +80,19 @@ def resolve_device(setting: str) -> torch.device:
 
 def placement(config: ServerConfig) -> Placement:
     """The device, LM precision and graph settings the engines use; ValueError names a bad setting."""
-    device = resolve_device(config.device)
-    if config.lm_quantize not in LM_QUANTIZE:
-        raise ValueError(f"lm_quantize {config.lm_quantize!r}: expected one of {', '.join(LM_QUANTIZE)}")
-    if device.type == "cuda" and config.lm_quantize == "int8":
+    device = resolve_device(config.compute.device)
+    if config.lm.quantize not in LM_QUANTIZE:
+        raise ValueError(f"lm_quantize {config.lm.quantize!r}: expected one of {', '.join(LM_QUANTIZE)}")
+    if device.type == "cuda" and config.lm.quantize == "int8":
         raise ValueError(f"lm_quantize int8 is the CPU path (per-row int8 matmuls) and cannot run on {device}; "
                          "on CUDA the LM runs in bfloat16: use --lm-quantize auto (or none), or --device cpu")
-    if config.video_fast_path not in VIDEO_FAST_PATHS:
-        raise ValueError(f"video_fast_path {config.video_fast_path!r}: expected one of {', '.join(VIDEO_FAST_PATHS)}")
-    if not config.lm_batch_sizes or min(config.lm_batch_sizes) < 1:
-        raise ValueError(f"lm_batch_sizes {config.lm_batch_sizes!r}: expected positive batch sizes")
-    quantize = "int8" if device.type == "cpu" and config.lm_quantize != "none" else None
-    graphs = GraphConfig(max_graphs=config.max_graphs, min_free_bytes=config.min_free_bytes,
-                         enforce_eager=not config.cuda_graphs)
+    if config.video.fast_path not in VIDEO_FAST_PATHS:
+        raise ValueError(f"video_fast_path {config.video.fast_path!r}: expected one of {', '.join(VIDEO_FAST_PATHS)}")
+    if not config.lm.batch_sizes or min(config.lm.batch_sizes) < 1:
+        raise ValueError(f"lm_batch_sizes {config.lm.batch_sizes!r}: expected positive batch sizes")
+    quantize = "int8" if device.type == "cpu" and config.lm.quantize != "none" else None
+    graphs = GraphConfig(max_graphs=config.compute.max_graphs, min_free_bytes=config.compute.min_free_bytes,
+                         enforce_eager=not config.compute.cuda_graphs)
     return Placement(device, torch.bfloat16 if device.type == "cuda" else torch.float32, quantize, graphs)
 
 
@@ -115,53 +111,34 @@ def graph_runner(engine: str, where: Placement, metrics: Metrics | None) -> Grap
 def build_lm_engines(config: ServerConfig, where: Placement, metrics: Metrics) -> dict[str, LmEngine]:
     """The LM engine of each LM lane: `llm` (the embedded SmolLM2, or a synthetic model) and
     `transformers` (a local directory), on the placement's device and precision."""
-    if config.synthetic_lm and not config.llm:
+    if config.lm.synthetic_lm and not config.lm.llm:
         raise ValueError("synthetic_lm builds the llm lane; it cannot be combined with llm: false (--no-llm)")
 
     def options(lane: str) -> dict[str, Any]:
-        return dict(slots=config.lm_slots, context=config.lm_context, threads=config.lm_threads,
-                    batch_sizes=tuple(config.lm_batch_sizes), dtype=where.lm_dtype, device=where.device,
+        return dict(slots=config.lm.slots, context=config.lm.context, threads=config.lm.threads,
+                    batch_sizes=tuple(config.lm.batch_sizes), dtype=where.lm_dtype, device=where.device,
                     quantize=where.lm_quantize, graphs=graph_runner(lane, where, metrics))
 
     engines: dict[str, LmEngine] = {}
-    if config.synthetic_lm:
+    if config.lm.synthetic_lm:
         from rtmedia.engines.lm.synthetic import SHAPES, SyntheticLmEngine, describe
 
-        if config.synthetic_lm not in SHAPES:
-            raise ValueError(f"synthetic_lm {config.synthetic_lm!r}: expected one of {', '.join(SHAPES)}")
+        if config.lm.synthetic_lm not in SHAPES:
+            raise ValueError(f"synthetic_lm {config.lm.synthetic_lm!r}: expected one of {', '.join(SHAPES)}")
         log.warning("the llm lane runs on a %s: replies are gibberish; for capacity runs only",
-                    describe(config.synthetic_lm))
-        engines["llm"] = SyntheticLmEngine(config.synthetic_lm, **options("llm"))
-    elif config.llm:
+                    describe(config.lm.synthetic_lm))
+        engines["llm"] = SyntheticLmEngine(config.lm.synthetic_lm, **options("llm"))
+    elif config.lm.llm:
         engines["llm"] = EmbeddedLmEngine(**options("llm"))
-    if config.transformers_model:
-        engines["transformers"] = LmEngine(config.transformers_model, **options("transformers"))
+    if config.lm.transformers_model:
+        engines["transformers"] = LmEngine(config.lm.transformers_model, **options("transformers"))
     return engines
 
 
 def build_video_engine(config: ServerConfig, where: Placement, metrics: Metrics) -> VideoEngine:
     """The Wan VAE decoder (float32, its one precision) on the placement's device."""
-    if config.video_fast_path == "fused" and not where.cuda:
+    if config.video.fast_path == "fused" and not where.cuda:
         log.warning("video_fast_path fused on the CPU: the Triton kernels fall back to their torch "
                     "references (each fallback is recorded); it pays off on CUDA only")
-    return VideoEngine(config.video_vae, threads=config.video_threads, device=str(where.device),
-                       graphs=graph_runner("video", where, metrics), fast_path=config.video_fast_path)
-
-
-def build_whisper_engine(config: ServerConfig, where: Placement, metrics: Metrics | None,
-                         on_batch: Callable[[str, int], None] | None = None) -> WhisperEngine:
-    """The Whisper recogniser of the settings: its model directory, runtime (`auto`: torch with
-    CUDA graphs, at most `asr_max_graphs`, a failed capture running eagerly, on CUDA; CTranslate2
-    on a CPU) and precision. A
-    directory that is no Whisper model is a ValueError naming the file."""
-    runtime = config.asr_backend if config.asr_backend != "auto" else "torch" if where.cuda else "ct2"
-    graphs = None
-    if runtime == "torch":
-        asr = replace(where, graphs=replace(where.graphs, max_graphs=config.asr_max_graphs, eager_after_failure=True))
-        graphs = graph_runner("asr", asr, metrics)
-    try:
-        return WhisperEngine(Path(config.asr_model) if config.asr_model else None, intra_threads=config.asr_threads,
-                             inter_threads=config.asr_parallel, on_batch=on_batch, runtime=runtime,
-                             device=str(where.device), compute_type=config.asr_compute_type, graphs=graphs)
-    except EngineError as exc:
-        raise ValueError(f"asr_model: {exc}") from None
+    return VideoEngine(config.video.vae, threads=config.video.threads, device=str(where.device),
+                       graphs=graph_runner("video", where, metrics), fast_path=config.video.fast_path)

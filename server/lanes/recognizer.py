@@ -17,7 +17,7 @@ from rtmedia.engines.asr.contract import AsrItem, Recognizer, RecognizerSettings
 from rtmedia.engines.asr.registry import RECOGNIZERS
 from rtmedia.engines.base import EngineError
 from rtmedia.engines.graphs import GraphRunner
-from rtmedia.server.config import AsrSettings
+from rtmedia.server.config import AsrSettings, ServerConfig
 from rtmedia.server.lanes.access import ASR, ASR_FINAL
 from rtmedia.server.lanes.placement import Placement, graph_runner
 from rtmedia.server.lanes.scheduler import LanePolicy, Priority, Scheduler
@@ -42,10 +42,11 @@ def recognizer_settings(asr: AsrSettings, where: Placement, metrics: Metrics | N
         on_restart=functools.partial(_count_restart, metrics) if metrics is not None else None)
 
 
-def build_recognizer(asr: AsrSettings, where: Placement, metrics: Metrics | None,
+def build_recognizer(config: ServerConfig, where: Placement, metrics: Metrics | None,
                      reply_timeout_s: float | None = None) -> Recognizer:
     """The recogniser the `asr` setting names (engines/asr/registry.py). A model directory it cannot
     read is a ValueError naming `asr_model` and the file."""
+    asr = config.asr
     try:
         return RECOGNIZERS.build(asr.engine, recognizer_settings(asr, where, metrics, reply_timeout_s))
     except EngineError as exc:
@@ -67,12 +68,12 @@ def add_recognizer(scheduler: Scheduler, recognizer: Recognizer, metrics: Metric
                   functools.partial(_urgent, recognizer))
 
 
-def add_asr(asr: AsrSettings, scheduler: Scheduler, where: Placement, metrics: Metrics,
+def add_asr(config: ServerConfig, scheduler: Scheduler, where: Placement, metrics: Metrics,
             deadline: Callable[[str], float | None]) -> Recognizer:
     """Build the recogniser and add its lanes. A recogniser with worker processes restarts a worker
     silent past the lanes' step deadline, so a hung worker's lane recovers at its deadline."""
     silent = max(deadline(ASR) or 0, deadline(ASR_FINAL) or 0) or None
-    recognizer = build_recognizer(asr, where, metrics, silent)
+    recognizer = build_recognizer(config, where, metrics, silent)
     add_recognizer(scheduler, recognizer, metrics, deadline)
     return recognizer
 

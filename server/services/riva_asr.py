@@ -32,8 +32,7 @@ from typing import Any
 
 import grpc
 from riva.client.proto import riva_asr_pb2, riva_asr_pb2_grpc, riva_audio_pb2
-from rtmedia.engines.asr.pocketsphinx import ENGLISH, AsrEvent, language_code
-from rtmedia.engines.asr.whisper import normal_words
+from rtmedia.engines.asr.contract import ENGLISH, AsrEvent, language_code, normal_words
 from rtmedia.protocol.errors import shown
 from rtmedia.server.hearing.endpointing import DEFAULTS, check_endpointing
 from rtmedia.server.hearing.recognition import MAX_PROMPT_CHARS, Turn

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import grpc
 import numpy as np
-from rtmedia.engines.asr.pocketsphinx import AsrEvent, AsrItem
+from rtmedia.engines.asr.contract import AsrEvent, AsrItem
 from rtmedia.engines.audio.resample import (
     float_to_pcm16,
     make_resampler,

@@ -9,7 +9,7 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from rtmedia.engines.asr.pocketsphinx import ENGLISH, language_code
+from rtmedia.engines.asr.contract import ENGLISH, language_code
 from rtmedia.engines.responders.contract import FunctionTool
 from rtmedia.engines.tts.piper import MAX_SPEED, MIN_SPEED
 from rtmedia.server.session.interruptions import BOUNDS as INTERRUPTION_BOUNDS

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rtmedia.engines.asr.whisper import normal_words
+from rtmedia.engines.asr.contract import normal_words
 
 MODES = ("immediate", "confirmed")
 BACKCHANNELS = (

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from rtmedia.engines.asr.whisper import normal_words
+from rtmedia.engines.asr.contract import normal_words
 from rtmedia.engines.base import EngineError
 from rtmedia.engines.responders.contract import (
     CallDelta,
