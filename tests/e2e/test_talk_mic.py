@@ -265,7 +265,7 @@ def test_the_probe_starts_portaudio_where_the_audio_system_works():
 
 def test_portaudio_failing_past_the_probe_is_a_device_error(tmp_path):
     """Should PortAudio start in the probe and then fail here, the error is still one DeviceError line."""
-    code = ("from rtmedia.clients import audio_devices as ad\nad._probed = ''\n"
+    code = ("from rtmedia.clients.commands import audio_devices as ad\nad._probed = ''\n"
             "try:\n    ad.portaudio()\nexcept ad.DeviceError as exc:\n    print(exc)\n")
     path = alsa_config(tmp_path, "unparsable")
     result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ALSA_CONFIG_PATH": path},

@@ -91,7 +91,7 @@ async def server(upstream, exporter, session_ends, tmp_path_factory):
     tracing = Tracing(SimpleSpanProcessor(exporter))
     tracing.provider.add_span_processor(session_ends)
     srv = RtmediaServer(
-        ServerConfig(
+        ServerConfig.of(
             port=0,
             metrics_port=0,
             grace_s=1,
