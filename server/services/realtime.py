@@ -204,13 +204,15 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
 
     async def _read(self, session: Session, request_iterator: Any, recordings: Recordings | None = None) -> None:
         """The reader: every client event goes to the session as it arrives (a draining session
-        still hears the turn in flight). Once the session is closed, what the client had in flight
+        still hears the turn in flight), once what the one before started is in place
+        (`Session.settled`). Once the session is closed, what the client had in flight
         is read and dropped (session.closed said so) until it half-closes. A request that does not
         decode ends the call (server/security/interceptors.py ends it with INVALID_ARGUMENT, cancelling the
         writer): the session keeps that as its closing reason, so that its end is logged with it
         and not as a cancellation."""
         try:
             async for request in request_iterator:
+                await session.settled()
                 if session.outbox.closed:
                     continue
                 if recordings is None:

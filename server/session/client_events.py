@@ -10,6 +10,7 @@ recogniser feed, the reply pipeline, the conversation items, the idle-turn timer
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,7 @@ class ClientEvents:
     idle: IdleTimer
     recognizer: Recognizer
     input: AudioInput
+    settling: asyncio.Task[None] | None  # a change the next client event waits for (see `settled`)
 
     def handle(self, request: realtime_pb2.ConverseRequest) -> None:
         """Handle one client event and answer it before the next is handled: the answer (success
@@ -86,6 +88,14 @@ class ClientEvents:
                        event_id)
             return
         handler(getattr(request, kind), event_id)
+
+    async def settled(self) -> None:
+        """Wait for what the last client event started and the next must find in place (a noise
+        suppressor being opened: the audio sent after the session.update is heard through it)."""
+        if (settling := self.settling) is not None:
+            await asyncio.wait([settling])
+            if self.settling is settling:
+                self.settling = None
 
     def _oversized_id(self, request: realtime_pb2.ConverseRequest, kind: str | None) -> tuple[str, int] | None:
         """(field, bytes) of an id the server would echo that is over `max_id_bytes`, or None."""
@@ -169,7 +179,8 @@ class ClientEvents:
 
     def _noise_reduction(self, kind: str) -> None:
         """The VAD hears the input through a `kind` suppressor from the next tick after it is open
-        ("": none); the tick closes the one it replaces."""
+        ("": none); the tick closes the one it replaces. The next client event waits for it
+        (`settled`), so every chunk sent after the change goes through the new suppressor."""
         async def hand_over() -> None:
             stream = await self.access.vad.denoise(kind) if kind else None
             if self.settings.noise_reduction == kind:
@@ -177,7 +188,7 @@ class ClientEvents:
             elif stream is not None:  # changed again meanwhile
                 await self.access.vad.close_denoise(stream)
 
-        self.spawn(hand_over(), "noise-reduction")
+        self.settling = self.spawn(hand_over(), "noise-reduction")
 
     def on_input_audio_buffer_commit(self, event: Any, event_id: str) -> None:
         if self.settings.vad_turns:

@@ -139,6 +139,7 @@ class Session(ClientEvents):
         self.semantic = SemanticTurns(self.id, access.turns, self.metrics, lambda: self.settings,
                                       self._end_turn_at, self.spawn, self.limits.turn_thresholds)
         self.track(self.recognizer.start(f"session-{self.id}-asr"))
+        self.settling = None
         if settings.noise_reduction:
             self._noise_reduction(settings.noise_reduction)
 
