@@ -196,7 +196,7 @@ class RtmediaServer:
                        limits=Limits(
                            early_finals=config.asr.early_finals,
                            turn_thresholds={k: tuple(v) for k, v in
-                                            config.semantic_thresholds.items()},
+                                            config.turn.semantic_thresholds.items()},
                            max_outbox_events=config.limits.outbox_events,
                            max_outbox_bytes=config.limits.outbox_bytes,
                            max_text_chars=config.limits.text_chars,

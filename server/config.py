@@ -89,15 +89,6 @@ class ServerConfig:
         """Old spellings of keys rewritten to today's (none of the server's own)."""
         return values
 
-    def __getattr__(self, key: str) -> Any:
-        """A flat key read as before (`config.asr_threads`): the field of its section. Keys that
-        name a section (`asr`, `web`, `sip`) read the section."""
-        index = flat_index(type(self))
-        if key.startswith("_") or key not in index:
-            raise AttributeError(f"{type(self).__name__} has no setting {key!r}")
-        attr, name = index[key]
-        return getattr(object.__getattribute__(self, attr), name)
-
     @classmethod
     def keys(cls) -> list[str]:
         """Every flat key, in declaration order."""

@@ -92,8 +92,12 @@ def test_capacity_settings_parse_and_are_checked():
     args = build_parser().parse_args(["serve", "--capacity-sessions", "16", "--admit-over-capacity",
                                       "--drain-delay", "2", "--replica-name", "pod-1"])
     config = config_from_args(args)
-    assert (config.capacity_sessions, config.refuse_at_capacity, config.drain_delay_s, config.replica_name) == \
-        (16, False, 2.0, "pod-1")
+    assert (
+        config.limits.capacity_sessions,
+        config.limits.refuse_at_capacity,
+        config.network.drain_delay_s,
+        config.network.replica_name,
+    ) == (16, False, 2.0, "pod-1")
     with pytest.raises(ValueError, match=r"capacity_sessions must be within 0\.\.max_sessions"):
         ServerConfig.of(capacity_sessions=300)
     with pytest.raises(ValueError, match=r"drain_delay_s must be within 0\.\.grace_s"):

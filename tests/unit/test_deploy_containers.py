@@ -376,21 +376,23 @@ def test_image_runs_the_server_as_a_container_needs(name):
     settings = data.get("server", data)
     assert set(settings) <= {f for f in ServeConfig.keys()}, set(settings) - set(ServeConfig.keys())
     from_file = ServeConfig.load(deploy_file)
-    assert from_file.host == "0.0.0.0" and from_file.metrics_host == "0.0.0.0"
+    assert from_file.network.host == "0.0.0.0" and from_file.network.metrics_host == "0.0.0.0"
     args.config = str(deploy_file)
     config = config_from_args(args)
-    assert config.host == "0.0.0.0" and config.metrics_host == "0.0.0.0"  # reachable through a published port
-    assert config.web.enabled and config.device == ("cuda" if name == "cuda" else "auto")
+    assert (
+        config.network.host == "0.0.0.0" and config.network.metrics_host == "0.0.0.0"
+    )  # reachable through a published port
+    assert config.web.enabled and config.compute.device == ("cuda" if name == "cuda" else "auto")
     exposed = {int(p.split("/")[0]) for v in stage.values("EXPOSE") for p in v.split()}
-    assert exposed == {config.port, config.metrics_port, config.web_port}
+    assert exposed == {config.network.port, config.network.metrics_port, config.web.port}
     defaults = ServeConfig()
-    assert exposed == {defaults.port, defaults.metrics_port, defaults.web_port}
+    assert exposed == {defaults.network.port, defaults.network.metrics_port, defaults.web.port}
     # HEALTHCHECK: `rtmedia health` on grpc.health.v1 for the whole server, on its port
     options, argv = healthcheck(name)
     assert argv[0] == "rtmedia"
     health = parse(argv[1:])
     assert health.command == "health" and health.service == ""
-    assert is_loopback(target_host(health.target)) and int(health.target.rsplit(":", 1)[1]) == config.port
+    assert is_loopback(target_host(health.target)) and int(health.target.rsplit(":", 1)[1]) == config.network.port
     assert health.timeout < seconds(options["timeout"])
     assert seconds(options["start-period"]) >= 60 and int(options["retries"]) >= 1
     assert set(options) <= {"interval", "timeout", "start-period", "retries"}, options
@@ -527,21 +529,21 @@ def test_compose_server_runs_what_it_accepts(variant):
     assert name == "rtmedia"
     assert dockerfile_of(service) == ("cuda" if "gpu" in variant else "cpu")
     if "gpu" in variant:
-        assert config.device == "cuda"
+        assert config.compute.device == "cuda"
         (device,) = service["deploy"]["resources"]["reservations"]["devices"]
         assert device["capabilities"] == ["gpu"]
-    assert config.host == "0.0.0.0" and config.metrics_host == "0.0.0.0"  # Prometheus scrapes it by name
+    assert config.network.host == "0.0.0.0" and config.network.metrics_host == "0.0.0.0"  # Prometheus scrapes it by name
     assert not config.web.enabled  # the web front is its own service
     ports = published(service)
-    assert ("tcp", (config.port, config.port)) in ports
-    assert {p for _, p in ports} <= {(config.port,) * 2, (config.metrics_port,) * 2}, ports
-    assert seconds(service["stop_grace_period"]) > config.grace_s  # docker stop waits out the drain
+    assert ("tcp", (config.network.port, config.network.port)) in ports
+    assert {p for _, p in ports} <= {(config.network.port,) * 2, (config.network.metrics_port,) * 2}, ports
+    assert seconds(service["stop_grace_period"]) > config.network.grace_s  # docker stop waits out the drain
     # every file a flag names is a secret of the service, kept out of the repository and the images
     secrets = secret_files(model, service)
-    for path in (config.tls_cert, config.tls_key, config.tls_client_ca, config.auth_tokens):
+    for path in (config.auth.tls_cert, config.auth.tls_key, config.auth.tls_client_ca, config.auth.auth_tokens):
         if path:
             assert path in secrets, f"{path} is not one of the service's secrets"
-    assert bool(config.tls_cert) == bool(config.auth_tokens) == ("tls" in variant)
+    assert bool(config.auth.tls_cert) == bool(config.auth.auth_tokens) == ("tls" in variant)
     image = yaml.safe_load(image_file(dockerfile_of(service), DEPLOY_FILE).read_text())["server"]
     used = yaml.safe_load(Path(args.config).read_text())["server"]
     assert {k: used.get(k) for k in image} == image, "a mounted deploy file keeps the image's settings"
@@ -551,8 +553,8 @@ def test_compose_server_runs_what_it_accepts(variant):
     assert check["test"][1] == "rtmedia"
     health = parse(check["test"][2:])
     assert health.command == "health" and health.service == ""
-    assert is_loopback(target_host(health.target)) and int(health.target.rsplit(":", 1)[1]) == config.port
-    assert bool(health.ca) == bool(config.tls_cert)
+    assert is_loopback(target_host(health.target)) and int(health.target.rsplit(":", 1)[1]) == config.network.port
+    assert bool(health.ca) == bool(config.auth.tls_cert)
     if health.ca:
         assert str(health.ca) in secrets
     assert health.timeout < seconds(check["timeout"])
@@ -571,11 +573,11 @@ def test_compose_web_front_reaches_the_server(variant, monkeypatch):
     args = parse(service["command"])
     assert args.command == "web"
     bridge = bridge_config(args)  # the bridge's own checks (--udp-ports, TLS toward the server, ...)
-    assert target_host(args.target) == server_name and int(args.target.rsplit(":", 1)[1]) == config.port
+    assert target_host(args.target) == server_name and int(args.target.rsplit(":", 1)[1]) == config.network.port
     assert service["depends_on"][server_name]["condition"] == "service_healthy"
-    assert bridge.server_tls == bool(config.tls_cert)  # type: ignore[attr-defined]
-    if config.auth_tokens:  # the browser's token goes on to the server (over TLS), and the page wants one
-        assert bridge.forwards_tokens and args.auth_tokens == config.auth_tokens  # type: ignore[attr-defined]
+    assert bridge.server_tls == bool(config.auth.tls_cert)  # type: ignore[attr-defined]
+    if config.auth.auth_tokens:  # the browser's token goes on to the server (over TLS), and the page wants one
+        assert bridge.forwards_tokens and args.auth_tokens == config.auth.auth_tokens  # type: ignore[attr-defined]
     secrets = secret_files(model, service)
     for path in (args.tls_cert, args.tls_key, args.server_ca, args.server_cert, args.server_key, args.auth_tokens):
         if path:
@@ -623,8 +625,8 @@ def test_prometheus_scrapes_the_metrics_port(variant):
     scrape = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
     targets = [t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
     sip = parse(model["services"]["sip"]["command"])
-    assert targets == [f"{server_name}:{config.metrics_port}", f"sip:{sip.sip_control.rsplit(':', 1)[1]}"]
-    assert not is_loopback(config.metrics_host)
+    assert targets == [f"{server_name}:{config.network.metrics_port}", f"sip:{sip.sip_control.rsplit(':', 1)[1]}"]
+    assert not is_loopback(config.network.metrics_host)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -639,9 +641,9 @@ def test_compose_sip_door_reaches_the_server(variant, monkeypatch):
     args = parse([a.replace("${RTMEDIA_SIP_PUBLIC_ADDRESS:-127.0.0.1}", "127.0.0.1") for a in service["command"]])
     assert args.command == "sip"
     sip = sip_config(args)  # the door's own checks of its flags
-    assert target_host(args.target) == server_name and int(args.target.rsplit(":", 1)[1]) == config.port
-    assert bool(args.ca) == bool(config.tls_cert)
-    if config.auth_tokens:  # its sessions carry a token of the table
+    assert target_host(args.target) == server_name and int(args.target.rsplit(":", 1)[1]) == config.network.port
+    assert bool(args.ca) == bool(config.auth.tls_cert)
+    if config.auth.auth_tokens:  # its sessions carry a token of the table
         assert "RTMEDIA_TOKEN" in service["environment"]
     ports = published(service)
     assert ("udp", (sip.listen[1],) * 2) in ports and ("tcp", (sip.listen[1],) * 2) in ports

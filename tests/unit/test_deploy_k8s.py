@@ -375,7 +375,7 @@ def registered_services(config: ServerConfig) -> list[str]:
     from grpc_reflection.v1alpha import reflection
     from rtmedia.server.app import RIVA_SERVICE_NAMES, SERVICE_NAMES
 
-    return [*SERVICE_NAMES, *(RIVA_SERVICE_NAMES if config.riva else []),
+    return [*SERVICE_NAMES, *(RIVA_SERVICE_NAMES if config.network.riva else []),
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
 
 
@@ -477,14 +477,16 @@ def test_server_accepts_its_args_and_deploy_file(rendered, variant, tmp_path):
     # what ServerConfig knows
     data = yaml.safe_load(Path(args.config).read_text())
     assert set(data["server"]) <= set(ServeConfig.keys()), data
-    assert ServeConfig.load(args.config).capacity_sessions == data["server"]["capacity_sessions"]
-    assert config.host == "0.0.0.0" and config.metrics_host == "0.0.0.0"  # reachable on the pod's address
-    assert 0 < config.capacity_sessions <= config.max_sessions and config.refuse_at_capacity
-    assert config.replica_name == FIELD_VALUES["metadata.name"]  # --replica-name $(POD_NAME)
+    assert ServeConfig.load(args.config).limits.capacity_sessions == data["server"]["capacity_sessions"]
+    assert (
+        config.network.host == "0.0.0.0" and config.network.metrics_host == "0.0.0.0"
+    )  # reachable on the pod's address
+    assert 0 < config.limits.capacity_sessions <= config.limits.max_sessions and config.limits.refuse_at_capacity
+    assert config.network.replica_name == FIELD_VALUES["metadata.name"]  # --replica-name $(POD_NAME)
     (pod_name,) = [e for e in container(docs)["env"] if e["name"] == "POD_NAME"]
     assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     # the token file is the Secret's key
-    volume, key = mounted_file(docs, container(docs), config.auth_tokens)
+    volume, key = mounted_file(docs, container(docs), config.auth.auth_tokens)
     assert (volume["secret"]["secretName"], key) == ("rtmedia-tokens", "tokens")
     assert config.web.enabled == (variant not in WEBRTC)
 
@@ -495,13 +497,13 @@ def test_ports_and_probes_are_the_servers(rendered, variant, tmp_path):
     _, config = server_config(docs, tmp_path)
     c = container(docs)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports["grpc"] == config.port and ports["metrics"] == config.metrics_port
+    assert ports["grpc"] == config.network.port and ports["metrics"] == config.network.metrics_port
     for probe in ("startupProbe", "readinessProbe"):  # grpc.health.v1 for the whole server
-        assert c[probe]["grpc"]["port"] == config.port
+        assert c[probe]["grpc"]["port"] == config.network.port
         assert c[probe]["grpc"].get("service", "") == ""
     liveness = c["livenessProbe"]["httpGet"]
     assert liveness["path"] in metrics_http.CHECKS and metrics_http.CHECKS[liveness["path"]] == "live"
-    assert port_number(c, liveness["port"]) == config.metrics_port
+    assert port_number(c, liveness["port"]) == config.network.metrics_port
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # the first start converts the LM
     # the Service's ports reach the containers' ports by name, gRPC as h2c
@@ -513,7 +515,7 @@ def test_ports_and_probes_are_the_servers(rendered, variant, tmp_path):
     assert by_name["grpc"]["appProtocol"] == "kubernetes.io/h2c"
     for port in service["spec"]["ports"]:
         assert named[port["targetPort"]] == port["port"], port
-    web = config.web_port if config.web.enabled else \
+    web = config.web.port if config.web.enabled else \
         parse(expand(container(docs, "web"))).port
     assert by_name["web"]["port"] == web
     template_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
@@ -533,7 +535,7 @@ def test_termination_grace_covers_pre_stop_and_drain(rendered, variant, tmp_path
     for c in spec["containers"]:
         command = c["lifecycle"]["preStop"]["exec"]["command"]
         assert command[0] == "sleep", command
-        grace = config.grace_s if c["name"] == "rtmedia" else parse(expand(c)).grace
+        grace = config.network.grace_s if c["name"] == "rtmedia" else parse(expand(c)).grace
         assert spec["terminationGracePeriodSeconds"] > int(command[1]) + grace, (c["name"], command, grace)
         security = c["securityContext"]
         assert security["capabilities"]["drop"] == ["ALL"] and security["allowPrivilegeEscalation"] is False
@@ -582,8 +584,8 @@ def test_traffic_policies_outlast_the_session_caps(rendered, variant, tmp_path):
     docs = rendered[variant]
     _, config = server_config(docs, tmp_path)
     defaults = ServerConfig()
-    longest = max(config.session_max_duration_s, defaults.session_max_duration_s)
-    idlest = max(config.session_max_idle_s, defaults.session_max_idle_s)
+    longest = max(config.limits.max_duration_s, defaults.limits.max_duration_s)
+    idlest = max(config.limits.max_idle_s, defaults.limits.max_idle_s)
     backend = one(docs, "BackendTrafficPolicy")["spec"]
     targets = {(t["kind"], t["name"]) for t in backend["targetRefs"]}
     assert targets == {("GRPCRoute", one(docs, "GRPCRoute")["metadata"]["name"]),
@@ -623,14 +625,14 @@ def test_autoscaling_and_scraping_use_the_servers_metrics(rendered, variant, tmp
     assert 0 < float(trigger["metadata"]["threshold"]) < 1
     behavior = scaled["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     # a replica removed ends its sessions: scale down only after the longest idle a session may ask for
-    assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= config.session_max_idle_s
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= config.limits.max_idle_s
     monitor = one(docs, "ServiceMonitor")["spec"]
     service = one(docs, "Service", "rtmedia")
     assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     (endpoint,) = monitor["endpoints"]
     assert endpoint["path"] == "/metrics"
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]}[endpoint["port"]] == config.metrics_port
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]}[endpoint["port"]] == config.network.metrics_port
     # the query's job is the Service's name, which is the ServiceMonitor's default job label
     for selector in re.findall(r"\{([^}]*)\}", query):
         assert 'job="rtmedia"' in selector and "jobLabel" not in monitor
@@ -647,7 +649,7 @@ def test_cpu_overlay_sizes_two_cores(rendered, tmp_path):
     assert c["image"] == "registry.example.com/rtmedia:0.1.0"
     assert c["resources"]["requests"] == {"cpu": "2", "memory": "6Gi"}
     assert "cpu" not in c["resources"]["limits"]  # no CFS throttling of the realtime tick
-    assert config.device == "auto"
+    assert config.compute.device == "auto"
     assert "nvidia.com/gpu" not in json.dumps(pod_spec(docs))
 
 
@@ -657,13 +659,13 @@ def test_gpu_overlay_takes_one_gpu(rendered, tmp_path):
     c = container(docs)
     assert c["image"].endswith("-cuda")
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert config.device == "cuda"  # refuses to start without a GPU rather than run on the CPU
+    assert config.compute.device == "cuda"  # refuses to start without a GPU rather than run on the CPU
     spec = pod_spec(docs)
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert any(t["key"] == "nvidia.com/gpu" and t["effect"] == "NoSchedule" for t in spec["tolerations"])
     cpu_startup = container(rendered["cpu"])["startupProbe"]
     startup = c["startupProbe"]
-    assert startup["grpc"]["port"] == config.port  # the patch kept the probe, only longer
+    assert startup["grpc"]["port"] == config.network.port  # the patch kept the probe, only longer
     assert startup["periodSeconds"] * startup["failureThreshold"] > \
         cpu_startup["periodSeconds"] * cpu_startup["failureThreshold"]
 
@@ -682,7 +684,7 @@ def test_webrtc_bridge_takes_its_media_settings(rendered, variant, tmp_path):
     assert args.command == "web"
     bridge = bridge_config(args)  # BridgeConfig checks its settings as `rtmedia web` does
     host, _, port = bridge.target.rpartition(":")
-    assert host == "127.0.0.1" and int(port) == config.port  # the server over the pod's loopback
+    assert host == "127.0.0.1" and int(port) == config.network.port  # the server over the pod's loopback
     assert bridge.media_host == FIELD_VALUES["status.podIP"]
     lo, hi = bridge.udp_ports
     assert 1024 <= lo < hi <= 65535
@@ -709,7 +711,7 @@ def test_sip_door_takes_the_nodes_network_and_the_servers_port(rendered, tmp_pat
     assert args.command == "sip"
     sip = sip_config(args)  # the door's own checks of its flags
     host, _, port = args.target.rpartition(":")
-    assert host == "127.0.0.1" and int(port) == config.port
+    assert host == "127.0.0.1" and int(port) == config.network.port
     assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert sip.control is not None and sip.control[0] == "127.0.0.1"  # the calls API: loopback only
     assert {(p["containerPort"], p["protocol"]) for p in door["ports"]} == {(sip.listen[1], "UDP"), (sip.listen[1], "TCP")}

@@ -124,8 +124,8 @@ def test_punctuation_is_the_recognisers_else_sentence_case_and_a_period() -> Non
 def test_no_riva_flag_maps_onto_the_config() -> None:
     args = build_parser().parse_args(["serve", "--no-riva"])
     assert args.riva is False
-    assert ServerConfig.load(riva=args.riva).riva is False
-    assert ServerConfig.load(riva=build_parser().parse_args(["serve"]).riva).riva is True
+    assert ServerConfig.load(riva=args.riva).network.riva is False
+    assert ServerConfig.load(riva=build_parser().parse_args(["serve"]).riva).network.riva is True
     # health and reflection list (and start() registers) the Riva services only when on
     riva = {"nvidia.riva.asr.RivaSpeechRecognition", "nvidia.riva.tts.RivaSpeechSynthesis"}
     for on in (True, False):

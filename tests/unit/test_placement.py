@@ -39,12 +39,17 @@ def test_serve_flags_map_onto_config_fields() -> None:
     config = serve_config("--device", "cuda:0", "--no-cuda-graphs", "--max-graphs", "2", "--min-free-bytes", "0",
                           "--lm-batch-sizes", "1,4,16", "--synthetic-lm", "0.5b", "--video-fast-path", "fused",
                           "--lm-quantize", "none")
-    assert (config.device, config.cuda_graphs, config.max_graphs, config.min_free_bytes) == ("cuda:0", False, 2, 0)
-    assert config.lm_batch_sizes == [1, 4, 16] and config.synthetic_lm == "0.5b"
-    assert config.video_fast_path == "fused" and config.lm_quantize == "none"
+    assert (
+        config.compute.device,
+        config.compute.cuda_graphs,
+        config.compute.max_graphs,
+        config.compute.min_free_bytes,
+    ) == ("cuda:0", False, 2, 0)
+    assert config.lm.batch_sizes == [1, 4, 16] and config.lm.synthetic_lm == "0.5b"
+    assert config.video.fast_path == "fused" and config.lm.quantize == "none"
     default = serve_config()
-    assert (default.device, default.cuda_graphs, default.lm_quantize, default.synthetic_lm) == ("auto", True, "auto", None)
-    assert default.max_graphs == 4 and default.min_free_bytes == 1 << 30
+    assert (default.compute.device, default.compute.cuda_graphs, default.lm.quantize, default.lm.synthetic_lm) == ("auto", True, "auto", None)
+    assert default.compute.max_graphs == 4 and default.compute.min_free_bytes == 1 << 30
     assert set(cli.SYNTHETIC_SIZES) == set(SHAPES)
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--lm-batch-sizes", "1,x"])
@@ -145,7 +150,7 @@ def test_whisper_runtime_follows_the_device(fake_cuda) -> None:
 def test_serve_flags_choose_the_whisper_model() -> None:
     config = serve_config("--asr-model", "/models/w", "--asr-backend", "torch", "--asr-compute-type", "bfloat16",
                           "--asr-max-graphs", "9")
-    assert (config.asr_model, config.asr_backend, config.asr_compute_type, config.asr_max_graphs) == \
+    assert (config.asr.model, config.asr.backend, config.asr.compute_type, config.asr.max_graphs) == \
         ("/models/w", "torch", "bfloat16", 9)
     with pytest.raises(ValueError, match="asr_backend must be one of auto, ct2, torch, got 'onnx'"):
         ServerConfig.of(asr_backend="onnx")

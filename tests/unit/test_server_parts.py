@@ -27,7 +27,12 @@ def test_config_layers(tmp_path):
     path = tmp_path / "deploy.yaml"
     path.write_text("server:\n  port: 6000\n  grace_s: 5\n  asr_workers: 1\n")
     config = ServerConfig.load(path, port=7000, host=None)
-    assert (config.port, config.grace_s, config.asr_workers, config.host) == (7000, 5, 1, "127.0.0.1")
+    assert (config.network.port, config.network.grace_s, config.asr.workers, config.network.host) == (
+        7000,
+        5,
+        1,
+        "127.0.0.1",
+    )
 
 
 def test_config_rejects_unknown_keys(tmp_path):
@@ -38,7 +43,7 @@ def test_config_rejects_unknown_keys(tmp_path):
 
 
 def test_config_rejects_no_vad_runs():
-    assert ServerConfig.load(vad_threads=3).vad_threads == 3
+    assert ServerConfig.load(vad_threads=3).vad.threads == 3
     with pytest.raises(ValueError, match="vad_threads must be at least 1, got 0"):
         ServerConfig.load(vad_threads=0)
 
@@ -56,7 +61,7 @@ def test_stream_window_is_fixed_unless_zero():
 
 
 def test_config_rejects_an_unknown_tts_precision():
-    assert ServerConfig.load(tts_precision="fp32").tts_precision == "fp32"
+    assert ServerConfig.load(tts_precision="fp32").tts.precision == "fp32"
     with pytest.raises(ValueError, match="tts_precision must be one of auto, fp32, bf16, got 'int8'"):
         ServerConfig.load(tts_precision="int8")
 
@@ -65,7 +70,7 @@ def test_shipped_deploy_file_loads():
     from pathlib import Path
 
     config = ServerConfig.load(Path(__file__).resolve().parents[2] / "deploy" / "rtmedia.yaml")
-    assert config.port == 50051
+    assert config.network.port == 50051
 
 
 def test_rich_status_carries_error_info():
@@ -84,7 +89,7 @@ def test_rich_status_carries_error_info():
 def test_the_twilio_door_needs_the_web_port():
     from rtmedia.server.cli import ServeConfig
 
-    assert ServeConfig.of(web=True, web_twilio=True, web_twilio_insecure=True).web_twilio
+    assert ServeConfig.of(web=True, web_twilio=True, web_twilio_insecure=True).twilio.enabled
     for bad, part in (({"web_twilio": True}, "it needs web"),
                       ({"web": True, "web_twilio_insecure": True}, "need web_twilio"),
                       ({"web": True, "web_twilio": True, "auth_tokens": "tokens"}, "--server-token")):
@@ -95,7 +100,7 @@ def test_the_twilio_door_needs_the_web_port():
 def test_turn_detection_defaults_of_the_deploy_file_are_checked():
     config = ServerConfig.of(turn_detection="semantic_vad", turn_eagerness="high",
                           semantic_thresholds={"high": [-2.0, -3.0, -3.0]})
-    assert config.semantic_thresholds["high"] == [-2.0, -3.0, -3.0]
+    assert config.turn.semantic_thresholds["high"] == [-2.0, -3.0, -3.0]
     for bad, part in (({"turn_detection": "smart"}, "turn_detection must be server_vad or semantic_vad"),
                       ({"turn_eagerness": "eager"}, "turn_eagerness must be"),
                       ({"semantic_thresholds": {"high": [-1, -2]}}, "semantic_thresholds: high="),

@@ -84,7 +84,7 @@ def test_the_serve_flag_and_its_check_before_anything_starts(monkeypatch):
     args = build_parser().parse_args(["serve", "--otel-endpoint", "http://collector:4318"])
     assert (
         isinstance(args, argparse.Namespace)
-        and config_from_args(args).otel_endpoint == "http://collector:4318"
+        and config_from_args(args).tracing.endpoint == "http://collector:4318"
     )
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "thrift")
     with pytest.raises(ValueError, match="'thrift' is not supported"):
