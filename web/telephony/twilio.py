@@ -29,24 +29,25 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 from xml.sax.saxutils import quoteattr
 
-import grpc
 from aiohttp import WSCloseCode, WSMsgType, web
 from rtmedia.clients.errors import RtmediaError
-from rtmedia.clients.session import RealtimeSession
 from rtmedia.protocol.events import client_event
+from rtmedia.protocol.turn_kinds import SERVER_VAD
+from rtmedia.v1 import realtime_pb2
 from rtmedia.web.audio_encode import G711Encoder
+from rtmedia.web.door import STOP, Door, Fault, fault_of, on
 from rtmedia.web.http_errors import error_response
 
 log = logging.getLogger(__name__)
@@ -179,12 +180,15 @@ class TwilioDoor:
         return ws
 
 
-class TwilioCall:
-    """One Media Streams socket and its Converse session."""
+class TwilioCall(Door):
+    """One Media Streams socket and its Converse session: Twilio's messages are the door's
+    requests (`requests`), and the reply's audio, its marks and a barge-in's `clear` its answers."""
+
+    transport = TRANSPORT
 
     def __init__(self, door: TwilioDoor, request: web.Request, ws: web.WebSocketResponse) -> None:
+        super().__init__()
         self.door, self.request, self.ws = door, request, ws
-        self.session: RealtimeSession | None = None
         self.stream_sid = ""
         self.encoder = G711Encoder("pcm_mulaw")
         self.sent: dict[str, int] = {}  # reply samples sent to Twilio, per response
@@ -202,29 +206,17 @@ class TwilioCall:
         try:
             await self._open(start)
         except RtmediaError as exc:
-            busy = exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            if not busy:  # the door's own set-up (e.g. no --server-token for a server with tokens)
+            fault = fault_of(exc)
+            if not fault.busy:  # the door's own set-up (e.g. no --server-token for a server with tokens)
                 log.warning("twilio call refused by the server", extra={"code": exc.code.name, "details": exc.details})
-            self.refuse(TRY_AGAIN_LATER if busy else WSCloseCode.INTERNAL_ERROR,
+            self.refuse(TRY_AGAIN_LATER if fault.busy else WSCloseCode.INTERNAL_ERROR,
                         f"the rtmedia server refused the call: {exc.code.name}: {exc.details}")
             return
         self.door.calls += 1
-        writer = asyncio.ensure_future(self._from_server())
-        reader = asyncio.ensure_future(self._from_twilio())
         try:
-            await asyncio.wait([writer, reader], return_when=asyncio.FIRST_COMPLETED)
-            if reader.done() and not writer.done():  # the call ended (stop, or the socket closed)
-                with contextlib.suppress(Exception):
-                    await self.session.event("session.close", reason="client")
-                    await self.session.end_input()
-                with contextlib.suppress(asyncio.TimeoutError, Exception):
-                    await asyncio.wait_for(asyncio.shield(writer), 2)
+            await self.converse()
         finally:
             self.door.calls -= 1
-            for task in (reader, writer):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
 
     async def _message(self) -> dict[str, Any] | None:
         """Twilio's next message; None when the socket ended or sent something else (closed)."""
@@ -276,19 +268,18 @@ class TwilioCall:
         config: dict[str, Any] = {
             "input_audio_format": {"encoding": "g711_ulaw", "sample_rate": RATE},
             "output_sample_rate": RATE, "input_audio_transcription": {"enabled": True},
-            "turn_detection": {"type": "server_vad"}}
+            "turn_detection": {"type": SERVER_VAD}}
         for key in SESSION_PARAMETERS:
             if isinstance(params.get(key), str) and params[key]:
                 config[key] = params[key][:MAX_PARAMETER_CHARS]
-        metadata = (*self.door.upstream.metadata(self.request), ("rtmedia-transport", TRANSPORT))
-        self.session = RealtimeSession(channel=self.door.upstream.channel(), metadata=metadata)
-        await self.session.open()
+        await self.open_converse(self.door.upstream.channel(), self.door.upstream.metadata(self.request))
+        assert self.session is not None
         await self.session.send(client_event("session.update", session=config))
         log.info("twilio call", extra={"stream_sid": self.stream_sid, "call_sid": str(start.get("callSid", ""))[:64],
                                        "from": str(params.get("From", ""))[:64], "to": str(params.get("To", ""))[:64]})
 
-    async def _from_twilio(self) -> None:
-        assert self.session is not None
+    # ---- Twilio -> the session ----
+    async def requests(self) -> AsyncIterator[realtime_pb2.ConverseRequest]:
         while (event := await self._message()) is not None:
             kind = event["event"]
             if kind == "media":
@@ -300,47 +291,48 @@ class TwilioCall:
                 except (binascii.Error, TypeError, ValueError):
                     self.refuse(WSCloseCode.UNSUPPORTED_DATA, "media payload is not base64")
                     return
-                await self.session.send(client_event("input_audio_buffer.append", audio=audio))
+                yield client_event("input_audio_buffer.append", audio=audio)
             elif kind == "mark":
                 name = str((event.get("mark") or {}).get("name", ""))
                 response_id, _, end_ms = name.rpartition(":")
                 if response_id and end_ms.isdigit():  # played up to there
-                    await self.session.send(client_event("playback.ack", response_id=response_id,
-                                                         played_ms=int(end_ms)))
+                    yield client_event("playback.ack", response_id=response_id, played_ms=int(end_ms))
             elif kind == "stop":
                 return
             elif kind == "dtmf":
                 digit = str((event.get("dtmf") or {}).get("digit", ""))  # (the server refuses a bad one)
-                await self.session.send(client_event("input_audio_buffer.dtmf", event=digit))
+                yield client_event("input_audio_buffer.dtmf", event=digit)
 
+    # ---- the session -> Twilio ----
     async def _send(self, message: dict[str, Any]) -> None:
         await asyncio.wait_for(self.ws.send_str(json.dumps(message, separators=(",", ":"))), 10.0)
 
-    async def _from_server(self) -> None:
-        assert self.session is not None
-        sid = self.stream_sid
-        try:
-            while (event := await self.session.next_event()) is not None:
-                msg = event.proto
-                kind = msg.WhichOneof("event")
-                if kind == "response_output_audio_delta":
-                    delta = msg.response_output_audio_delta
-                    if not delta.audio:
-                        continue
-                    payload = self.encoder.encode(delta.audio)
-                    samples = self.sent[delta.response_id] = self.sent.get(delta.response_id, 0) + len(delta.audio) // 2
-                    end = samples * 1000 // RATE
-                    await self._send({"event": "media", "streamSid": sid,
-                                      "media": {"payload": base64.b64encode(payload).decode()}})
-                    await self._send({"event": "mark", "streamSid": sid,
-                                      "mark": {"name": f"{delta.response_id}:{end}"}})
-                elif kind == "output_audio_buffer_cleared":
-                    await self._send({"event": "clear", "streamSid": sid})  # barge-in: drop what Twilio holds
-                elif kind == "session_closed":
-                    return
-                elif kind == "error":
-                    log.warning("twilio call: session error", extra={"stream_sid": sid, "code": msg.error.code,
-                                                                     "error_message": msg.error.message[:200]})
-        except RtmediaError as exc:
-            if exc.code != grpc.StatusCode.CANCELLED:
-                self.refuse(WSCloseCode.INTERNAL_ERROR, f"the rtmedia session failed: {exc.details}"[:120])
+    @on("response.output_audio.delta")
+    async def _audio(self, msg: realtime_pb2.ConverseResponse) -> None:
+        delta = msg.response_output_audio_delta
+        if not delta.audio:
+            return
+        payload = self.encoder.encode(delta.audio)
+        samples = self.sent[delta.response_id] = self.sent.get(delta.response_id, 0) + len(delta.audio) // 2
+        end = samples * 1000 // RATE
+        await self._send({"event": "media", "streamSid": self.stream_sid,
+                          "media": {"payload": base64.b64encode(payload).decode()}})
+        await self._send({"event": "mark", "streamSid": self.stream_sid,
+                          "mark": {"name": f"{delta.response_id}:{end}"}})
+
+    @on("output_audio_buffer.cleared")
+    async def _cleared(self, msg: realtime_pb2.ConverseResponse) -> None:
+        await self._send({"event": "clear", "streamSid": self.stream_sid})  # barge-in: drop what Twilio holds
+
+    @on("session.closed")
+    def _closed(self, msg: realtime_pb2.ConverseResponse) -> bool:
+        return STOP
+
+    @on("error")
+    def _error(self, msg: realtime_pb2.ConverseResponse) -> None:
+        log.warning("twilio call: session error", extra={"stream_sid": self.stream_sid, "code": msg.error.code,
+                                                         "error_message": msg.error.message[:200]})
+
+    async def on_fault(self, fault: Fault) -> None:
+        if not fault.quiet:
+            self.refuse(WSCloseCode.INTERNAL_ERROR, f"the rtmedia session failed: {fault.details}"[:120])
