@@ -24,16 +24,17 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from aiohttp import WSCloseCode, WSMsgType, web
 from rtmedia.clients import events
 from rtmedia.clients.errors import RtmediaError
 from rtmedia.clients.session import RealtimeSession
 from rtmedia.v1 import realtime_pb2
 from rtmedia.web.app_keys import WS_PROTOCOL_KEY
+from rtmedia.web.door import STOP, Door, Fault, on
 from rtmedia.web.openai.openai_errors import SERVER_ERROR, OpenAIError, from_rpc
 from rtmedia.web.openai.realtime_calls import attach
 from rtmedia.web.openai.realtime_config import (
@@ -66,89 +67,119 @@ class RealtimeLimits:
     heartbeat_s: float = 20.0
 
 
-class RealtimeSocket:
-    """One `/v1/realtime` WebSocket and its Converse call."""
+class RealtimeSocket(Door):
+    """One `/v1/realtime` WebSocket and its Converse call: the client's text frames become the
+    call's requests through the translator (`requests`), and every server event goes out as
+    the API's events (`on_event`)."""
 
-    def __init__(self, ws: web.WebSocketResponse, session: RealtimeSession, translator: Translator,
-                 limits: RealtimeLimits) -> None:
+    transport = TRANSPORT
+
+    def __init__(self, ws: web.WebSocketResponse, session: RealtimeSession | None, translator: Translator,
+                 limits: RealtimeLimits, transport: str = TRANSPORT) -> None:
+        super().__init__()
         self.ws, self.session, self.translator, self.limits = ws, session, translator, limits
+        self.transport = transport  # type: ignore[misc]
         self.closed_reason = ""
-        self.server_closed = False  # session.closed came: nothing more is written to the call
+        self.first: list[realtime_pb2.ConverseResponse] = []
 
     async def send(self, events: list[dict[str, Any]]) -> None:
         for event in events:
             await asyncio.wait_for(self.ws.send_str(json.dumps(event, separators=(",", ":"))),
                                    self.limits.send_timeout_s)
 
-    async def run(self, first: list[realtime_pb2.ConverseResponse]) -> None:
-        writer = asyncio.ensure_future(self._from_server(first))
-        reader = asyncio.ensure_future(self._from_client())
+    async def open_call(self, front: Any, request: web.Request) -> list[realtime_pb2.ConverseResponse]:
+        """The Converse session, configured; the server's first answers (session.created and the
+        initial session.updated). A refusal (admission, tokens, draining) is an OpenAIError."""
+        if front.upstream.draining():
+            raise OpenAIError(503, "the server is shutting down (draining); connect to another replica or retry "
+                                   "shortly", SERVER_ERROR, code="draining", headers={"Retry-After": "5"})
         try:
-            await asyncio.wait([writer, reader], return_when=asyncio.FIRST_COMPLETED)
+            created = await self.open_converse(front.upstream.channel(), front.upstream.metadata(request))
+        except RtmediaError as exc:
+            raise from_rpc(exc) from None
+        session, first = self.session, [created.proto]
+        assert session is not None
+        try:
+            await session.send(self.translator.initial())
+            while (event := await session.next_event()) is not None:
+                first.append(event.proto)
+                if isinstance(event, events.SessionUpdatedEvent):
+                    return first
+                if isinstance(event, events.ErrorEvent):  # the initial config was refused: a server this front does not fit
+                    raise OpenAIError(502, f"the rtmedia server refused the session's config: {event.message}",
+                                      SERVER_ERROR, code="server_error")
+            raise OpenAIError(502, "the rtmedia server ended the session at once", SERVER_ERROR, code="server_error")
+        except RtmediaError as exc:
+            session.cancel_stream()
+            raise from_rpc(exc) from None
+        except BaseException:
+            session.cancel_stream()
+            raise
+
+    async def run(self, first: list[realtime_pb2.ConverseResponse]) -> None:
+        self.first = first
+        try:
+            await self.converse()
         finally:
-            if reader.done() and not writer.done():  # the client left: the session ends with it
-                with contextlib.suppress(Exception):
-                    await self.session.event("session.close", reason="client")
-                    await self.session.end_input()
-                with contextlib.suppress(asyncio.TimeoutError, Exception):
-                    await asyncio.wait_for(asyncio.shield(writer), 2)
-            for task in (reader, writer):
-                task.cancel()
-            self.session.cancel_stream()
-            for task in (reader, writer):
-                with contextlib.suppress(asyncio.CancelledError):
-                    try:
-                        await task
-                    except Exception:
-                        log.exception("realtime socket task failed")
-                        self.closed_reason = self.closed_reason or "server_error"
             if not self.ws.closed:
                 code = CLOSE_REASONS.get(self.closed_reason, WSCloseCode.OK)
                 await self.ws.close(code=code, message=self.closed_reason[:120].encode())
 
-    async def _from_server(self, first: list[realtime_pb2.ConverseResponse]) -> None:
+    def on_task_error(self, exc: Exception) -> None:
+        log.error("realtime socket task failed", exc_info=exc)
+        self.closed_reason = self.closed_reason or "server_error"
+
+    # ---- the call -> the client ----
+    async def pump_output(self) -> None:
         try:
-            for msg in first:
+            for msg in self.first:
                 await self.send(self.translator.from_server(msg))
-            while (event := await self.session.next_event()) is not None:
-                msg = event.proto
-                if msg.WhichOneof("event") == "session_closed":  # the session half-closed its call
-                    self.closed_reason, self.server_closed = msg.session_closed.reason, True
-                    if self.closed_reason == "max_session_duration":
-                        await self.send([self.translator.error(RealtimeError(
-                            "session_expired", "the session reached its maximum duration"))])
-                    return
-                await self.send(self.translator.from_server(msg))
-        except RtmediaError as exc:
-            if exc.code != grpc.StatusCode.CANCELLED:
-                error = from_rpc(exc)
-                with contextlib.suppress(Exception):
-                    await self.send([self.translator.error(RealtimeError(
-                        error.code or "server_error", error.message, error.param,
-                        SERVER_ERROR if error.status >= 500 else "invalid_request_error"))])
-                self.closed_reason = error.code or "server_error"
+            await super().pump_output()
         except (TimeoutError, ConnectionResetError):
             self.closed_reason = "client_too_slow"
 
-    async def _from_client(self) -> None:
+    async def on_event(self, name: str, msg: realtime_pb2.ConverseResponse) -> None:
+        await self.send(self.translator.from_server(msg))
+
+    @on("session.closed")
+    async def _closed(self, msg: realtime_pb2.ConverseResponse) -> bool:
+        self.closed_reason = msg.session_closed.reason  # the session half-closed its call
+        if self.closed_reason == "max_session_duration":
+            await self.send([self.translator.error(RealtimeError(
+                "session_expired", "the session reached its maximum duration"))])
+        return STOP
+
+    async def on_fault(self, fault: Fault) -> None:
+        if fault.quiet or fault.error is None:
+            return
+        error = from_rpc(fault.error)
+        with contextlib.suppress(Exception):
+            await self.send([self.translator.error(RealtimeError(
+                error.code or "server_error", error.message, error.param,
+                SERVER_ERROR if error.status >= 500 else "invalid_request_error"))])
+        self.closed_reason = error.code or "server_error"
+
+    # ---- the client -> the call ----
+    async def pump_input(self) -> None:
         try:
-            await self._read_client()
+            await super().pump_input()
         except TimeoutError:
             self.closed_reason = "client_too_slow"
         except ConnectionResetError:  # the client went away while the front answered it
             pass
 
-    async def _read_client(self) -> None:
+    async def requests(self) -> AsyncIterator[realtime_pb2.ConverseRequest]:
         async for message in self.ws:
             if message.type == WSMsgType.TEXT:
-                await self._client_event(message.data)
+                async for request in self._client_event(message.data):
+                    yield request
             elif message.type == WSMsgType.BINARY:
                 await self.send([self.translator.error(RealtimeError(
                     "invalid_event", "binary frames are not events: send each event as a JSON text frame"))])
             else:  # an error (a frame over max_frame_bytes) or the close
                 return
 
-    async def _client_event(self, text: str) -> None:
+    async def _client_event(self, text: str) -> AsyncIterator[realtime_pb2.ConverseRequest]:
         if len(text) > self.limits.max_event_bytes:
             await self.send([self.translator.error(RealtimeError(
                 "event_too_large", f"the event is {len(text)} bytes; the limit is {self.limits.max_event_bytes}; it "
@@ -168,7 +199,7 @@ class RealtimeSocket:
         for request in requests:
             if self.server_closed:
                 return  # the session is over (session.closed went out): the socket closes next
-            await self.session.send(request)
+            yield request
         await self.send(local)
 
 
@@ -194,48 +225,19 @@ async def realtime_socket(request: web.Request, front: Any) -> web.StreamRespons
     return await serve_socket(request, ws, front, config, TRANSPORT)
 
 
-async def open_call(front: Any, request: web.Request, translator: Translator, transport: str
-                    ) -> tuple[RealtimeSession, list[realtime_pb2.ConverseResponse]]:
-    """A Converse session, configured; the server's first answers (session.created and the
-    initial session.updated). A refusal (admission, tokens, draining) is an OpenAIError."""
-    if front.upstream.draining():
-        raise OpenAIError(503, "the server is shutting down (draining); connect to another replica or retry shortly",
-                          SERVER_ERROR, code="draining", headers={"Retry-After": "5"})
-    metadata = (*front.upstream.metadata(request), ("rtmedia-transport", transport))
-    session = RealtimeSession(channel=front.upstream.channel(), metadata=metadata)
-    try:
-        # Read first: a refusal then arrives as the server's own status (a write racing it may be
-        # reported as INTERNAL instead, grpc/grpc#36066).
-        first = [(await session.open()).proto]
-        await session.send(translator.initial())
-        while (event := await session.next_event()) is not None:
-            first.append(event.proto)
-            if isinstance(event, events.SessionUpdatedEvent):
-                return session, first
-            if isinstance(event, events.ErrorEvent):  # the initial config was refused: a server this front does not fit
-                raise OpenAIError(502, f"the rtmedia server refused the session's config: {event.message}",
-                                  SERVER_ERROR, code="server_error")
-        raise OpenAIError(502, "the rtmedia server ended the session at once", SERVER_ERROR, code="server_error")
-    except RtmediaError as exc:
-        session.cancel_stream()
-        raise from_rpc(exc) from None
-    except BaseException:
-        session.cancel_stream()
-        raise
-
-
 async def serve_socket(request: web.Request, ws: web.WebSocketResponse, front: Any, config: RealtimeConfig,
                        transport: str) -> web.WebSocketResponse:
-    translator = Translator(config)
-    session, first = await open_call(front, request, translator, transport)
+    socket = RealtimeSocket(ws, None, Translator(config), front.realtime, transport)
+    first = await socket.open_call(front, request)
+    assert socket.session is not None
     try:
         await ws.prepare(request)
     except BaseException:
-        session.cancel_stream()
+        socket.session.cancel_stream()
         raise
     front.sockets += 1
     try:
-        await RealtimeSocket(ws, session, translator, front.realtime).run(first)
+        await socket.run(first)
     finally:
         front.sockets -= 1
     return ws
