@@ -9,7 +9,7 @@ per tree and load: runs held, and the median and spread of CPU per session. The 
 generator is the current tree's client in every run, so only the server differs.
 
     .venv/bin/python tests/perf/bench_versions.py (--before ../before | --tls) [--rounds 4]
-        [--listen-duration 30] [--talk-duration 45] [--talk-sessions 16]
+        [--listen-duration 30] [--talk-duration 45] [--talk-sessions 16] [--loads listen,talk]
         [--side-by-side | --ping [--pings 2000]]
         [--side-sessions 8]
         [--out results.json]
@@ -271,8 +271,13 @@ def main() -> None:
     parser.add_argument("--pings", type=int, default=2000, help="with --ping: round trips per server")
     parser.add_argument("--control-every", type=int, default=3,
                         help="with --side-by-side: every Nth round is plaintext/plaintext (default 3)")
+    parser.add_argument("--loads", default=",".join(LOADS),
+                        help="comma-separated loads to run (default listen,talk)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    loads = [name for name in args.loads.split(",") if name]
+    if not loads or set(loads) - set(LOADS):
+        parser.error(f"--loads: choose from {', '.join(LOADS)}, got {args.loads!r}")
     LOADS["talk"] = (args.talk_sessions, LOADS["talk"][1])
     if (args.side_by_side or args.ping) and not args.tls:
         parser.error("--side-by-side and --ping need --tls")
@@ -308,7 +313,7 @@ def main() -> None:
             return
         for n in range(args.rounds):
             for setting in order if n % 2 == 0 else order[::-1]:
-                for profile in LOADS:
+                for profile in loads:
                     duration = args.listen_duration if profile == "listen" else args.talk_duration
                     runs.append(run(setting, profile, duration))
                     print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
