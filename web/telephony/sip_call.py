@@ -22,12 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import pjsua2 as pj
-from rtmedia.clients.errors import RtmediaError
-from rtmedia.clients.session import RealtimeSession
 from rtmedia.clients.tools import declare
 from rtmedia.protocol.events import client_event
+from rtmedia.v1 import realtime_pb2
+from rtmedia.web.door import OPEN_TIMEOUT_S, STOP, Door, Fault, on
 from rtmedia.web.playout import FRAME_MS, ReplyPlayout
 from rtmedia.web.telephony.echo import EchoCanceller
 from rtmedia.web.telephony.sip_config import Trunk
@@ -205,19 +204,24 @@ def fill(instructions: str, info: CallInfo) -> str:
     return re.sub(r"\{(caller|called|header:[A-Za-z0-9-]+)\}", value, instructions)
 
 
-class SipCall(pj.Call):
-    """One SIP call and its Converse session."""
+class SipCall(pj.Call, Door):
+    """One SIP call and its Converse session: the caller's frames, DTMF, acks and the tools'
+    outputs are queued for the session (`send`), its events answered by the `@on` handlers."""
+
+    transport = TRANSPORT
+    open_timeout_s = OPEN_TIMEOUT_S
+    input_queue = INBOUND_FRAMES + 64
 
     def __init__(self, door: SipDoor, account: pj.Account, info: CallInfo, call_id: int = pj.PJSUA_INVALID_ID,
                  trunk: Trunk | None = None, session: dict[str, Any] | None = None) -> None:
-        super().__init__(account, call_id)
+        pj.Call.__init__(self, account, call_id)
+        Door.__init__(self)
         self.door, self.info, self.trunk = door, info, trunk
         self.settings = session or {}
-        self.session: RealtimeSession | None = None
         self.playout: ReplyPlayout | None = None
         self.port: CallPort | None = None
-        self.outgoing: asyncio.Queue[Any] = asyncio.Queue(INBOUND_FRAMES + 64)
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.reader: asyncio.Task[Any] | None = None  # the output pump
         self.invite_at = time.perf_counter()
         self.rx_packets, self.rx_changed_at = -1, time.monotonic()
         self.rtp: tuple[int, int, float] | None = None  # the last RTP statistics (sip_metrics.sample)
@@ -322,57 +326,58 @@ class SipCall(pj.Call):
 
     # ---- the session ----
     def send(self, request: Any) -> None:
-        try:
-            self.outgoing.put_nowait(request)
-        except asyncio.QueueFull:
+        if not self.put(request):
             self.door.metrics.dropped_frames.inc()
 
-    def start(self, coro: Any) -> None:
+    def start(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        return task
 
     async def open_session(self) -> None:
         """Open the call's Converse session (before the call is answered: a refusal is a 503)."""
-        metadata = (*self.door.metadata, ("rtmedia-transport", TRANSPORT))
-        self.session = RealtimeSession(channel=self.door.channel, metadata=metadata)
-        created = await asyncio.wait_for(self.session.open(), 10.0)
+        created = await self.open_converse(self.door.channel, self.door.metadata)
         self.info.session_id = created.session_id
-        self.start(self.write_loop())
-        self.start(self.read_loop())
+        self.start(self.pump_input())
+        self.reader = self.start(self.pump_output())
 
-    async def write_loop(self) -> None:
-        assert self.session is not None
-        while (request := await self.outgoing.get()) is not None:
-            try:
-                await self.session.send(request)
-            except RtmediaError:
-                return
+    async def dispatch(self, msg: realtime_pb2.ConverseResponse) -> bool | None:
+        if self.playout is not None:
+            self.playout.on_event(msg)
+        return await super().dispatch(msg)
 
-    async def read_loop(self) -> None:
-        assert self.session is not None
-        try:
-            while (event := await self.session.next_event()) is not None:
-                msg = event.proto
-                if self.playout is not None:
-                    self.playout.on_event(msg)
-                kind = msg.WhichOneof("event")
-                if kind == "response_done" and msg.response_done.function_calls:
-                    self.start(self.run_tools(list(msg.response_done.function_calls)))
-                elif kind == "conversation_item_input_audio_transcription_completed":
-                    self.info.transcript = [*self.info.transcript[-(MAX_TRANSCRIPTS - 1):],
-                                            msg.conversation_item_input_audio_transcription_completed.transcript]
-                elif kind == "input_audio_buffer_dtmf_event_received":
-                    self.info.dtmf.append(msg.input_audio_buffer_dtmf_event_received.event)
-                elif kind == "session_closed":
-                    self.hang_up(f"session closed: {msg.session_closed.reason}")
-                    return
-                elif kind == "error" and not (self.tools_offered and msg.error.param == "tools"):
-                    log.warning("sip call: session error", extra={"call": self.info.id, "code": msg.error.code,
-                                                                  "error_message": msg.error.message[:200]})
-        except RtmediaError as exc:
-            if exc.code != grpc.StatusCode.CANCELLED:
-                log.warning("sip call: session failed", extra={"call": self.info.id, "details": exc.details})
+    @on("response.done")
+    def _done(self, msg: realtime_pb2.ConverseResponse) -> None:
+        if msg.response_done.function_calls:
+            self.start(self.run_tools(list(msg.response_done.function_calls)))
+
+    @on("conversation.item.input_audio_transcription.completed")
+    def _transcript(self, msg: realtime_pb2.ConverseResponse) -> None:
+        self.info.transcript = [*self.info.transcript[-(MAX_TRANSCRIPTS - 1):],
+                                msg.conversation_item_input_audio_transcription_completed.transcript]
+
+    @on("input_audio_buffer.dtmf_event_received")
+    def _dtmf(self, msg: realtime_pb2.ConverseResponse) -> None:
+        self.info.dtmf.append(msg.input_audio_buffer_dtmf_event_received.event)
+
+    @on("session.closed")
+    def _closed(self, msg: realtime_pb2.ConverseResponse) -> bool:
+        self.hang_up(f"session closed: {msg.session_closed.reason}")
+        return STOP
+
+    @on("error")
+    def _error(self, msg: realtime_pb2.ConverseResponse) -> None:
+        if not (self.tools_offered and msg.error.param == "tools"):
+            log.warning("sip call: session error", extra={"call": self.info.id, "code": msg.error.code,
+                                                          "error_message": msg.error.message[:200]})
+
+    async def on_fault(self, fault: Fault) -> None:
+        if not fault.quiet:
+            log.warning("sip call: session failed", extra={"call": self.info.id, "details": fault.details})
+        self.hang_up("the session ended")
+
+    async def on_stream_end(self) -> None:
         self.hang_up("the session ended")
 
     async def run_tools(self, calls: list[Any]) -> None:
@@ -457,11 +462,9 @@ class SipCall(pj.Call):
 
     async def close(self) -> None:
         """After PJSIP disconnected the call: end its session and tasks."""
-        with contextlib.suppress(asyncio.QueueFull):
-            self.outgoing.put_nowait(None)
+        self.put(None)  # the queued frames go, then the input pump ends
         if self.session is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.session.event("session.close", reason="client"), 1.0)
+            await self.end_session(self.reader)  # the doors' one close rule
             self.session.cancel_stream()
         for task in list(self.tasks):
             task.cancel()
