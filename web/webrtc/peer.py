@@ -51,10 +51,10 @@ from aiortc import RTCPeerConnection
 from aiortc.jitterbuffer import JitterBuffer
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from rtmedia.clients.errors import RtmediaError
-from rtmedia.clients.session import RealtimeSession
 from rtmedia.protocol.events import EventError, client_event, event_type, from_json, to_json
 from rtmedia.v1 import realtime_pb2, video_pb2
 from rtmedia.v1.video_pb2_grpc import VideoServiceStub
+from rtmedia.web.door import OPEN_TIMEOUT_S, Door, Fault, fault_of, on
 from rtmedia.web.openai.realtime_config import RealtimeError
 from rtmedia.web.openai.realtime_events import Translator
 from rtmedia.web.playout import ReplyPlayout
@@ -69,7 +69,6 @@ from rtmedia.web.webrtc.tracks import (
 log = logging.getLogger("rtmedia.web")
 
 ACK_TICK_S = 0.05
-OPEN_TIMEOUT_S = 10.0  # for session.created
 MAX_PENDING_MESSAGES = 1000  # events queued for the page before its channel opens
 MAX_LATENT_VALUES = 4 * 1024 * 1024
 # Session settings the bridge owns: the page cannot change the audio formats of the tracks.
@@ -112,11 +111,17 @@ class PeerStats:
     opened_at: float = field(default_factory=time.perf_counter)
 
 
-class Peer:
+class Peer(Door):
+    """A browser's peer connection and its Converse session: the page's events, the microphone and
+    the acks are queued for the session (`outgoing`), its events answered by the `@on` handlers."""
+
+    open_timeout_s = OPEN_TIMEOUT_S
+
     def __init__(self, peer_id: str, pc: RTCPeerConnection, channel: grpc.aio.Channel, input_rate: int,
                  video: VideoDefaults, on_closed: Callable[[Peer], None],
                  metadata: tuple[tuple[str, str], ...] = (), token_name: str | None = None,
                  translator: Translator | None = None) -> None:
+        super().__init__()
         self.id = peer_id  # the peer's capability: only its own client knows it (web/bridge.py)
         self.tag = peer_id[:8]  # what logs and task names call it
         self.metadata = metadata  # sent on every call to the server (the bearer token: never logged)
@@ -132,18 +137,16 @@ class Peer:
         self.audio_out = ReplyAudioTrack(self.buffer)
         self.video_out = VideoFrameTrack()
         self.stats = PeerStats()
-        self.session: RealtimeSession | None = None
         self.session_id = ""
         self.close_reason = ""
         self.closed = asyncio.Event()
         self._closing = False
         self._connected = asyncio.Event()  # the peer connection (ICE and DTLS) has been up
-        self._outgoing: asyncio.Queue[realtime_pb2.ConverseRequest | None] = asyncio.Queue(256)
         self._channel: Any = None  # the `events` RTCDataChannel
         self._pending: deque[str] = deque()
         self._session_open = asyncio.Event()
-        self._server_closed = False  # session.closed (the session's last event) came
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._cleared: Any = None  # what the playout did at the event being dispatched (a barge-in's clear)
         self.translator = translator
         self.label = "oai-events" if translator is not None else "events"
         self.sidebands: set[asyncio.Queue[str | None]] = set()  # attached control sockets' outboxes
@@ -156,30 +159,24 @@ class Peer:
     async def open_session(self, settings: dict[str, Any]) -> None:
         """Open the Converse stream, wait for session.created, then configure it.
         Raises SessionRefused when the server does not take the session."""
-        self.session = RealtimeSession(channel=self.grpc_channel, metadata=self.metadata)
         session = {**settings, "input_audio_format": {"encoding": "pcm16", "sample_rate": self.input_rate,
                                                      "channels": 1},
                    "output_sample_rate": PLAYOUT_RATE}
         configure = client_event("session.update", event_id="bridge-config", session=session) \
             if self.translator is None else self.translator.initial()
         try:
-            # Read first: a refusal (quota, capacity, draining) then arrives as the server's own
-            # status; a write racing it may get grpc's "Internal error from Core" instead
-            # (grpc/grpc#36066).
-            first = await asyncio.wait_for(self.session.open(), OPEN_TIMEOUT_S)
+            first = await self.open_converse(self.grpc_channel, self.metadata)
+            assert self.session is not None
             await self.session.send(configure)
-        except TimeoutError:
-            self.session.cancel_stream()
-            raise SessionRefused(504, f"the rtmedia server did not open a session within {OPEN_TIMEOUT_S:.0f} s")\
-                from None
-        except RtmediaError as exc:
-            self.session.cancel_stream()
-            raise _refusal(exc) from None
+        except (TimeoutError, RtmediaError) as exc:
+            if self.session is not None:
+                self.session.cancel_stream()
+            raise _refusal(fault_of(exc)) from None
         self.session_id = first.session_id
         self.to_page_event(first.proto)
         self._session_open.set()
-        self._start("reader", self._read)
-        self._start("writer", self._write)
+        self._start("reader", self.pump_output)
+        self._start("writer", self.pump_input)
         self._start("acks", self._ack_loop)
 
     def expect_connection(self, timeout_s: float) -> None:
@@ -269,17 +266,7 @@ class Peer:
             self.stats.mic_frames += 1
             if pcm:
                 self.stats.mic_bytes += len(pcm)
-                await self._outgoing.put(client_event("input_audio_buffer.append", audio=pcm))
-
-    async def _write(self) -> None:
-        while (request := await self._outgoing.get()) is not None:
-            try:
-                await self.session.send(request)  # type: ignore[union-attr]
-            except RtmediaError:
-                # The server ended the session (session.closed, e.g. server_shutdown while draining: the
-                # session then half-closed its call) while the microphone still had frames on the way: the
-                # reader reports how, and closes the peer.
-                return
+                await self.outgoing.put(client_event("input_audio_buffer.append", audio=pcm))
 
     def _on_datachannel(self, channel: Any) -> None:
         if channel.label != self.label:
@@ -314,9 +301,7 @@ class Peer:
         except EventError as exc:
             self.to_page(to_json(exc.to_event(event_id)))
             return
-        try:
-            self._outgoing.put_nowait(request)
-        except asyncio.QueueFull:
+        if not self.put(request):
             self.to_page(to_json(EventError("input_backpressure", "the bridge's queue to the server is full; "
                                                                   "event dropped").to_event(event_id)))
 
@@ -333,9 +318,7 @@ class Peer:
                                                                              f"{str(exc)[:120]}")))
             return
         for request in requests:
-            try:
-                self._outgoing.put_nowait(request)
-            except asyncio.QueueFull:
+            if not self.put(request):
                 self.to_page(self.translator.error(RealtimeError(
                     "input_backpressure", "the call's queue to the server is full; the event was dropped"),
                     request.event_id))
@@ -370,48 +353,54 @@ class Peer:
         self._start("video", self._decode_video, shape, fps, seed)
 
     # ---- server -> browser ------------------------------------------------------------------------------
-    async def _read(self) -> None:
-        try:
-            while (event := await self.session.next_event()) is not None:  # type: ignore[union-attr]
-                self._on_server_event(event.proto)
-        except RtmediaError as exc:
-            if exc.code == grpc.StatusCode.CANCELLED and self._closing:
-                return
-            if self._server_closed and exc.code == grpc.StatusCode.INTERNAL:
-                # After session.closed (the session's last event) the stream only ends. grpc.aio may turn
-                # that end into INTERNAL when a write raced it (grpc/grpc#36066): it ended as the server said.
-                self.schedule_close("session ended")
-                return
-            reason = exc.reason
-            self.send_bridge("bridge.error", code=exc.code.name.lower(),
-                             message=f"the rtmedia session ended: {exc.details}" + (f" ({reason})" if reason else ""))
-            self.schedule_close(f"server error {exc.code.name}")
+    async def on_fault(self, fault: Fault) -> None:
+        if fault.kind == "cancelled" and self._closing:
             return
+        if fault.kind == "ended":
+            # After session.closed (the session's last event) the stream only ends. grpc.aio may turn
+            # that end into INTERNAL when a write raced it (grpc/grpc#36066): it ended as the server said.
+            self.schedule_close("session ended")
+            return
+        self.send_bridge("bridge.error", code=fault.code.name.lower(), message=f"the rtmedia session ended: "
+                         f"{fault.details}" + (f" ({fault.reason})" if fault.reason else ""))
+        self.schedule_close(f"server error {fault.code.name}")
+
+    async def on_stream_end(self) -> None:
         self.schedule_close("session ended")
 
-    def _on_server_event(self, msg: realtime_pb2.ConverseResponse) -> None:
-        cleared = self.playout.on_event(msg)
-        name = event_type(msg)
-        if name == "response.output_audio.delta":
-            if self.translator is not None:
-                self.to_page_event(msg)
-                return
-            # The audio travels on the media track; the page gets the delta without its bytes.
-            light = realtime_pb2.ConverseResponse()
-            light.CopyFrom(msg)
-            light.response_output_audio_delta.audio = b""
-            obj = to_json(light)
-            obj["audio_bytes"] = len(msg.response_output_audio_delta.audio)
-            obj.pop("audio", None)
-            self.to_page(obj)
+    async def dispatch(self, msg: realtime_pb2.ConverseResponse) -> bool | None:
+        self._cleared = self.playout.on_event(msg)  # the playout sees every event first
+        return await super().dispatch(msg)
+
+    @on("response.output_audio.delta")
+    def _audio_delta(self, msg: realtime_pb2.ConverseResponse) -> None:
+        if self.translator is not None:
+            self.to_page_event(msg)
             return
-        if name == "session.closed":
-            self.close_reason = msg.session_closed.reason
-            self._server_closed = True
+        # The audio travels on the media track; the page gets the delta without its bytes.
+        light = realtime_pb2.ConverseResponse()
+        light.CopyFrom(msg)
+        light.response_output_audio_delta.audio = b""
+        obj = to_json(light)
+        obj["audio_bytes"] = len(msg.response_output_audio_delta.audio)
+        obj.pop("audio", None)
+        self.to_page(obj)
+
+    @on("session.closed")
+    def _session_closed(self, msg: realtime_pb2.ConverseResponse) -> None:
+        self.close_reason = msg.session_closed.reason
         self.to_page_event(msg)
+
+    @on("output_audio_buffer.cleared")
+    def _playback_cleared(self, msg: realtime_pb2.ConverseResponse) -> None:
+        self.to_page_event(msg)
+        cleared = self._cleared
         if cleared is not None:
             self.send_bridge("bridge.playback.cleared", response_id=cleared.response_id,
                              dropped_ms=cleared.dropped_ms, played_ms=cleared.played_ms)
+
+    def on_event(self, name: str, msg: realtime_pb2.ConverseResponse) -> None:
+        self.to_page_event(msg)
 
     async def _ack_loop(self) -> None:
         """playback.ack every ~200 ms of played audio, and once a reply has played out (or was cut)."""
@@ -420,7 +409,7 @@ class Peer:
             due, finished = self.playout.acks()
             for rid, played in due:
                 self.stats.acks += 1
-                await self._outgoing.put(client_event("playback.ack", response_id=rid, played_ms=played))
+                await self.outgoing.put(client_event("playback.ack", response_id=rid, played_ms=played))
             if self.translator is not None:
                 for rid in finished:
                     self.to_page(self.translator.stopped(rid))
@@ -558,22 +547,24 @@ def retry_after(value: str | None) -> dict[str, str]:
     return {"Retry-After": str(max(1, seconds))} if seconds is not None and seconds < 10**9 else {}
 
 
-def _refusal(exc: RtmediaError) -> SessionRefused:
-    reason = exc.reason
-    detail = f"{exc.code.name}: {exc.details}" + (f" ({reason})" if reason else "")
-    if exc.code == grpc.StatusCode.UNAUTHENTICATED:
+def _refusal(fault: Fault) -> SessionRefused:
+    """The answer to an offer whose session the server would not open (the doors' error mapping)."""
+    detail = fault.summary
+    if fault.kind == "timeout":
+        return SessionRefused(504, f"the rtmedia server did not open a session within {OPEN_TIMEOUT_S:.0f} s")
+    if fault.kind == "unauthenticated":
         # What the server said stays in the bridge's log ("offer refused"); the client is told no more
         # than that a valid token is wanted.
         log.info("the rtmedia server refused the credentials", extra={"error": detail[:300]})
         return SessionRefused(401, "authentication required: send Authorization: Bearer TOKEN",
                               {"WWW-Authenticate": "Bearer"}, "unauthenticated")
-    if exc.code == grpc.StatusCode.PERMISSION_DENIED:
+    if fault.kind == "forbidden":
         return SessionRefused(403, f"the rtmedia server does not allow this session: {detail}", reason="forbidden")
-    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and reason == "QUOTA":
+    if fault.kind == "quota":
         return SessionRefused(429, f"over the token's quota: {detail}",
-                              retry_after(exc.metadata.get("retry_after_s")), "quota")
-    if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) and reason:
+                              retry_after(fault.metadata.get("retry_after_s")), "quota")
+    if fault.kind == "refused":
         return SessionRefused(503, f"the rtmedia server refused the session: {detail}")
-    if exc.code == grpc.StatusCode.UNAVAILABLE:
+    if fault.kind == "unreachable":
         return SessionRefused(502, f"cannot reach the rtmedia server: {detail}")
     return SessionRefused(502, f"the rtmedia server failed to open a session: {detail}")
