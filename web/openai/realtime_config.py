@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rtmedia.protocol.turn_kinds import SEMANTIC_VAD, SERVER_VAD, VAD_TURNS
 from rtmedia.v1 import common_pb2
 
 INCLUDE_LOGPROBS = "item.input_audio_transcription.logprobs"
@@ -219,7 +220,7 @@ def check_response_tools(response: dict[str, Any]) -> None:
 class TurnDetection:
     """`audio.input.turn_detection`; None on the config means manual turns."""
 
-    type: str = "server_vad"  # or "semantic_vad"
+    type: str = SERVER_VAD  # or SEMANTIC_VAD
     eagerness: str = "auto"  # semantic_vad
     threshold: float = 0.5
     prefix_padding_ms: int = 300
@@ -233,7 +234,7 @@ class TurnDetection:
     def to_json(self) -> dict[str, Any]:
         extension = {k: v for k, v in (("interruption", self.interruption), ("preemptive", self.preemptive))
                      if v is not None}
-        if self.type == "semantic_vad":
+        if self.type == SEMANTIC_VAD:
             return {"type": self.type, "eagerness": self.eagerness, "create_response": self.create_response,
                     "interrupt_response": self.interrupt_response, **extension}
         fields = dataclasses.asdict(self)
@@ -367,10 +368,10 @@ class RealtimeConfig:
             return None
         param = "session.audio.input.turn_detection"
         spec = _object(value, param)
-        kind = spec.get("type", "server_vad")
-        if kind not in ("server_vad", "semantic_vad"):
-            raise _invalid(param + ".type", 'must be "server_vad", "semantic_vad" or null')
-        if kind == "semantic_vad":
+        kind = spec.get("type", SERVER_VAD)
+        if kind not in VAD_TURNS:
+            raise _invalid(param + ".type", f'must be "{SERVER_VAD}", "{SEMANTIC_VAD}" or null')
+        if kind == SEMANTIC_VAD:
             _unknown(spec, {"type", "eagerness", "create_response", "interrupt_response", "interruption",
                             "preemptive"}, param + ".")
         else:
@@ -378,7 +379,7 @@ class RealtimeConfig:
                             "interrupt_response", "idle_timeout_ms", "interruption", "preemptive"}, param + ".")
         turn = copy.copy(self.turn_detection) if self.turn_detection is not None else TurnDetection()
         turn.type = kind
-        if kind == "semantic_vad":
+        if kind == SEMANTIC_VAD:
             turn.idle_timeout_ms = None
             eagerness = spec.get("eagerness", "auto")
             if eagerness not in ("low", "medium", "high", "auto"):
@@ -415,7 +416,7 @@ class RealtimeConfig:
             turn = {"type": t.type, "threshold": t.threshold, "prefix_padding_ms": t.prefix_padding_ms,
                     "silence_duration_ms": t.silence_duration_ms, "create_response": t.create_response,
                     "interrupt_response": t.interrupt_response}
-            if t.type == "semantic_vad":
+            if t.type == SEMANTIC_VAD:
                 turn["eagerness"] = t.eagerness
             else:
                 turn["idle_timeout_ms"] = t.idle_timeout_ms or 0  # 0: off
