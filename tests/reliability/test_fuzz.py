@@ -132,7 +132,7 @@ async def target(fuzz_server, fuzz_bridge, fuzz_sip, error_log):
         yield Target(channel=channel, token=GOOD, limited_token=LIMITED, sessions=sessions, alive=alive,
                      errors_logged=error_log.take,
                      latent_channels=await probe_latent_channels(channel, metadata),
-                     max_receive_bytes=fuzz_server.config.max_receive_bytes,
+                     max_receive_bytes=fuzz_server.config.network.max_receive_bytes,
                      features=frozenset({"riva", "web", "auth", "openai", "twilio", "sip"}), sip=fuzz_sip,
                      web_url=f"http://127.0.0.1:{fuzz_bridge.port}", http=http, web_peers=peers,
                      offer_sdp=await offer_sdp(), max_upload_bytes=UPLOAD_LIMIT,
