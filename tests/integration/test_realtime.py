@@ -364,18 +364,23 @@ def noise(kind: str, seconds: float, rate: int = RATE, level: float = 0.03) -> n
 
 @pytest.mark.parametrize("kind", ["near_field", "far_field"])
 async def test_with_noise_reduction_speech_in_noise_is_heard_and_noise_alone_starts_nothing(channel, speaker, kind):
+    # The far-field suppressor takes about a seventh of a core per second of audio: sent faster than
+    # real time to a loaded machine, its input overflows the inbox (and the cut starts a turn), so it
+    # gets the audio at the pace a microphone sends it.
+    speed = 1.0 if kind == "far_field" else 4.0
     async with Conversation(channel) as c:
         c.send("session.update", session={"noise_reduction": {"type": kind}})
         updated = await c.wait_for("session.updated")
         assert updated["session"]["noise_reduction"]["type"] == kind
         for sound in ("white", "hum", "music"):  # (sent at once: the suppressor is open before they are read)
-            await c.stream((noise(sound, 3.0) * 32767).astype(np.int16).tobytes(), RATE, speed=4.0)
+            await c.stream((noise(sound, 3.0) * 32767).astype(np.int16).tobytes(), RATE, speed=speed)
         speech = speaker.say(SENTENCE, RATE).astype(np.float64) / 32768
         room = noise("white", 1.0 + speech.size / RATE + 1.5) * (np.sqrt(np.mean(speech ** 2)) / 0.03 / 10 ** 0.5)
         room[RATE:RATE + speech.size] += speech  # speech at 10 dB over white noise, from 10 s on
-        await c.stream((np.clip(room, -1, 1) * 32767).astype(np.int16).tobytes(), RATE, speed=2.0)
+        await c.stream((np.clip(room, -1, 1) * 32767).astype(np.int16).tobytes(), RATE, speed=min(speed, 2.0))
         completed = await c.wait_for("conversation.item.input_audio_transcription.completed", timeout=20)
         starts = [e["audio_start_ms"] for e in c.of_type("input_audio_buffer.speech_started")]
+        assert not c.of_type("input_audio_buffer.cleared"), c.of_type("input_audio_buffer.cleared")
         assert starts and min(starts) >= 9500, starts  # none in the noise (the prefix padding is 300 ms)
         assert wer(SENTENCE, completed["transcript"]) <= 0.2, completed["transcript"]
         c.send("session.update", session={"noise_reduction": {"type": ""}})
