@@ -205,6 +205,10 @@ class TtsEngine:
     def _load_voice(spec: VoiceSpec, parts: PiperParts | None, threads: int, bf16: Bf16Decoder | None) -> _Voice:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads
+        # No memory arena: each sentence has its own length, and onnxruntime's arena keeps the
+        # largest it ever held, so the process never gave back a long reply's buffers (freeing
+        # them costs no measurable time; BENCHMARKS.md).
+        options.enable_cpu_mem_arena = False
         # Idle worker threads sleep instead of spinning: the cores are shared
         # with ASR workers and other engines.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
