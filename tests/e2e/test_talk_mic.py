@@ -47,18 +47,30 @@ def speech(speaker):
     return {text: speaker.say(text, MIC_RATE) for text in (SENTENCE, SHORT, INTERRUPTION, BACKCHANNEL)}
 
 
-def played_samples(recording: np.ndarray, sent: np.ndarray) -> int:
+def played_samples(recording: np.ndarray, sent: np.ndarray, max_gap_s: float = 0.5) -> int:
     """How much of `sent` (a reply's audio) the speaker played: where in the recording it starts
-    (by cross-correlation of its first 0.3 s), and how far the recording matches it from there."""
+    (by cross-correlation of its first 0.3 s), and how far the recording matches it from there. A
+    stretch of silence the sound server put in (an underrun on a busy machine: the rest of the
+    reply comes after it) is stepped over, up to `max_gap_s`; anything else ends the match."""
     head = sent[:int(0.3 * MIC_RATE)].astype(np.float64)
     corr = np.correlate(recording.astype(np.float64), head, mode="valid")
     start = int(np.argmax(corr))
     window = int(0.01 * MIC_RATE)
+
+    def matches(at: int, n: int, windows: int = 1) -> bool:
+        a = recording[at:at + windows * window].astype(np.int32)
+        b = sent[n:n + windows * window].astype(np.int32)
+        return len(a) == len(b) and not (np.abs(a - b).max() > 64 and np.abs(b).max() > 64)
+
     n = 0
     while n + window <= len(sent) and start + n + window <= len(recording):
-        a, b = recording[start + n:start + n + window].astype(np.int32), sent[n:n + window].astype(np.int32)
-        if np.abs(a - b).max() > 64 and np.abs(b).max() > 64:
-            break
+        if not matches(start + n, n):
+            gap = next((k for k in range(window, int(max_gap_s * MIC_RATE), window // 10)
+                        if np.abs(recording[start + n:start + n + k]).max() <= 64 and matches(start + n + k, n, 3)),
+                       None)
+            if gap is None:
+                break
+            start += gap
         n += window
     return n
 
