@@ -52,23 +52,24 @@ def played_samples(recording: np.ndarray, sent: np.ndarray, max_gap_s: float = 0
     (by cross-correlation of its first 0.3 s), and how far the recording matches it from there. A
     stretch of silence the sound server put in (an underrun on a busy machine: the rest of the
     reply comes after it) is stepped over, up to `max_gap_s`; anything else ends the match."""
-    head = sent[:int(0.3 * MIC_RATE)].astype(np.float64)
-    corr = np.correlate(recording.astype(np.float64), head, mode="valid")
-    start = int(np.argmax(corr))
     window = int(0.01 * MIC_RATE)
+
+    def offset(piece: np.ndarray, at: int, span: int) -> int:
+        """Where in recording[at:at + span + len(piece)] the piece fits best (cross-correlation)."""
+        around = recording[at:at + span + len(piece)].astype(np.float64)
+        return int(np.argmax(np.correlate(around, piece.astype(np.float64), mode="valid")))
 
     def matches(at: int, n: int, windows: int = 1) -> bool:
         a = recording[at:at + windows * window].astype(np.int32)
         b = sent[n:n + windows * window].astype(np.int32)
         return len(a) == len(b) and not (np.abs(a - b).max() > 64 and np.abs(b).max() > 64)
 
+    start = offset(sent[:int(0.3 * MIC_RATE)], 0, len(recording))
     n = 0
     while n + window <= len(sent) and start + n + window <= len(recording):
         if not matches(start + n, n):
-            gap = next((k for k in range(window, int(max_gap_s * MIC_RATE), window // 10)
-                        if np.abs(recording[start + n:start + n + k]).max() <= 64 and matches(start + n + k, n, 3)),
-                       None)
-            if gap is None:
+            gap = offset(sent[n:n + 3 * window], start + n, int(max_gap_s * MIC_RATE))
+            if not gap or np.abs(recording[start + n:start + n + gap]).max() > 64 or not matches(start + n + gap, n, 3):
                 break
             start += gap
         n += window
