@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from rtmedia.server.hearing.audio_input import AudioInput
     from rtmedia.server.hearing.recognition import Recognizer, Turn
     from rtmedia.server.lanes.access import EngineAccess
+    from rtmedia.server.session.clock import Clock
     from rtmedia.server.session.idle_turns import IdleTimer
     from rtmedia.server.session.items import ConversationItems
     from rtmedia.server.session.limits import Limits
@@ -46,6 +47,7 @@ class ClientEvents:
     context: SessionContext
     access: EngineAccess
     settings: SessionSettings
+    clock: Clock
     limits: Limits
     last_input: float
     history: list[Message]
@@ -123,7 +125,7 @@ class ClientEvents:
         if overflow is None or overflow.chunk_kept:
             chunk_ms = len(data) / self.input.bytes_per_ms
             self.input_ms += chunk_ms
-            self._arrivals.append((self.input_ms, time.perf_counter()))
+            self._arrivals.append((self.input_ms, self.clock.now()))
             if not self.settings.vad_turns:
                 self.buffer_ms += chunk_ms
                 self._since_commit_ms += chunk_ms
@@ -173,7 +175,7 @@ class ClientEvents:
         if old.turn_type != new.turn_type and self.turn is not None:
             self._end_turn()
         if (old.turn_type, old.idle_timeout_ms) != (new.turn_type, new.idle_timeout_ms):
-            self._quiet_since, self._quiet_input_ms = time.perf_counter(), self.input_ms  # counts from now
+            self._quiet_since, self._quiet_input_ms = self.clock.now(), self.input_ms  # counts from now
         self.send("session.updated", session=new.to_proto())
         self.idle.arm()
 
@@ -247,7 +249,7 @@ class ClientEvents:
 
     def on_response_create(self, event: Any, event_id: str) -> None:
         filler = self.response if self.response is not None and self.response.filler else None
-        if filler is not None and filler.audible(time.perf_counter()):
+        if filler is not None and filler.audible(self.clock.now()):
             self.replies.cancel("answer_started")  # the answer takes the filler's place, even mid-playback
         if self.responding:
             self.error("response_in_progress", "a response is already in progress; cancel it first", event_id)
@@ -317,7 +319,7 @@ class ClientEvents:
             self.error("invalid_value", f"playback.ack: played_ms={event.played_ms} is outside 0..{response.sent_ms}",
                        event_id, "played_ms")
             return
-        response.heard_ms, response.heard_at = event.played_ms, time.perf_counter()
+        response.heard_ms, response.heard_at = event.played_ms, self.clock.now()
         self.send("playback.acknowledged", response_id=response.response_id, played_ms=event.played_ms)
         if response is self.response:
             self.idle.arm()

@@ -19,21 +19,22 @@ the quiet turns out to have begun later.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
+
+from rtmedia.server.session.clock import SYSTEM_CLOCK, Clock, Timer
 
 
 class IdleTimer:
     """One session's idle-turn timer. `quiet_since()` returns when the session became quiet
-    (perf_counter) or None; `on_expiry(since)` runs once it has been quiet for the timeout."""
+    (on the session's clock) or None; `on_expiry(since)` runs once it has been quiet for the timeout."""
 
     def __init__(self, quiet_since: Callable[[], float | None], timeout_ms: Callable[[], int | None],
-                 on_expiry: Callable[[float], None]) -> None:
+                 on_expiry: Callable[[float], None], clock: Clock = SYSTEM_CLOCK) -> None:
+        self._clock = clock
         self._quiet_since = quiet_since
         self._timeout_ms = timeout_ms
         self._on_expiry = on_expiry
-        self._handle: asyncio.TimerHandle | None = None
+        self._handle: Timer | None = None
 
     @property
     def armed(self) -> bool:
@@ -44,8 +45,8 @@ class IdleTimer:
         self.cancel()
         due = self._due()
         if due is not None:
-            delay = max(0.0, due - time.perf_counter())
-            self._handle = asyncio.get_running_loop().call_later(delay, self._expired)
+            delay = max(0.0, due - self._clock.now())
+            self._handle = self._clock.call_later(delay, self._expired)
 
     def cancel(self) -> None:
         if self._handle is not None:
@@ -61,7 +62,7 @@ class IdleTimer:
         due = self._due()
         if due is None:
             return
-        if time.perf_counter() < due - 0.001:  # playback ended later than it seemed (an ack came)
+        if self._clock.now() < due - 0.001:  # playback ended later than it seemed (an ack came)
             self.arm()
             return
         since = self._quiet_since()

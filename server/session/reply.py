@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,6 +55,7 @@ from rtmedia.server.hearing.recognition import Turn
 from rtmedia.server.lanes.access import Replies, Tts
 from rtmedia.server.lanes.scheduler import Priority
 from rtmedia.server.observe.metrics import Metrics
+from rtmedia.server.session.clock import SYSTEM_CLOCK, Clock
 from rtmedia.server.session.config import SessionSettings
 from rtmedia.server.session.items import item_of
 from rtmedia.server.session.limits import Limits
@@ -112,7 +112,7 @@ class Response:
     synthesized_s: float = 0.0  # audio synthesised so far
     # perf_counter marks of its stages (response.timings): created, transcript in, first text,
     # first clause synthesised.
-    created_at: float = field(default_factory=time.perf_counter)
+    created_at: float = 0.0
     transcript_at: float = 0.0
     first_text_at: float = 0.0
     first_audio_ready_at: float = 0.0
@@ -201,14 +201,16 @@ class ReplyPipeline:
     `conversation`: the session id (the responders' key); `settings`: the session's current
     settings; `request`: builds a ReplyRequest from the history; `spawn(coro, name)`: runs a
     task the session owns; `new_id(prefix)`: a fresh id; `on_done(response)`: after a response's
-    response.done was queued."""
+    response.done was queued; `clock`: the session's."""
 
     def __init__(self, conversation: str, outbox: Outbox, history: list[Message], limits: Limits, *,
                  tts: Tts, replies: Replies, metrics: Metrics,
                  settings: Callable[[], SessionSettings], request: RequestFactory,
                  spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task[Any]],
-                 new_id: Callable[[str], str], on_done: Callable[[Response], None]) -> None:
+                 new_id: Callable[[str], str], on_done: Callable[[Response], None],
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.conversation = conversation
+        self.clock = clock  # the session's (server/session/clock.py): pacing and playback marks
         self.outbox = outbox
         self.history = history  # the session's, shared
         self.limits = limits
@@ -268,7 +270,7 @@ class ReplyPipeline:
             spec = None
         response = spec or Response(self._new_id("resp"), self._new_id("item"), self.epoch,
                                     text_only=modality == "text", joins_history=joins_history, filler=filler,
-                                    turn=turn)
+                                    turn=turn, created_at=self.clock.now())
         self.responses[response.response_id] = response
         self.response = response
         self._send("response.created", response_id=response.response_id, item_id=response.item_id,
@@ -289,7 +291,7 @@ class ReplyPipeline:
         self.discard_preemptive("replaced")
         response = Response(self._new_id("resp"), self._new_id("item"), self.epoch,
                             text_only=self._settings().output_modality == "text", held=[], turn=turn,
-                            said=tuple(normal_words(said)))
+                            said=tuple(normal_words(said)), created_at=self.clock.now())
         response.released.clear()
         response.task = self._spawn(self._respond(response, None, None, None, request=request), "preemptive")
         self.preemptive = response
@@ -322,7 +324,7 @@ class ReplyPipeline:
             except TimeoutError:
                 self._finish(response, "", "failed", "the transcript of the turn did not arrive in time")
                 return
-            response.transcript_at = time.perf_counter()
+            response.transcript_at = self.clock.now()
             if tuple(normal_words(turn.said)) == response.said:
                 response.epoch, response.preemptive = self.epoch, "committed"
                 held, response.held = response.held or [], None
@@ -357,7 +359,7 @@ class ReplyPipeline:
         try:
             if turn is not None:
                 await asyncio.wait_for(asyncio.shield(turn.transcript), self.limits.transcript_wait_s)
-                response.transcript_at = response.transcript_at or time.perf_counter()
+                response.transcript_at = response.transcript_at or self.clock.now()
             request = request or self._request(instructions, max_tokens)
             tts = None if response.text_only else self.tts.open(settings.voice, settings.output_rate,
                                                                 window_frames=TTS_WINDOW_FRAMES,
@@ -370,7 +372,7 @@ class ReplyPipeline:
             deltas = _words(say) if say is not None else self.replies.reply(settings.responder, request)
             async for delta in deltas:
                 if not response.first_text_at and isinstance(delta, str | CallDelta):
-                    response.first_text_at = time.perf_counter()
+                    response.first_text_at = self.clock.now()
                 if isinstance(delta, CallDelta):
                     self._call_delta(response, calls, delta)
                     continue
@@ -441,11 +443,11 @@ class ReplyPipeline:
                 await response.released.wait()
             if not response.unpaused.is_set():
                 await response.unpaused.wait()
-            lead = response.sent_ms - response.played_ms(time.perf_counter())
+            lead = response.sent_ms - response.played_ms(self.clock.now())
             if lead > self.limits.output_lead_ms:
-                await asyncio.sleep((lead - self.limits.output_lead_ms) / 1000)
+                await self.clock.sleep((lead - self.limits.output_lead_ms) / 1000)
             if not response.first_audio_at:
-                response.first_audio_at = time.perf_counter()
+                response.first_audio_at = self.clock.now()
                 turn = response.turn
                 if turn is not None and turn.stopped_at:
                     self._observe_latency(response.first_audio_at - turn.stopped_at, turn.silence_ms)
@@ -465,7 +467,7 @@ class ReplyPipeline:
             self.metrics.voice_to_voice.observe(latency + silence_ms / 1000)
 
     def _finish(self, response: Response, text: str, status: str, reason: str) -> None:
-        response.done, response.done_at = True, time.perf_counter()
+        response.done, response.done_at = True, self.clock.now()
         rid, item = response.response_id, response.item_id
         if text and response.joins_history:
             self.history.append(Message("assistant", text, item))
@@ -512,7 +514,7 @@ class ReplyPipeline:
         stopped. The client played out what it had meanwhile, so playback is reckoned from now."""
         if response.unpaused.is_set():
             return
-        now = time.perf_counter()
+        now = self.clock.now()
         if response.first_audio_at and not (response.heard_ms is not None and now - response.heard_at < ACK_FRESH_S):
             response.first_audio_at = now - response.played_ms(now) / 1000
         response.unpaused.set()
@@ -526,7 +528,7 @@ class ReplyPipeline:
         self.epoch += 1
         if response.task is not None:
             response.task.cancel()
-        now = time.perf_counter()
+        now = self.clock.now()
         if not response.text_only:  # a text-only reply has no audio to drop
             response.cleared_at = now
             self._send("output_audio_buffer.cleared", response_id=response.response_id,
@@ -599,7 +601,7 @@ class _Speech:
             while True:
                 due = None if playing_from is None else playing_from + audio_s - TTS_DUE_MARGIN_S
                 priority = Priority.REALTIME if response.released.is_set() else Priority.INTERACTIVE
-                submitted = time.perf_counter() if pipeline.trace is not None else 0.0
+                submitted = pipeline.clock.now() if pipeline.trace is not None else 0.0
                 spoken.append(asyncio.ensure_future(pipeline.tts.synthesize(
                     TtsItem(tts, text, final=final), priority, due)))
                 if len(spoken) == 1:  # the first clause: the responder waits until it is spoken
@@ -612,10 +614,10 @@ class _Speech:
                     sending.put_nowait(None)  # the sender stops at the failed item
                     return
                 if not response.first_audio_ready_at:
-                    response.first_audio_ready_at = time.perf_counter()
+                    response.first_audio_ready_at = pipeline.clock.now()
                 audio_s += (clause_s := len(spoken[-1].result()) / 2 / tts.output_rate)
                 if pipeline.trace is not None:
-                    pipeline.trace.clause(response, text, submitted, time.perf_counter(), clause_s)
+                    pipeline.trace.clause(response, text, submitted, pipeline.clock.now(), clause_s)
                 response.synthesized_s = audio_s
                 if playing_from is None and audio_s:
                     playing_from = loop.time()

@@ -44,6 +44,7 @@ from rtmedia.server.lanes.faults import fault_status
 from rtmedia.server.lanes.scheduler import Priority
 from rtmedia.server.observe.recording import NO_RECORDINGS, RecordingPolicy
 from rtmedia.server.session.client_events import ClientEvents
+from rtmedia.server.session.clock import SYSTEM_CLOCK, Clock
 from rtmedia.server.session.config import SessionSettings, output_tokens
 from rtmedia.server.session.idle_turns import IdleTimer
 from rtmedia.server.session.interruptions import Voice
@@ -77,6 +78,7 @@ class SessionContext:
     max_sessions: int
     lm_slots: int
     recording: RecordingPolicy = NO_RECORDINGS  # which sessions are recorded (server/observe/recording.py)
+    clock: Clock = SYSTEM_CLOCK  # what its timers run on (server/session/clock.py)
 
 
 class Session(ClientEvents):
@@ -91,6 +93,7 @@ class Session(ClientEvents):
         self._bytes_in = access.metrics.bytes_total.labels("in")
         self.settings = settings
         self.limits: Limits = context.limits
+        self.clock = context.clock
         self.outbox = Outbox(self.limits.max_outbox_events, self.limits.max_outbox_bytes, self._outbox_failed)
         self.writer: asyncio.Task[Any] | None = None  # the servicer's writer, ended if the outbox fails
         self.started = time.monotonic()
@@ -122,13 +125,14 @@ class Session(ClientEvents):
             self.id, self.outbox, self.history, self.limits,
             tts=access.tts, replies=access.replies,
             metrics=access.metrics, settings=lambda: self.settings, request=self._reply_request,
-            spawn=self.spawn, new_id=self.new_id, on_done=self._response_done,
+            spawn=self.spawn, new_id=self.new_id, on_done=self._response_done, clock=self.clock,
         )
         self.items = ConversationItems(self)
         self.tools = ToolCalls(lambda: self.settings.tool_filler_ms, lambda: self.settings.tool_timeout_ms,
-                               self._tool_filler, self._tool_timeout)
+                               self._tool_filler, self._tool_timeout, self.clock)
         self._fillers = itertools.cycle(self.limits.tool_fillers)
-        self.idle = IdleTimer(self._idle_since, lambda: self.settings.idle_timeout_ms, self._idle_expired)
+        self.idle = IdleTimer(self._idle_since, lambda: self.settings.idle_timeout_ms, self._idle_expired,
+                              self.clock)
         self.recognizer = Recognizer(
             access.asr, fast_final=True, language=settings.language, priority=Priority.REALTIME,
             on_event=self._on_asr_event,
@@ -277,7 +281,7 @@ class Session(ClientEvents):
 
     def _committed(self, turn: Turn) -> None:
         """input_audio_buffer.committed: the turn is pending until its transcript is in."""
-        turn.stopped_at = time.perf_counter()
+        turn.stopped_at = self.clock.now()
         self.pending_turns.append(turn)
         self.send("input_audio_buffer.committed", item_id=turn.item_id, audio_ms=turn.audio_ms)
 
@@ -299,7 +303,7 @@ class Session(ClientEvents):
         turn = self._start_turn()
         self.speech_start_ms = start_ms
         interrupts = self.settings.interrupt_response and self.response is not None \
-            and self.response.audible(time.perf_counter())
+            and self.response.audible(self.clock.now())
         if interrupts and self.settings.interruption.mode == "confirmed":
             paused = self.replies.pause()
             if paused is not None:  # (a text-only reply is not paused: it is cancelled, as ever)
@@ -314,7 +318,7 @@ class Session(ClientEvents):
         if interrupts:
             started = self.input.collected_at
             self.replies.cancel("turn_detected")
-            self.metrics.barge_in.observe(time.perf_counter() - started)
+            self.metrics.barge_in.observe(self.clock.now() - started)
         self._turn_begun()
 
     def _turn_begun(self) -> None:
@@ -347,8 +351,7 @@ class Session(ClientEvents):
         cut = turn.cut_done
 
         async def judge() -> None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(cut), voice.settings.false_interruption_timeout_ms / 1000)
+            await self.clock.wait(asyncio.shield(cut), voice.settings.false_interruption_timeout_ms / 1000)
             if self.voice is voice:
                 voice.heard = turn.said
                 self._judge(turn.said, final=True)
@@ -369,9 +372,9 @@ class Session(ClientEvents):
         self.metrics.interruptions.labels("interrupted").inc()
         log.debug("interruption confirmed",
                   extra={"session_id": self.id, "heard": voice.heard.strip(), "speech_ms": voice.speech_ms})
-        if self.response is voice.response and voice.response.audible(time.perf_counter()):
+        if self.response is voice.response and voice.response.audible(self.clock.now()):
             self.replies.cancel("turn_detected")
-            self.metrics.barge_in.observe(time.perf_counter() - voice.started_at)
+            self.metrics.barge_in.observe(self.clock.now() - voice.started_at)
         else:
             self.replies.resume(voice.response)
         if turn is not None:
@@ -398,7 +401,7 @@ class Session(ClientEvents):
         self._finish_recognition(turn)
         if not voice.dismissed:
             async def resume_later() -> None:
-                await asyncio.sleep(voice.settings.false_interruption_timeout_ms / 1000)
+                await self.clock.sleep(voice.settings.false_interruption_timeout_ms / 1000)
                 if self.voice is voice:
                     self._dismiss(voice, turn.said)
 
@@ -459,7 +462,7 @@ class Session(ClientEvents):
             self._committed(turn)
         else:
             self._end_turn()
-        self._quiet_since, self._quiet_input_ms = time.perf_counter(), self.input_ms
+        self._quiet_since, self._quiet_input_ms = self.clock.now(), self.input_ms
         if self.settings.create_response and self.closing_reason in (None, "server_shutdown"):
             if self.responding:  # interrupt_response off: the new turn waits its turn
                 self.replies.discard_preemptive("response_in_progress")
@@ -495,7 +498,7 @@ class Session(ClientEvents):
 
     def _idle_expired(self, since: float) -> None:
         """input_audio_buffer.timeout_triggered: an empty turn is committed and answered."""
-        now = time.perf_counter()
+        now = self.clock.now()
         end_ms = round(self.input_ms)
         start_ms = max(round(self._quiet_input_ms), end_ms - round((now - since) * 1000))
         turn = Turn(self.new_id("item"), asyncio.get_running_loop().create_future())  # (no latency metric)

@@ -17,12 +17,12 @@ calls and the timers; the session starts the responses.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rtmedia.engines.responders.contract import FunctionCall
+from rtmedia.server.session.clock import SYSTEM_CLOCK, Clock, Timer
 
 
 @dataclass
@@ -42,12 +42,13 @@ class ToolCalls:
     lasts."""
 
     def __init__(self, filler_ms: Callable[[], int], timeout_ms: Callable[[], int],
-                 on_filler: Callable[[], None], on_timeout: Callable[[], None]) -> None:
+                 on_filler: Callable[[], None], on_timeout: Callable[[], None], clock: Clock = SYSTEM_CLOCK) -> None:
+        self._clock = clock
         self.calls: dict[str, Call] = {}
         self.waiting: list[Call] = []  # the calls of the wait; empty: not waiting
         self._filler_ms, self._timeout_ms = filler_ms, timeout_ms
         self._on_filler, self._on_timeout = on_filler, on_timeout
-        self._timers: list[asyncio.TimerHandle] = []
+        self._timers: list[Timer] = []
 
     @property
     def out(self) -> list[Call]:
@@ -60,10 +61,9 @@ class ToolCalls:
         for call in calls:
             self.calls[call.call.call_id] = call
         self.waiting = list(calls)
-        loop = asyncio.get_running_loop()
         if self._filler_ms():
-            self._timers.append(loop.call_later(self._filler_ms() / 1000, self._fire, self._on_filler))
-        self._timers.append(loop.call_later(self._timeout_ms() / 1000, self._timed_out))
+            self._timers.append(self._clock.call_later(self._filler_ms() / 1000, self._fire, self._on_filler))
+        self._timers.append(self._clock.call_later(self._timeout_ms() / 1000, self._timed_out))
 
     def answer(self, call_id: str) -> Call | None:
         """The client's output for `call_id` came: the call, or None for an id no response made.
