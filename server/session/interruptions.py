@@ -15,6 +15,10 @@ recognised (`Voice.verdict`):
   backchannels, or that holds no words (a cough, a door), is not an interruption: the reply
   resumes. Later words of the same turn may still make it one.
 
+`Interruptions` is the machine of one session: the voice being judged and what was held
+back meanwhile; `Voice.verdict` decides, the session tells it what the VAD and the recogniser
+found, and it answers through a narrow view of its session (`InterruptionHost`).
+
 `is_backchannel` reads the words as the recogniser normalises them (lowercase, no
 punctuation: Whisper's "Mm-hmm." is "mm hmm"), so a phrase of the list matches however it
 was written, and a run of them ("yeah okay sure") is one backchannel.
@@ -22,10 +26,22 @@ was written, and a run of them ("yeah okay sure") is one backchannel.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from rtmedia.engines.asr.contract import normal_words
+
+if TYPE_CHECKING:
+    from rtmedia.server.hearing.recognition import Turn
+    from rtmedia.server.observe.metrics import Metrics
+    from rtmedia.server.session.clock import Clock
+    from rtmedia.server.session.reply import ReplyPipeline
+    from rtmedia.server.session.tool_calls import ToolCalls
+
+log = logging.getLogger(__name__)
 
 MODES = ("immediate", "confirmed")
 BACKCHANNELS = (
@@ -119,3 +135,181 @@ class Voice:
         if speech_ms >= self.settings.min_speech_ms and not is_backchannel(words, phrases, open_end=not final):
             return "interrupt"
         return "backchannel" if final else None
+
+
+class InterruptionHost(Protocol):
+    """What the machine sees of its session: the turn being spoken, the outbox, the reply
+    pipeline and tool wait, its clock and task owner, and the three steps of a turn that a
+    verdict takes (the turn begun, the turn heard to its end, the session maybe drained)."""
+
+    id: str
+    turn: Turn | None
+    replies: ReplyPipeline
+    tools: ToolCalls
+    metrics: Metrics
+    clock: Clock
+
+    def send(self, name: str, /, **fields: Any) -> None: ...
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]: ...
+    def turn_begun(self) -> None: ...
+    def interruption_heard(self, turn: Turn, stop: Any) -> None: ...
+    def close_if_drained(self) -> None: ...
+
+
+class Interruptions:
+    """The `confirmed` mode's state machine of one session: no voice, or one `Voice` being
+    judged (its reply paused, its speech_started and deltas held) until it is an interruption
+    (`_confirm`: what was held goes out, the reply is cancelled at the heard point) or not
+    (`_dismiss`: input_audio_buffer.backchannel, the reply resumes). The session tells it what
+    the VAD and the recogniser found; it answers through `InterruptionHost`."""
+
+    def __init__(self, host: InterruptionHost) -> None:
+        self.host = host
+        self.voice: Voice | None = None
+        self._unannounced: set[str] = set()  # judged voices' items whose transcript is no turn's
+
+    def judging(self, turn: Turn | None) -> bool:
+        """Whether `turn` is the voice being judged."""
+        return self.voice is not None and turn is not None and turn.item_id == self.voice.item_id
+
+    def next_voice(self) -> None:
+        """Speech starts: a voice that ended with its transcript not in yet was no interruption."""
+        if self.voice is not None:
+            voice, self.voice = self.voice, None
+            self._dismiss(voice, voice.heard)
+            self._unannounced.add(voice.item_id)
+
+    def judge(self, turn: Turn, start_ms: int, started_at: float, settings: Interruption) -> bool:
+        """Voice over an audible reply in `confirmed` mode: the reply pauses and the voice is
+        judged (input_audio_buffer.speech_tentative); False for a text-only reply, which is not
+        paused (it is cancelled, as ever)."""
+        paused = self.host.replies.pause()
+        if paused is None:
+            return False
+        turn.eager = True  # its words are wanted early
+        self.voice = Voice(turn.item_id, start_ms, paused, started_at, settings)
+        self.host.send("input_audio_buffer.speech_tentative", item_id=turn.item_id, audio_start_ms=start_ms,
+                       response_id=paused.response_id)
+        return True
+
+    def lasted(self, end_ms: int) -> None:
+        """The judged voice's audio reached `end_ms` of the input."""
+        if (voice := self.voice) is not None:
+            voice.speech_ms = end_ms - voice.start_ms
+            self._judge(voice.heard, final=False)
+
+    def partial(self, turn: Turn, event: Any) -> None:
+        """A partial hypothesis of `turn` (the recogniser's event)."""
+        if self.judging(turn) and not event.is_final:
+            assert self.voice is not None
+            self.voice.hear(f"{turn.said} {event.hypothesis or event.text}")
+            self._judge(self.voice.heard, final=False)
+
+    def hold(self, turn: Turn, delta: str) -> bool:
+        """A transcription delta of the judged voice is held (its turn is not announced yet)."""
+        if self.judging(turn):
+            assert self.voice is not None
+            self.voice.deltas.append(delta)
+            return True
+        return False
+
+    def paused(self, turn: Turn) -> None:
+        """The voice paused: its words so far (the early final) judge it; the reply resumes if
+        they do not come within false_interruption_timeout_ms."""
+        voice = self.voice
+        assert voice is not None and turn.cut_done is not None
+        cut = turn.cut_done
+
+        async def judge() -> None:
+            await self.host.clock.wait(asyncio.shield(cut), voice.settings.false_interruption_timeout_ms / 1000)
+            if self.voice is voice:
+                voice.heard = turn.said
+                self._judge(turn.said, final=True)
+
+        self.host.spawn(judge(), "voice-judge")
+
+    def ended(self, turn: Turn, stop: Any) -> None:
+        """The VAD ended the judged turn: its transcript decides (`completed`); the reply resumes
+        by false_interruption_timeout_ms if the transcript has not confirmed it."""
+        voice = self.voice
+        assert voice is not None
+        voice.stop = stop
+        if not voice.dismissed:
+            async def resume_later() -> None:
+                await self.host.clock.sleep(voice.settings.false_interruption_timeout_ms / 1000)
+                if self.voice is voice:
+                    self._dismiss(voice, turn.said)
+
+            voice.timer = self.host.spawn(resume_later(), "voice-timer")
+
+    def completed(self, turn: Turn) -> bool:
+        """A committed turn's transcript is in: whether the machine took it (a judged voice's,
+        or one judged earlier whose turn was never announced)."""
+        voice = self.voice
+        if voice is not None and turn.item_id == voice.item_id and voice.stop is not None:
+            self._heard(voice, turn)
+            return True
+        if turn.item_id in self._unannounced:
+            self._unannounced.discard(turn.item_id)
+            return True
+        return False
+
+    def _heard(self, voice: Voice, turn: Turn) -> None:
+        """A judged turn's transcript is in: an interruption becomes the user's turn as any
+        other (its speech_stopped, commit and transcript follow); else it was a backchannel."""
+        if voice.timer is not None:
+            voice.timer.cancel()
+        if voice.verdict(turn.said, voice.speech_ms, final=True) != "interrupt":
+            self._dismiss(voice, turn.said)
+            self.voice = None
+            self.host.close_if_drained()
+            return
+        self._confirm(voice)
+        self.host.turn_begun()
+        self.host.interruption_heard(turn, voice.stop)
+
+    def _judge(self, text: str, final: bool) -> None:
+        voice = self.voice
+        if voice is None:
+            return
+        verdict = voice.verdict(text, voice.speech_ms, final)
+        if verdict == "interrupt":
+            self._confirm(voice)
+        elif verdict == "backchannel":
+            self._dismiss(voice, text)
+
+    def _confirm(self, voice: Voice) -> None:
+        """The voice interrupts: its held speech_started and deltas go out, and the reply is
+        cancelled at the heard point, as an immediate barge-in would have."""
+        host = self.host
+        self.voice = None
+        host.tools.stop()
+        turn = host.turn if host.turn is not None and host.turn.item_id == voice.item_id else None
+        if turn is not None:
+            turn.eager = False
+        host.send("input_audio_buffer.speech_started", item_id=voice.item_id, audio_start_ms=voice.start_ms)
+        for delta in voice.deltas:
+            host.send("conversation.item.input_audio_transcription.delta", item_id=voice.item_id, delta=delta)
+        host.metrics.interruptions.labels("interrupted").inc()
+        log.debug("interruption confirmed",
+                  extra={"session_id": host.id, "heard": voice.heard.strip(), "speech_ms": voice.speech_ms})
+        now = host.clock.now()
+        if host.replies.response is voice.response and voice.response.audible(now):
+            host.replies.cancel("turn_detected")
+            host.metrics.barge_in.observe(now - voice.started_at)
+        else:
+            host.replies.resume(voice.response)
+        if turn is not None:
+            host.turn_begun()
+
+    def _dismiss(self, voice: Voice, text: str) -> None:
+        """The voice is no interruption (so far): the reply resumes, and the client hears what
+        was said (input_audio_buffer.backchannel). Later words of the same turn may still
+        interrupt."""
+        if voice.dismissed:
+            return
+        voice.dismissed = True
+        self.host.metrics.interruptions.labels("resumed").inc()
+        self.host.send("input_audio_buffer.backchannel", item_id=voice.item_id, transcript=text.strip(),
+                       audio_start_ms=voice.start_ms, response_id=voice.response.response_id)
+        self.host.replies.resume(voice.response)

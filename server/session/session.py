@@ -47,7 +47,7 @@ from rtmedia.server.session.client_events import ClientEvents
 from rtmedia.server.session.clock import SYSTEM_CLOCK, Clock
 from rtmedia.server.session.config import SessionSettings, output_tokens
 from rtmedia.server.session.idle_turns import IdleTimer
-from rtmedia.server.session.interruptions import Voice
+from rtmedia.server.session.interruptions import Interruptions
 from rtmedia.server.session.items import ConversationItems
 from rtmedia.server.session.limits import Limits
 from rtmedia.server.session.outbox import Outbox
@@ -81,7 +81,7 @@ class SessionContext:
     clock: Clock = SYSTEM_CLOCK  # what its timers run on (server/session/clock.py)
 
 
-class Session(ClientEvents):
+class Session:
     """One Converse stream. `handle()` takes client events; the service's writer
     loop writes what `outbox.get()` returns."""
 
@@ -112,8 +112,6 @@ class Session(ClientEvents):
         self.buffer_ms = 0.0  # uncommitted input audio (manual / none)
         self._since_commit_ms = 0.0  # of it, what came after the last commit asked for
         self.speech_start_ms = 0
-        self.voice: Voice | None = None  # voice over a reply, being judged (confirmed interruptions)
-        self._unannounced: set[str] = set()  # judged voices' items whose transcript is no turn's
         self._asr_samples = 0  # 16 kHz samples sent to the recogniser
         self.input_ms = 0.0  # input audio appended so far
         self._arrivals: deque[tuple[float, float]] = deque(maxlen=ARRIVALS)  # (input_ms after a chunk, perf_counter)
@@ -133,9 +131,10 @@ class Session(ClientEvents):
         self._fillers = itertools.cycle(self.limits.tool_fillers)
         self.idle = IdleTimer(self._idle_since, lambda: self.settings.idle_timeout_ms, self._idle_expired,
                               self.clock)
+        self.interruptions = Interruptions(self)
         self.recognizer = Recognizer(
             access.asr, fast_final=True, language=settings.language, priority=Priority.REALTIME,
-            on_event=self._on_asr_event,
+            on_event=self.interruptions.partial,
             on_delta=self.on_transcript_delta, on_complete=self._complete, on_error=self.on_recognition_error,
         )
         self.input = AudioInput(settings, self.limits.inbox_ms, self.on_audio, access.vad.open())
@@ -143,9 +142,10 @@ class Session(ClientEvents):
         self.semantic = SemanticTurns(self.id, access.turns, self.metrics, lambda: self.settings,
                                       self._end_turn_at, self.spawn, self.limits.turn_thresholds)
         self.track(self.recognizer.start(f"session-{self.id}-asr"))
-        self.settling = None
+        self.client_events = ClientEvents(self)
+        self.handle, self.settled = self.client_events.handle, self.client_events.settled
         if settings.noise_reduction:
-            self._noise_reduction(settings.noise_reduction)
+            self.client_events.noise_reduction(settings.noise_reduction)
 
     # ---- helpers ---------------------------------------------------------
     def new_id(self, prefix: str) -> str:
@@ -212,26 +212,25 @@ class Session(ClientEvents):
                     self.recognizer.send("audio", turn, pcm)
                     if semantic:
                         self.semantic.audio(pcm)
-                    if self.voice is not None and turn is self.turn:
-                        self.voice.speech_ms = offset_ms + len(pcm) // 32 - self.voice.start_ms
-                        self._judge(self.voice.heard, final=False)
+                    if turn is self.turn:
+                        self.interruptions.lasted(offset_ms + len(pcm) // 32)
                     if turn.cut_done is not None and not turn.spoke_after_pause:  # speech resumed after a pause
                         turn.spoke_after_pause = True
                         if self.replies.preemptive is not None and self.replies.preemptive.turn is turn:
                             self.replies.discard_preemptive("speech_resumed")
             elif kind == "pause":
-                voice = self.voice is not None and self.settings.transcription
+                voice = self.interruptions.voice is not None and self.settings.transcription
                 if self.turn is not None and (self.limits.early_finals or semantic or voice):
                     self.turn.cut_done = asyncio.get_running_loop().create_future()
                     self.recognizer.send("cut", self.turn)
                     if voice:
-                        self._judge_pause(self.turn)
+                        self.interruptions.paused(self.turn)
                     else:
                         self._preempt_at(self.turn)
                         if semantic:
                             self.semantic.paused(self.turn)
             elif kind == "candidate":
-                if self.turn is not None and semantic and self.voice is None:
+                if self.turn is not None and semantic and self.interruptions.voice is None:
                     self.semantic.candidate(self.turn, *value)
             elif kind == "stopped":
                 self._on_speech_stopped(value)
@@ -255,7 +254,8 @@ class Session(ClientEvents):
         async def at_early_final() -> None:
             await asyncio.shield(cut)
             if self.turn is turn and turn.cut_done is cut and not turn.spoke_after_pause and turn.said \
-                    and not self.responding and self.voice is None and self.settings.preemptive:
+                    and not self.responding and self.interruptions.voice is None \
+                    and self.settings.preemptive:
                 request = self._reply_request(said=Message("user", turn.said, turn.item_id))
                 self.replies.preempt(turn, turn.said, request)
 
@@ -295,136 +295,37 @@ class Session(ClientEvents):
 
     def _on_speech_started(self, start_ms: int) -> None:
         self.idle.cancel()
-        if self.voice is not None:  # one ended, its transcript not in yet: it was no interruption
-            voice, self.voice = self.voice, None
-            self._dismiss(voice, voice.heard)
-            self._unannounced.add(voice.item_id)
+        self.interruptions.next_voice()
         self.replies.discard_preemptive("speech_started")
         turn = self._start_turn()
         self.speech_start_ms = start_ms
         interrupts = self.settings.interrupt_response and self.response is not None \
             and self.response.audible(self.clock.now())
-        if interrupts and self.settings.interruption.mode == "confirmed":
-            paused = self.replies.pause()
-            if paused is not None:  # (a text-only reply is not paused: it is cancelled, as ever)
-                turn.eager = True  # its words are wanted early
-                self.voice = Voice(turn.item_id, start_ms, paused, self.input.collected_at,
-                                   self.settings.interruption)
-                self.send("input_audio_buffer.speech_tentative", item_id=turn.item_id, audio_start_ms=start_ms,
-                          response_id=paused.response_id)
-                return
+        if interrupts and self.settings.interruption.mode == "confirmed" and \
+                self.interruptions.judge(turn, start_ms, self.input.collected_at, self.settings.interruption):
+            return
         self.tools.stop()  # the user moved on: no filler or apology over them
         self.send("input_audio_buffer.speech_started", item_id=turn.item_id, audio_start_ms=start_ms)
         if interrupts:
             started = self.input.collected_at
             self.replies.cancel("turn_detected")
             self.metrics.barge_in.observe(self.clock.now() - started)
-        self._turn_begun()
+        self.turn_begun()
 
-    def _turn_begun(self) -> None:
+    def interruption_heard(self, turn: Turn, stop: Stop) -> None:
+        """A judged voice was an interruption and its transcript is in: its speech_stopped,
+        commit and transcript follow, as any turn's (the user may have begun another turn
+        meanwhile: that one stays the turn being spoken)."""
+        speaking, self.turn = self.turn, turn
+        self._on_speech_stopped(stop, recognised=True)
+        self.turn = speaking
+        self._complete(turn)
+
+    def turn_begun(self) -> None:
         self.replies.prepare()  # the reply's prompt, up to the user's words
         if self.settings.turn_type == "semantic_vad":
             said = [m.text for m in self.history if m.role == "assistant" and m.text]
             self.semantic.started(said[-1] if said else "")
-
-    # ---- voice over a reply, judged (confirmed interruptions, server/session/interruptions.py) ----------
-    def _on_asr_event(self, turn: Turn, event: Any) -> None:
-        if self.voice is not None and turn.item_id == self.voice.item_id and not event.is_final:
-            self.voice.hear(f"{turn.said} {event.hypothesis or event.text}")
-            self._judge(self.voice.heard, final=False)
-
-    def _judge(self, text: str, final: bool) -> None:
-        voice = self.voice
-        if voice is None:
-            return
-        verdict = voice.verdict(text, voice.speech_ms, final)
-        if verdict == "interrupt":
-            self._confirm(voice)
-        elif verdict == "backchannel":
-            self._dismiss(voice, text)
-
-    def _judge_pause(self, turn: Turn) -> None:
-        """The voice paused: its words so far (the early final) judge it; the reply resumes if
-        they do not come within false_interruption_timeout_ms."""
-        voice = self.voice
-        assert voice is not None and turn.cut_done is not None
-        cut = turn.cut_done
-
-        async def judge() -> None:
-            await self.clock.wait(asyncio.shield(cut), voice.settings.false_interruption_timeout_ms / 1000)
-            if self.voice is voice:
-                voice.heard = turn.said
-                self._judge(turn.said, final=True)
-
-        self.spawn(judge(), "voice-judge")
-
-    def _confirm(self, voice: Voice) -> None:
-        """The voice interrupts: its held speech_started and deltas go out, and the reply is
-        cancelled at the heard point, as an immediate barge-in would have."""
-        self.voice = None
-        self.tools.stop()
-        turn = self.turn if self.turn is not None and self.turn.item_id == voice.item_id else None
-        if turn is not None:
-            turn.eager = False
-        self.send("input_audio_buffer.speech_started", item_id=voice.item_id, audio_start_ms=voice.start_ms)
-        for delta in voice.deltas:
-            self.send("conversation.item.input_audio_transcription.delta", item_id=voice.item_id, delta=delta)
-        self.metrics.interruptions.labels("interrupted").inc()
-        log.debug("interruption confirmed",
-                  extra={"session_id": self.id, "heard": voice.heard.strip(), "speech_ms": voice.speech_ms})
-        if self.response is voice.response and voice.response.audible(self.clock.now()):
-            self.replies.cancel("turn_detected")
-            self.metrics.barge_in.observe(self.clock.now() - voice.started_at)
-        else:
-            self.replies.resume(voice.response)
-        if turn is not None:
-            self._turn_begun()
-
-    def _dismiss(self, voice: Voice, text: str) -> None:
-        """The voice is no interruption (so far): the reply resumes, and the client hears what
-        was said (input_audio_buffer.backchannel). Later words of the same turn may still
-        interrupt."""
-        if voice.dismissed:
-            return
-        voice.dismissed = True
-        self.metrics.interruptions.labels("resumed").inc()
-        self.send("input_audio_buffer.backchannel", item_id=voice.item_id, transcript=text.strip(),
-                  audio_start_ms=voice.start_ms, response_id=voice.response.response_id)
-        self.replies.resume(voice.response)
-
-    def _voice_ended(self, turn: Turn, stop: Stop) -> None:
-        """The VAD ended a turn still being judged: its transcript decides (`_complete`); the
-        reply resumes by false_interruption_timeout_ms if the transcript has not confirmed it."""
-        voice = self.voice
-        assert voice is not None
-        self.turn, voice.stop = None, stop
-        self._finish_recognition(turn)
-        if not voice.dismissed:
-            async def resume_later() -> None:
-                await self.clock.sleep(voice.settings.false_interruption_timeout_ms / 1000)
-                if self.voice is voice:
-                    self._dismiss(voice, turn.said)
-
-            voice.timer = self.spawn(resume_later(), "voice-timer")
-
-    def _voice_heard(self, turn: Turn) -> None:
-        """A judged turn's transcript is in: an interruption becomes the user's turn as any
-        other (its speech_stopped, commit and transcript follow); else it was a backchannel."""
-        voice = self.voice
-        assert voice is not None and voice.stop is not None
-        if voice.timer is not None:
-            voice.timer.cancel()
-        if voice.verdict(turn.said, voice.speech_ms, final=True) != "interrupt":
-            self._dismiss(voice, turn.said)
-            self.voice = None
-            self.close_if_drained()
-            return
-        self._confirm(voice)
-        self._turn_begun()
-        speaking, self.turn = self.turn, turn  # (the user may have begun another turn meanwhile)
-        self._on_speech_stopped(voice.stop, recognised=True)
-        self.turn = speaking
-        self._complete(turn)
 
     def _reply_request(self, instructions: str | None = None, max_tokens: int | None = None,
                        said: Message | None = None) -> ReplyRequest:
@@ -445,8 +346,10 @@ class Session(ClientEvents):
 
     def _on_speech_stopped(self, stop: Stop, recognised: bool = False) -> None:
         """The turn ends; `recognised`: its transcript is in already (a judged voice's)."""
-        if self.voice is not None and self.turn is not None and self.turn.item_id == self.voice.item_id:
-            self._voice_ended(self.turn, stop)
+        if self.interruptions.judging(self.turn):
+            turn, self.turn = self.turn, None
+            self._finish_recognition(turn)
+            self.interruptions.ended(turn, stop)
             return
         turn = self.turn or self._start_turn()
         end_ms = stop.audio_end_ms
@@ -531,8 +434,7 @@ class Session(ClientEvents):
 
     # ---- recognition results (server/hearing/recognition.py) ---------------------------
     def on_transcript_delta(self, turn: Turn, delta: str) -> None:
-        if self.voice is not None and turn.item_id == self.voice.item_id:
-            self.voice.deltas.append(delta)  # the turn is not announced yet
+        if self.interruptions.hold(turn, delta):
             return
         self.send("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, delta=delta)
 
@@ -561,11 +463,7 @@ class Session(ClientEvents):
     def _complete(self, turn: Turn) -> None:
         """A committed turn's transcript is in: the turn joins the history (as an item, even when
         nothing was recognised; the responders see only messages with words)."""
-        if self.voice is not None and turn.item_id == self.voice.item_id and self.voice.stop is not None:
-            self._voice_heard(turn)
-            return
-        if turn.item_id in self._unannounced:
-            self._unannounced.discard(turn.item_id)
+        if self.interruptions.completed(turn):
             return
         self.transcript_completed(turn)
         self.history.append(Message("user", turn.said, turn.item_id))
