@@ -55,6 +55,7 @@ from rtmedia.engines.vad.silero import WINDOW, VadEngine, VadStream
 from rtmedia.server.hearing.turns import WINDOW_MS as TURN_WINDOW_MS
 from rtmedia.server.hearing.turns import TurnDetector, candidate_points
 from rtmedia.server.session.config import ALAW, PCM16, ULAW, SessionSettings
+from rtmedia.v1 import realtime_pb2
 
 RATE = 16000
 WINDOW_MS = WINDOW * 1000 // RATE
@@ -87,6 +88,16 @@ class Stop:
     reason: str = "silence"
     score: float | None = None
     silence_ms: int = 0
+
+    @property
+    def proto_reason(self) -> int:
+        """The reason as input_audio_buffer.speech_stopped carries it."""
+        return TURN_END_REASONS[self.reason]
+
+
+TURN_END_REASONS = {"silence": realtime_pb2.TURN_END_REASON_SILENCE,
+                    "semantic": realtime_pb2.TURN_END_REASON_SEMANTIC,
+                    "max_wait": realtime_pb2.TURN_END_REASON_MAX_WAIT}
 
 
 def recognizer_pcm(data: bytes, encoding: int, rate: int) -> bytes:

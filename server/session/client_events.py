@@ -165,7 +165,7 @@ class ClientEvents:
         if old.turn_type != new.turn_type and s.turn is not None:
             s._end_turn()
         if (old.turn_type, old.idle_timeout_ms) != (new.turn_type, new.idle_timeout_ms):
-            s._quiet_since, s._quiet_input_ms = s.clock.now(), s.input_ms  # counts from now
+            s.idle.quiet()  # counts from now
         s.send("session.updated", session=new.to_proto())
         s.idle.arm()
 

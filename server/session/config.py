@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from rtmedia.engines.asr.contract import ENGLISH, language_code
-from rtmedia.engines.responders.contract import FunctionTool
+from rtmedia.engines.responders.contract import FunctionTool, Message, ReplyRequest
 from rtmedia.engines.tts.piper import MAX_SPEED, MIN_SPEED
 from rtmedia.server.session.interruptions import BOUNDS as INTERRUPTION_BOUNDS
 from rtmedia.server.session.interruptions import MAX_BACKCHANNEL_CHARS, MAX_BACKCHANNELS, MODES, Interruption
@@ -411,3 +411,22 @@ def _tool(function: realtime_pb2.FunctionTool, param: str) -> FunctionTool:
         raise ConfigError(f"{param}.parameters", f"{param}.parameters must be a JSON Schema of an object "
                                                  "(\"type\": \"object\")")
     return FunctionTool(function.name, function.description, schema)
+
+
+def reply_request(settings: SessionSettings, history: list[Message], camera: Iterable[bytes], conversation: str,
+                  instructions: str | None = None, max_tokens: int | None = None,
+                  said: Message | None = None) -> ReplyRequest:
+    """What the responder gets: the history's messages that hold words (a turn in which
+    nothing was recognised is an item, but no message), then `said` (a preemptive reply's
+    words so far), the instructions and token limit (0, "inf": the server's ceiling), the
+    camera's frames, the tools."""
+    kept = [m for m in history if m.text or m.call is not None or m.role == "tool"]
+    return ReplyRequest(
+        history=[*kept, said] if said is not None else kept,
+        instructions=settings.instructions if instructions is None else instructions,
+        max_output_tokens=output_tokens(settings.max_output_tokens if max_tokens is None else max_tokens),
+        images=list(camera),
+        conversation=conversation,
+        tools=settings.tools,
+        tool_choice=settings.tool_function if settings.tool_choice == "function" else settings.tool_choice,
+    )

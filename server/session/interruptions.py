@@ -103,7 +103,7 @@ class Voice:
     item_id: str
     start_ms: int
     response: Any  # server/session/reply.py's Response, paused
-    started_at: float  # perf_counter when the voice was heard
+    started_at: float  # when the voice was heard (the VAD tick's perf_counter)
     settings: Interruption
     speech_ms: int = 0  # how long it has lasted so far
     heard: str = ""  # its words so far, agreed or not: the latest hypothesis

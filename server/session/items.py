@@ -26,7 +26,6 @@ can be neither deleted nor retrieved (`invalid_state`); an unknown id is `item_n
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING, Any
 
 from rtmedia.engines.responders.contract import FunctionCall, Message
@@ -231,7 +230,7 @@ class ConversationItems:
                     f"0..{response.sent_ms} (the audio sent for {event.item_id})", event_id, "audio_end_ms")
             return
         response.heard_ms, response.truncated = event.audio_end_ms, True
-        response.heard_at = time.perf_counter()  # where its playback ended
+        response.heard_at = s.clock.now()  # where its playback ended
         if response is s.response and not response.done:  # playback stopped: so does the reply
             s.replies.cancel("client_truncated")
         else:
@@ -256,13 +255,13 @@ class ConversationItems:
             try:
                 pcm = await asyncio.to_thread(recognizer_pcm, audio, encoding, rate)
             except BaseException:
-                self.session.forget_turn(turn)
+                self.session.transcripts.forget(turn)
                 raise
             if self._recognizer is None:
                 s = self.session
                 self._recognizer = Recognizer(
                     s.access.asr, fast_final=True, priority=Priority.INTERACTIVE,
-                    on_delta=s.on_transcript_delta, on_complete=self._complete, on_error=s.on_recognition_error)
+                    on_delta=s.transcripts.delta, on_complete=self._complete, on_error=s.transcripts.failed)
                 s.track(self._recognizer.start(f"session-{s.id}-item-asr"))
             self._recognizer.language = self.session.settings.language  # the session's, as it is now
             turn.input_offset_ms, turn.asr_offset_ms = 0, self._asr_samples // 16  # word times within the item
@@ -272,7 +271,7 @@ class ConversationItems:
 
     def _complete(self, turn: Turn) -> None:
         s = self.session
-        s.transcript_completed(turn)
+        s.transcripts.completed(turn)
         self.add(Message("user", turn.said, turn.item_id))
         s.close_if_drained()
 

@@ -70,6 +70,7 @@ ACK_FRESH_S = 1.0  # an ack older than this no longer tells where playback is
 # A long sentence is decoded in windows from this many latent frames (about half a second of audio at
 # 22.05 kHz), doubling: its first audio comes after a quarter of its decode or less.
 TTS_WINDOW_FRAMES = 48
+PREEMPT_TTS_BEHIND = 2  # TTS items queued at which a pause prepares no reply (the lanes are behind)
 TTS_DUE_MARGIN_S = 0.3  # a later TTS item is due this long before the audio before it runs out
 # A reply's first audio starts this long before its first sound louder than QUIET_LEVEL (of int16 full
 # scale): the voice's leading silence (0-60 ms) would only delay what the user hears.
@@ -297,6 +298,30 @@ class ReplyPipeline:
         self.preemptive = response
         self.metrics.preemptive.labels("started").inc()
 
+    def preempt_at(self, turn: Turn, closing: bool, current: Callable[[Turn], bool]) -> None:
+        """The user paused: once the recogniser's early final is in, the reply to the words so far
+        is prepared (`preempt`) unless speech resumed or the turn is no longer `current` (ended,
+        or judged as an interruption). Skipped, and counted, while the TTS or the responder's lane
+        is behind: other sessions' replies first."""
+        settings = self._settings()
+        if not (settings.preemptive and settings.create_response and settings.transcription) \
+                or self.generating or closing:
+            return
+        if self.tts.waiting >= PREEMPT_TTS_BEHIND or self.replies.behind(settings.responder):
+            self.metrics.preemptive.labels("skipped").inc()
+            return
+        turn.spoke_after_pause = False
+        cut = turn.cut_done
+        assert cut is not None
+
+        async def at_early_final() -> None:
+            await asyncio.shield(cut)
+            if current(turn) and turn.cut_done is cut and not turn.spoke_after_pause and turn.said \
+                    and not self.generating and self._settings().preemptive:
+                self.preempt(turn, turn.said, self._request(said=Message("user", turn.said, turn.item_id)))
+
+        self._spawn(at_early_final(), "preempt")
+
     def discard_preemptive(self, why: str) -> None:
         """The prepared reply will not be this turn's (the user spoke on, the session changed)."""
         spec, self.preemptive = self.preemptive, None
@@ -439,12 +464,14 @@ class ReplyPipeline:
         step = rate * self.limits.output_delta_ms // 1000 * 2
         for offset in range(0, len(audio), step):
             piece = audio[offset:offset + step]
-            if not response.released.is_set():
-                await response.released.wait()
-            if not response.unpaused.is_set():
-                await response.unpaused.wait()
-            lead = response.sent_ms - response.played_ms(self.clock.now())
-            if lead > self.limits.output_lead_ms:
+            while True:  # held, paused, or ahead of the client's playback: wait (a pause may come meanwhile)
+                if not response.released.is_set():
+                    await response.released.wait()
+                if not response.unpaused.is_set():
+                    await response.unpaused.wait()
+                lead = response.sent_ms - response.played_ms(self.clock.now())
+                if lead <= self.limits.output_lead_ms:
+                    break
                 await self.clock.sleep((lead - self.limits.output_lead_ms) / 1000)
             if not response.first_audio_at:
                 response.first_audio_at = self.clock.now()

@@ -1,25 +1,14 @@
 """A duplex speech session: one Converse stream (docs/protocol.md#sessions).
 
-`Session` holds the session's lifecycle (open, finish, drain, close); its config, turn
-state, audio input, camera frames and conversation history live here. It inherits the
-dispatch of client events to their handlers (server/session/client_events.py). The rest is
-in the parts it owns, one each:
-- the outbox (server/session/outbox.py): control events overtake queued media, media of a
-  cancelled response's epoch are dropped;
-- the recogniser feed (server/hearing/recognition.py): turn audio to the ASR lanes in order, its
-  results into transcription events (a server_vad turn's segment ends at each pause, so
-  its final is ready when speech_stopped comes: Limits.early_finals);
-- the reply pipeline (server/session/reply.py): transcript -> responder -> TTS -> audio deltas;
-- the conversation items (server/session/items.py): item create (text or audio), delete, retrieve and
-  truncate, over the history, whose messages carry their item ids;
-- the idle-turn timer (server/session/idle_turns.py): turn_detection.idle_timeout_ms;
-- the function calls out and their wait (server/session/tool_calls.py): the filler and the timeout;
-- semantic_vad's decisions at each pause (server/hearing/semantic_turns.py).
-
-The session never calls an engine: it and its parts use the scheduler's typed handles
-(server/lanes/access.py): its audio input is attached to the VAD tick, turn audio goes to
-the ASR lanes, replies to a responder's lane and the TTS lane.
-Every task of the session is owned here and cancelled by `close()`.
+`Session` holds the session's lifecycle (open, finish, drain, close), its config, turn state,
+audio input, camera frames and history, and turns the VAD tick's results into turns. The rest
+is in the parts it owns, one each (docs/architecture.md draws them): the client events' table
+(client_events.py), the outbox, the recogniser feed and its transcription events
+(transcripts.py), the reply pipeline (reply.py), the conversation items, the interruption
+machine (interruptions.py), the idle turns, the function calls' wait (tool_calls.py) and
+semantic_vad's decisions (server/hearing/semantic_turns.py). The session never calls an
+engine: it and its parts use the scheduler's typed handles (server/lanes/access.py). Every
+timer runs on the context's clock (clock.py); every task is owned here and cancelled by `close()`.
 """
 
 from __future__ import annotations
@@ -31,54 +20,33 @@ import logging
 import time
 from collections import deque
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
-from rtmedia.engines.responders.contract import Message, ReplyRequest
+from rtmedia.engines.responders.contract import Message
 from rtmedia.protocol.events import server_event
 from rtmedia.server.hearing.audio_input import Action, AudioInput, Stop
-from rtmedia.server.hearing.recognition import Recognizer, Turn, token_infos
+from rtmedia.server.hearing.recognition import Recognizer, Turn
 from rtmedia.server.hearing.semantic_turns import SemanticTurns
-from rtmedia.server.lanes.access import EngineAccess
-from rtmedia.server.lanes.faults import fault_status
 from rtmedia.server.lanes.scheduler import Priority
-from rtmedia.server.observe.recording import NO_RECORDINGS, RecordingPolicy
 from rtmedia.server.session.client_events import ClientEvents
-from rtmedia.server.session.clock import SYSTEM_CLOCK, Clock
-from rtmedia.server.session.config import SessionSettings, output_tokens
-from rtmedia.server.session.idle_turns import IdleTimer
+from rtmedia.server.session.config import SessionSettings, reply_request
+from rtmedia.server.session.context import SessionContext
+from rtmedia.server.session.idle_turns import IdleTurns
 from rtmedia.server.session.interruptions import Interruptions
 from rtmedia.server.session.items import ConversationItems
 from rtmedia.server.session.limits import Limits
 from rtmedia.server.session.outbox import Outbox
 from rtmedia.server.session.reply import TTS_WINDOW_FRAMES, ReplyPipeline, Response
 from rtmedia.server.session.tool_calls import ToolCalls
+from rtmedia.server.session.transcripts import Transcripts
 from rtmedia.v1 import realtime_pb2
 
-TURN_END_REASONS = {"silence": realtime_pb2.TURN_END_REASON_SILENCE,
-                    "semantic": realtime_pb2.TURN_END_REASON_SEMANTIC,
-                    "max_wait": realtime_pb2.TURN_END_REASON_MAX_WAIT}
-
-# Re-exported: other modules import these from here (Limits: server/app.py and
+# Re-exported: other modules import these from here (Limits, SessionContext: server/app.py and
 # server/services/realtime.py; TTS_WINDOW_FRAMES: tests/perf/bench_speech.py).
-__all__ = ["TTS_WINDOW_FRAMES", "Limits", "Session"]
+__all__ = ["TTS_WINDOW_FRAMES", "Limits", "Session", "SessionContext"]
 
 log = logging.getLogger(__name__)
-PREEMPT_TTS_BEHIND = 2  # TTS items queued at which a pause prepares no reply (the lanes are behind)
 ARRIVALS = 3000  # input chunks whose arrival times are kept (a turn's end is looked up among them)
-
-
-@dataclass(frozen=True)
-class SessionContext:
-    """What the sessions of one server share: the engines (through the scheduler's handles),
-    the limits, and the admission figures that session.created states."""
-
-    access: EngineAccess
-    limits: Limits
-    max_sessions: int
-    lm_slots: int
-    recording: RecordingPolicy = NO_RECORDINGS  # which sessions are recorded (server/observe/recording.py)
-    clock: Clock = SYSTEM_CLOCK  # what its timers run on (server/session/clock.py)
 
 
 class Session:
@@ -105,7 +73,6 @@ class Session:
         self.client_ids: set[str] = set()  # item ids the client chose: the server's own skip them
         self.history: list[Message] = []  # the conversation, each message under its item id
         self.turn: Turn | None = None  # the turn being spoken, or buffered for a commit
-        self.pending_turns: deque[Turn] = deque()  # committed turns not yet transcribed, oldest first
         # Committed turns (manual, none) whose audio is still on its way through the VAD tick,
         # oldest first: the audio the tick delivers goes to the first of them, not to `turn`.
         self._committing: deque[Turn] = deque()
@@ -115,27 +82,26 @@ class Session:
         self._asr_samples = 0  # 16 kHz samples sent to the recogniser
         self.input_ms = 0.0  # input audio appended so far
         self._arrivals: deque[tuple[float, float]] = deque(maxlen=ARRIVALS)  # (input_ms after a chunk, perf_counter)
-        self._quiet_since = 0.0  # perf_counter of the last speech stop or idle timeout
-        self._quiet_input_ms = 0.0  # input_ms then, or when the last response ended
         self.camera: deque[bytes] = deque()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.replies = ReplyPipeline(
             self.id, self.outbox, self.history, self.limits,
             tts=access.tts, replies=access.replies,
-            metrics=access.metrics, settings=lambda: self.settings, request=self._reply_request,
+            metrics=access.metrics, settings=lambda: self.settings,
+            request=lambda *a, **k: reply_request(self.settings, self.history, self.camera, self.id, *a, **k),
             spawn=self.spawn, new_id=self.new_id, on_done=self._response_done, clock=self.clock,
         )
         self.items = ConversationItems(self)
-        self.tools = ToolCalls(lambda: self.settings.tool_filler_ms, lambda: self.settings.tool_timeout_ms,
-                               self._tool_filler, self._tool_timeout, self.clock)
-        self._fillers = itertools.cycle(self.limits.tool_fillers)
-        self.idle = IdleTimer(self._idle_since, lambda: self.settings.idle_timeout_ms, self._idle_expired,
-                              self.clock)
+        self.tools = ToolCalls(lambda: self.settings, self.limits, self.replies,
+                               lambda: self.closing_reason is not None, self.clock)
+        self.idle = IdleTurns(self, self.clock)
         self.interruptions = Interruptions(self)
+        self.transcripts = Transcripts(self.id, self.send, self.interruptions)
+        self.pending_turns = self.transcripts.pending  # committed turns not yet transcribed, oldest first
         self.recognizer = Recognizer(
             access.asr, fast_final=True, language=settings.language, priority=Priority.REALTIME,
             on_event=self.interruptions.partial,
-            on_delta=self.on_transcript_delta, on_complete=self._complete, on_error=self.on_recognition_error,
+            on_delta=self.transcripts.delta, on_complete=self._complete, on_error=self.transcripts.failed,
         )
         self.input = AudioInput(settings, self.limits.inbox_ms, self.on_audio, access.vad.open())
         access.vad.attach(self.input)
@@ -226,7 +192,8 @@ class Session:
                     if voice:
                         self.interruptions.paused(self.turn)
                     else:
-                        self._preempt_at(self.turn)
+                        self.replies.preempt_at(self.turn, self.closing_reason is not None,
+                                                lambda t: self.turn is t and self.interruptions.voice is None)
                         if semantic:
                             self.semantic.paused(self.turn)
             elif kind == "candidate":
@@ -236,30 +203,6 @@ class Session:
                 self._on_speech_stopped(value)
             elif kind == "marker":
                 value()
-
-    def _preempt_at(self, turn: Turn) -> None:
-        """The user paused: once the recogniser's early final is in, the reply to the words so far
-        is prepared (held) unless speech resumed (server/session/reply.py: `preempt`). Skipped, and
-        counted, while the TTS or the responder's lane is behind: other sessions' replies first."""
-        settings = self.settings
-        if not (settings.preemptive and settings.create_response and settings.transcription) \
-                or self.responding or self.closing_reason is not None:
-            return
-        if self.access.tts.waiting >= PREEMPT_TTS_BEHIND or self.access.replies.behind(settings.responder):
-            self.metrics.preemptive.labels("skipped").inc()
-            return
-        turn.spoke_after_pause = False
-        cut = turn.cut_done
-
-        async def at_early_final() -> None:
-            await asyncio.shield(cut)
-            if self.turn is turn and turn.cut_done is cut and not turn.spoke_after_pause and turn.said \
-                    and not self.responding and self.interruptions.voice is None \
-                    and self.settings.preemptive:
-                request = self._reply_request(said=Message("user", turn.said, turn.item_id))
-                self.replies.preempt(turn, turn.said, request)
-
-        self.spawn(at_early_final(), "preempt")
 
     def _end_turn_at(self, stop: Stop) -> None:
         """semantic_vad decided: the turn ends at the VAD tick's step, woken for it."""
@@ -327,23 +270,6 @@ class Session:
             said = [m.text for m in self.history if m.role == "assistant" and m.text]
             self.semantic.started(said[-1] if said else "")
 
-    def _reply_request(self, instructions: str | None = None, max_tokens: int | None = None,
-                       said: Message | None = None) -> ReplyRequest:
-        """What the responder gets: the history's messages that hold words (a turn in which
-        nothing was recognised is an item, but no message), then `said` (a preemptive reply's
-        words so far), the instructions and token limit (0, "inf": the server's ceiling)."""
-        settings = self.settings
-        history = [m for m in self.history if m.text or m.call is not None or m.role == "tool"]
-        return ReplyRequest(
-            history=[*history, said] if said is not None else history,
-            instructions=settings.instructions if instructions is None else instructions,
-            max_output_tokens=output_tokens(settings.max_output_tokens if max_tokens is None else max_tokens),
-            images=list(self.camera),
-            conversation=self.id,
-            tools=settings.tools,
-            tool_choice=settings.tool_function if settings.tool_choice == "function" else settings.tool_choice,
-        )
-
     def _on_speech_stopped(self, stop: Stop, recognised: bool = False) -> None:
         """The turn ends; `recognised`: its transcript is in already (a judged voice's)."""
         if self.interruptions.judging(self.turn):
@@ -355,7 +281,7 @@ class Session:
         end_ms = stop.audio_end_ms
         turn.speech_end_at = self._arrival(end_ms)
         self.send("input_audio_buffer.speech_stopped", item_id=turn.item_id, audio_end_ms=end_ms,
-                  reason=TURN_END_REASONS[stop.reason], score=stop.score)
+                  reason=stop.proto_reason, score=stop.score)
         self.metrics.turn_ends.labels(stop.reason).inc()
         self.semantic.ended()
         turn.silence_ms, turn.end_reason = stop.silence_ms, stop.reason
@@ -365,7 +291,7 @@ class Session:
             self._committed(turn)
         else:
             self._end_turn()
-        self._quiet_since, self._quiet_input_ms = self.clock.now(), self.input_ms
+        self.idle.quiet()
         if self.settings.create_response and self.closing_reason in (None, "server_shutdown"):
             if self.responding:  # interrupt_response off: the new turn waits its turn
                 self.replies.discard_preemptive("response_in_progress")
@@ -387,85 +313,13 @@ class Session:
             at = t
         return at
 
-    # ---- idle turns (server/session/idle_turns.py) ---------------------------------------
-    def _idle_since(self) -> float | None:
-        """When this session became quiet for turn_detection.idle_timeout_ms: the end of the
-        last response's playback or the last speech stop or timeout, whichever came last; None
-        while not quiet (no response yet, a turn or response in progress, a function call out,
-        closing)."""
-        response = self.response
-        if not self.settings.vad_turns or self.closing_reason is not None or response is None \
-                or not response.done or self.turn is not None or self.responding or self.tools.out:
-            return None
-        return max(response.playback_end(), self._quiet_since)
-
-    def _idle_expired(self, since: float) -> None:
-        """input_audio_buffer.timeout_triggered: an empty turn is committed and answered."""
-        now = self.clock.now()
-        end_ms = round(self.input_ms)
-        start_ms = max(round(self._quiet_input_ms), end_ms - round((now - since) * 1000))
-        turn = Turn(self.new_id("item"), asyncio.get_running_loop().create_future())  # (no latency metric)
-        self.send("input_audio_buffer.timeout_triggered", item_id=turn.item_id, audio_start_ms=max(0, start_ms),
-                  audio_end_ms=end_ms)
-        self.send("input_audio_buffer.committed", item_id=turn.item_id, audio_ms=0)
-        turn.transcript.set_result("")
-        self.history.append(Message("user", "", turn.item_id))
-        self._quiet_since, self._quiet_input_ms = now, self.input_ms
-        if self.settings.create_response:
-            self.replies.start(turn)
-        else:
-            self.idle.arm()
-
-    # ---- the wait for a function call's output (server/session/tool_calls.py) --------------
-    def _tool_filler(self) -> None:
-        """A call is still out after tool_filler_ms: a filler, unless something plays already."""
-        if not self.responding and self.closing_reason is None:
-            self.replies.start(None, joins_history=False, say=next(self._fillers), filler=True)
-
-    def _tool_timeout(self) -> None:
-        """A call went unanswered for tool_timeout_ms: the server's apology ends the wait (a
-        filler still playing gives way to it)."""
-        if self.closing_reason is not None:
-            return
-        if self.responding and self.response is not None and self.response.filler:
-            self.replies.cancel("tool_timeout")
-        if not self.responding:
-            self.replies.start(None, say=self.limits.tool_apology, reason="tool_timeout")
-
     # ---- recognition results (server/hearing/recognition.py) ---------------------------
-    def on_transcript_delta(self, turn: Turn, delta: str) -> None:
-        if self.interruptions.hold(turn, delta):
-            return
-        self.send("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, delta=delta)
-
-    def on_recognition_error(self, turn: Turn, exc: Exception) -> None:
-        """An engine fault while transcribing (server/hearing/recognition.py): the client is told with
-        conversation.item.input_audio_transcription.failed (the code is the fault's status reason,
-        lowercase), and the session goes on."""
-        log.warning("transcription failed: %s", exc, extra={"session_id": self.id})
-        self.send("conversation.item.input_audio_transcription.failed", item_id=turn.item_id,
-                  code=fault_status(exc)[1].lower(),
-                  message=f"transcribing {turn.item_id or 'the turn'} failed: {exc}; the turn keeps what was "
-                          "recognised before, and the session goes on")
-
-    def transcript_completed(self, turn: Turn) -> None:
-        """conversation.item.input_audio_transcription.completed: the turn's transcript, its
-        segments' finals joined, with word timings in the input; the turn is no longer pending."""
-        words = [{"word": w, "start_ms": s, "end_ms": e, "confidence": c} for w, s, e, c in turn.words]
-        self.send("conversation.item.input_audio_transcription.completed", item_id=turn.item_id,
-                  transcript=turn.said, words=words, tokens=token_infos(turn.tokens))
-        self.forget_turn(turn)
-
-    def forget_turn(self, turn: Turn) -> None:
-        if turn in self.pending_turns:
-            self.pending_turns.remove(turn)
-
     def _complete(self, turn: Turn) -> None:
         """A committed turn's transcript is in: the turn joins the history (as an item, even when
         nothing was recognised; the responders see only messages with words)."""
         if self.interruptions.completed(turn):
             return
-        self.transcript_completed(turn)
+        self.transcripts.completed(turn)
         self.history.append(Message("user", turn.said, turn.item_id))
         self.close_if_drained()
 
@@ -502,7 +356,7 @@ class Session:
         """A response's response.done is queued: one that called functions makes the session wait
         for their outputs; when draining, the session may close now; else the idle-turn timer
         runs from the end of its playback."""
-        self._quiet_input_ms = self.input_ms
+        self.idle.quiet_input_ms = self.input_ms
         if response.calls and self.closing_reason is None:
             self.tools.made(response.calls)
         self.close_if_drained()

@@ -12,17 +12,24 @@ one's function_call_output (conversation.item.create) and asks for the answer
 
 A user turn during the wait is answered as usual and ends the wait (the timers stop); the call
 stays in the history unanswered, and its late output is still accepted. `ToolCalls` keeps the
-calls and the timers; the session starts the responses.
+calls and the timers, and starts the filler and the apology on the session's reply pipeline.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rtmedia.engines.responders.contract import FunctionCall
 from rtmedia.server.session.clock import SYSTEM_CLOCK, Clock, Timer
+
+if TYPE_CHECKING:
+    from rtmedia.server.session.config import SessionSettings
+    from rtmedia.server.session.limits import Limits
+    from rtmedia.server.session.reply import ReplyPipeline
 
 
 @dataclass
@@ -37,17 +44,17 @@ class Call:
 
 
 class ToolCalls:
-    """Every call of the session by call id, and the wait on the latest response's calls.
-    `on_filler()` and `on_timeout()` are the session's: the timers fire only while the wait
-    lasts."""
+    """Every call of the session by call id, and the wait on the latest response's calls, with
+    its two timers: the filler and the apology are responses the reply pipeline starts, unless
+    the session is closing."""
 
-    def __init__(self, filler_ms: Callable[[], int], timeout_ms: Callable[[], int],
-                 on_filler: Callable[[], None], on_timeout: Callable[[], None], clock: Clock = SYSTEM_CLOCK) -> None:
-        self._clock = clock
+    def __init__(self, settings: Callable[[], SessionSettings], limits: Limits, replies: ReplyPipeline,
+                 closing: Callable[[], bool], clock: Clock = SYSTEM_CLOCK) -> None:
         self.calls: dict[str, Call] = {}
         self.waiting: list[Call] = []  # the calls of the wait; empty: not waiting
-        self._filler_ms, self._timeout_ms = filler_ms, timeout_ms
-        self._on_filler, self._on_timeout = on_filler, on_timeout
+        self._settings, self._limits, self._replies, self._closing = settings, limits, replies, closing
+        self._fillers = itertools.cycle(limits.tool_fillers)
+        self._clock = clock
         self._timers: list[Timer] = []
 
     @property
@@ -61,9 +68,10 @@ class ToolCalls:
         for call in calls:
             self.calls[call.call.call_id] = call
         self.waiting = list(calls)
-        if self._filler_ms():
-            self._timers.append(self._clock.call_later(self._filler_ms() / 1000, self._fire, self._on_filler))
-        self._timers.append(self._clock.call_later(self._timeout_ms() / 1000, self._timed_out))
+        settings = self._settings()
+        if settings.tool_filler_ms:
+            self._timers.append(self._clock.call_later(settings.tool_filler_ms / 1000, self._filler))
+        self._timers.append(self._clock.call_later(settings.tool_timeout_ms / 1000, self._timed_out))
 
     def answer(self, call_id: str) -> Call | None:
         """The client's output for `call_id` came: the call, or None for an id no response made.
@@ -86,11 +94,22 @@ class ToolCalls:
             timer.cancel()
         self._timers.clear()
 
-    def _fire(self, action: Callable[[], None]) -> None:
-        if self.out:
-            action()
+    def _filler(self) -> None:
+        """A call is still out after tool_filler_ms: a filler, unless something plays already."""
+        replies = self._replies
+        if self.out and not replies.generating and not self._closing():
+            replies.start(None, joins_history=False, say=next(self._fillers), filler=True)
 
     def _timed_out(self) -> None:
-        if self.out:
-            self.stop()
-            self._on_timeout()
+        """A call went unanswered for tool_timeout_ms: the server's apology ends the wait (a
+        filler still playing gives way to it)."""
+        if not self.out:
+            return
+        self.stop()
+        if self._closing():
+            return
+        replies = self._replies
+        if replies.generating and replies.response is not None and replies.response.filler:
+            replies.cancel("tool_timeout")
+        if not replies.generating:
+            replies.start(None, say=self._limits.tool_apology, reason="tool_timeout")

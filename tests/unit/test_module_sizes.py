@@ -23,3 +23,22 @@ def test_no_module_passes_the_size_limit() -> None:
     assert len(sizes) > 20 and "web/bridge.py" in sizes, sorted(sizes)
     over = {path: size for path, size in sizes.items() if size > LIMIT_BYTES}
     assert not over, f"split these modules into ones named after what they hold (limit {LIMIT_BYTES} bytes): {over}"
+
+
+SESSION_MODULE_LINES = 400  # the session is a lifecycle and its turns; its parts live in their own modules
+
+
+def test_the_session_module_stays_small() -> None:
+    lines = (ROOT / "server/session/session.py").read_text().count("\n")
+    assert lines <= SESSION_MODULE_LINES, (
+        f"server/session/session.py has {lines} lines (limit {SESSION_MODULE_LINES}): move a part of the session "
+        "into a module of its own")
+
+
+def test_the_session_is_no_mixin() -> None:
+    """The session owns its parts; it inherits none of them (a handler has a caller one can find)."""
+    import ast
+
+    tree = ast.parse((ROOT / "server/session/session.py").read_text())
+    session = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Session")
+    assert not session.bases, [ast.unparse(b) for b in session.bases]
