@@ -269,3 +269,59 @@ async def test_no_reply_audio_goes_out_after_speech_tentative(call: Call):
     call.started()
     assert call.named("input_audio_buffer.speech_tentative", await call.read())
     assert call.audio_ms(rid, await call.tick(400)) == 0
+
+
+async def paused_turn(call: Call, said: str) -> None:
+    """The user says `said` and pauses (the recogniser's early final is `said`); a reply is prepared."""
+    call.engines.asr.say(said)
+    call.started()
+    call.audio(800)
+    call.paused()
+    await call.read()
+    assert call.counted("rtmedia_preemptive_replies_total", outcome="started") == 1
+
+
+async def test_a_reply_prepared_at_a_pause_is_committed_when_the_turn_ends_with_the_same_words(call: Call):
+    call.engines.replies.add(*words("It is sunny in Paris."))
+    await paused_turn(call, "What is the weather in Paris?")
+    # Prepared: the responder was asked with the words so far; nothing of it reached the client.
+    (request,) = call.engines.replies.requests
+    assert (request.history[-1].role, request.history[-1].text) == ("user", "What is the weather in Paris?")
+    assert not [n for n, _ in call.events if n.startswith("response.")]
+    assert call.engines.tts.spoken == ["It is sunny"]  # its first clause only, synthesised ahead
+    await call.tick(200)
+    call.stopped()  # the transcript holds the same words: the prepared reply is this turn's response
+    await call.tick(100)
+    (created,) = call.named("response.created")
+    rid = created["response_id"]
+    assert call.named("response.output_text.done")[0]["text"] == "It is sunny in Paris."
+    assert call.audio_ms(rid) == 1000
+    assert call.done(rid)["timings"]["preemptive"] == "committed"
+    assert len(call.engines.replies.requests) == 1  # the responder was not asked again
+    assert call.counted("rtmedia_preemptive_replies_total", outcome="committed") == 1
+    assert call.counted("rtmedia_preemptive_replies_total", outcome="discarded") == 0
+
+
+async def test_a_reply_prepared_at_a_pause_is_discarded_unseen_when_speech_resumes(call: Call):
+    call.engines.replies.add(*words("The weather where?"))  # the prepared reply, to "What is the weather"
+    call.engines.replies.add(*words("It is sunny in Paris."))
+    await paused_turn(call, "What is the weather")
+    await call.tick(100)
+    call.engines.asr.say("in Paris?")
+    call.audio(400)  # speech resumed after the pause
+    await call.read()
+    assert call.counted("rtmedia_preemptive_replies_total", outcome="discarded") == 1
+    # Its first clause had been synthesised: "The weather where?", 3 words.
+    assert call.counted("rtmedia_preemptive_discarded_audio_seconds_total") == pytest.approx(3 * MS_PER_WORD / 1000)
+    call.stopped()
+    await call.tick(100)
+    # The turn's one response is made afresh for the whole transcript; the prepared one never showed.
+    (created,) = call.named("response.created")
+    rid = created["response_id"]
+    assert [f["text"] for f in call.named("response.output_text.done")] == ["It is sunny in Paris."]
+    assert "The" not in [f["delta"] for f in call.named("response.output_text.delta")]
+    assert call.done(rid)["timings"]["preemptive"] == "none"
+    first, second = call.engines.replies.requests
+    assert first.history[-1].text == "What is the weather"
+    assert second.history[-1].text == "What is the weather in Paris?"
+    assert call.counted("rtmedia_preemptive_replies_total", outcome="committed") == 0
