@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from rtmedia.engines.responders.contract import CallDelta
 from rtmedia.protocol.events import client_event, to_json
 from rtmedia.server.hearing.audio_input import Stop
 from rtmedia.server.session.config import SessionSettings
@@ -325,3 +327,68 @@ async def test_a_reply_prepared_at_a_pause_is_discarded_unseen_when_speech_resum
     assert first.history[-1].text == "What is the weather"
     assert second.history[-1].text == "What is the weather in Paris?"
     assert call.counted("rtmedia_preemptive_replies_total", outcome="committed") == 0
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "parameters": json.dumps({"type": "object", "properties": {"city": {"type": "string"}}})}
+
+
+async def tool_call(call: Call, **config: Any) -> tuple[str, str]:
+    """A session with a tool; a turn whose reply says a few words and calls it. (The reply's
+    response id, the call's id), once its response.done is out."""
+    call.send("session.update", session={"tools": {"functions": [WEATHER]}, **config})
+    call.engines.replies.add("Let me check. ", CallDelta(0, "get_weather", '{"city": '), CallDelta(0, "", '"Paris"}'))
+    await call.turn("What is the weather in Paris?")
+    assert call.named("session.updated") and not call.named("error")
+    rid = call.named("response.created")[-1]["response_id"]
+    done = call.done(rid)
+    assert (done["status"], call.audio_ms(rid)) == ("completed", 600)  # its text is spoken, its call is not
+    (function_call,) = done["function_calls"]
+    assert (function_call["name"], function_call["arguments"]) == ("get_weather", '{"city": "Paris"}')
+    return rid, function_call["call_id"]
+
+
+async def test_a_function_call_is_waited_for_with_a_filler_until_its_output_and_answer(call: Call):
+    rid, call_id = await tool_call(call)
+    # The session waits for the tool: nothing until tool_filler_ms (800 ms) has passed, then a filler.
+    assert not call.named("response.created", await call.tick(790))
+    (filler,) = call.named("response.created", await call.tick(20))
+    assert filler["filler"] and filler["response_id"] != rid
+    await call.tick(100)
+    assert call.done(filler["response_id"])["status"] == "completed"
+    assert call.named("response.output_text.done")[-1]["text"] == Limits().tool_fillers[0]
+    # The client's output, then its response.create: the answer cuts the filler still playing.
+    call.send("conversation.item.create", item={"type": "function_call_output", "call_id": call_id,
+                                                "output": '{"sky": "sunny"}'})
+    call.engines.replies.add(*words("It is sunny in Paris."))
+    call.send("response.create")
+    answered = await call.tick(100)
+    assert call.named("conversation.item.added", answered)[0]["item"]["call_id"] == call_id
+    (cleared,) = call.named("output_audio_buffer.cleared", answered)
+    assert cleared["response_id"] == filler["response_id"]
+    answer = call.named("response.created", answered)[0]["response_id"]
+    assert call.audio_ms(answer) == 1000 and call.done(answer)["status"] == "completed"
+    # The responder answered from the history with the call and its output, without the filler.
+    history = call.engines.replies.requests[-1].history
+    assert [(m.role, m.text) for m in history if m.call is None] == [
+        ("user", "What is the weather in Paris?"), ("assistant", "Let me check."), ("tool", '{"sky": "sunny"}')]
+    assert [m.call.name for m in history if m.call is not None] == ["get_weather"]
+    # The wait is over: no apology comes.
+    assert not call.named("response.created", await call.tick(15000))
+
+
+async def test_a_function_call_unanswered_for_tool_timeout_ms_ends_with_the_apology(call: Call):
+    _, call_id = await tool_call(call, tool_timeout_ms=2000, tool_filler_ms=0)
+    assert not call.named("response.created", await call.tick(1990))  # no filler: it is off
+    (apology,) = call.named("response.created", await call.tick(20))
+    await call.tick(3000)  # its 14 words, paced at the playback
+    done = call.done(apology["response_id"])
+    assert (done["status"], done["status_reason"]) == ("completed", "tool_timeout")
+    assert call.named("response.output_text.done")[-1]["text"] == Limits().tool_apology
+    assert call.audio_ms(apology["response_id"]) == len(Limits().tool_apology.split()) * MS_PER_WORD
+    # A late output is still taken.
+    call.send("conversation.item.create", item={"type": "function_call_output", "call_id": call_id, "output": "{}"})
+    assert call.named("conversation.item.added", await call.read()) and not call.named("error")
+    await call.turn("Try again.")  # the apology joined the history, before the late output
+    texts = [(m.role, m.text) for m in call.engines.replies.requests[-1].history if m.call is None]
+    assert texts[-3:] == [("assistant", Limits().tool_apology), ("tool", "{}"), ("user", "Try again.")]
