@@ -26,10 +26,10 @@ from rtmedia.server.session.limits import Limits
 from rtmedia.server.session.session import Session, SessionContext
 
 from tests.support.fake_clock import FakeClock
-from tests.support.fake_engines import FakeEngines
+from tests.support.fake_engines import FakeEngines, FakeTts
 
 Event = tuple[str, dict[str, Any]]
-MS_PER_WORD = 200  # the fake voice's pace (FakeTts)
+MS_PER_WORD = 200  # the fake voice's pace
 
 
 def words(text: str) -> list[str]:
@@ -42,7 +42,7 @@ class Call:
     """One session in fake time, its engines faked; the test is its VAD tick and its client."""
 
     def __init__(self, settings: SessionSettings | None = None) -> None:
-        self.engines = FakeEngines()
+        self.engines = FakeEngines(tts=FakeTts(ms_per_word=MS_PER_WORD))
         self.clock = FakeClock()
         context = SessionContext(access=self.engines.access, limits=Limits(), max_sessions=1, lm_slots=1,
                                  clock=self.clock)
