@@ -209,10 +209,9 @@ async def test_a_backchannel_during_a_reply_is_no_turn_and_the_reply_goes_on(cal
     call.started()
     (tentative,) = call.named("input_audio_buffer.speech_tentative", await call.read())
     assert tentative["response_id"] == rid
-    # While the voice is judged the reply's audio stops going out (the client plays what it has), but for
-    # the delta already waiting for its place in the playback (see the xfail test below).
+    # While the voice is judged the reply's audio stops going out (the client plays what it has).
     call.audio(400)
-    assert call.audio_ms(rid, await call.tick(400)) <= Limits().output_delta_ms
+    assert call.audio_ms(rid, await call.tick(400)) == 0
     assert call.audio_ms(rid, await call.tick(400)) == 0
     call.paused()  # its early final, "Mhm.", is all backchannel: the reply resumes
     (backchannel,) = call.named("input_audio_buffer.backchannel", await call.read())
@@ -267,8 +266,6 @@ async def test_a_confirmed_interruption_announces_the_turn_and_cancels_the_reply
     assert call.counted("rtmedia_interruptions_total", outcome="interrupted") == 1
 
 
-@pytest.mark.xfail(strict=True, reason="server/session/reply.py `_send_audio` checks `unpaused` before its pacing "
-                   "sleep, not after: the delta waiting for its place in the playback goes out after the pause")
 async def test_no_reply_audio_goes_out_after_speech_tentative(call: Call):
     await confirmed(call)
     rid = await call.reply_playing(LONG_REPLY)
@@ -435,8 +432,6 @@ async def test_speech_holds_the_idle_timer_and_an_ack_moves_the_end_of_playback(
     assert not call.named("input_audio_buffer.timeout_triggered", await call.tick(20000))
 
 
-@pytest.mark.xfail(strict=True, reason="server/session/items.py `truncate` stamps `heard_at` with time.perf_counter, "
-                   "not the session's clock, so the idle timer counts from a time on another clock")
 async def test_an_idle_timeout_counts_from_where_a_truncate_stopped_the_playback(call: Call):
     rid = await idle_session(call)
     await call.tick(1000)
