@@ -24,7 +24,6 @@ from typing import Any
 from rtmedia.clients.commands.audio_devices import DeviceError, Microphone, Speaker
 from rtmedia.clients.commands.common import CliError
 from rtmedia.clients.commands.talk_session import (
-    ACK_EVERY_MS,
     ACK_TICK_S,
     CONFIG_ID,
     CREATE_ID,
@@ -248,7 +247,7 @@ class MicTalk(Talk):
             self.recording.cleared(ev.response_id, now)
 
     def heard_ms(self, reply: Reply, now: float) -> int:
-        return reply.acked_ms if self.speaker is None else min(reply.received_ms,
+        return reply.ack.acked_ms if self.speaker is None else min(reply.received_ms,
                                                                self.speaker.played_ms(reply.response_id, now))
 
     def interrupt(self) -> None:
@@ -281,9 +280,9 @@ class MicTalk(Talk):
                     self.first_played(reply, now)
                 played = self.heard_ms(reply, now)
                 out = (bool(reply.status) or reply.cleared) and not self.speaker.pending(rid, now)
-                if played - reply.acked_ms >= ACK_EVERY_MS or (out and played > reply.acked_ms):
-                    reply.acked_ms = played
-                    await self.write("playback.ack", response_id=rid, played_ms=played)
+                ack = reply.ack.due(played, out)
+                if ack is not None:
+                    await self.write("playback.ack", response_id=rid, played_ms=ack)
                 if out:
                     self.finished.add(rid)
                     self.speaker.forget(rid)
@@ -306,7 +305,7 @@ class MicTalk(Talk):
                 self.barge_in_ms.append(round((now - onset) * 1000, 1))
                 note = f" (barge-in {self.barge_in_ms[-1]:.0f} ms)"
         self.state = "listening"
-        self.say(now, f"~ reply {reply.response_id} cut after {reply.acked_ms / 1000:.2f} s heard{note}")
+        self.say(now, f"~ reply {reply.response_id} cut after {reply.ack.acked_ms / 1000:.2f} s heard{note}")
 
     # ---- the result -------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -318,7 +317,7 @@ class MicTalk(Talk):
             "input_s": round(self.samples_sent / self.mic.rate, 3),
             "input_device": self.mic.name, "output_device": self.speaker.name,
             "output_sample_rate": self.speaker.rate, "duplex": "half" if self.args.half_duplex else "full",
-            "heard_ms": [r.acked_ms for r in self.replies.values()],
+            "heard_ms": [r.ack.acked_ms for r in self.replies.values()],
             "playout_ms": self.playout_ms, "output_latency_ms": round(self.speaker.output_latency_s * 1000, 1),
             "underruns": self.speaker.underruns, "device_underflows": self.speaker.device_underflows,
             "input_overflows": self.mic.overflows,

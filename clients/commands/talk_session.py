@@ -28,6 +28,7 @@ from rtmedia.clients.errors import RtmediaError
 from rtmedia.clients.session import RealtimeSession
 from rtmedia.clients.tools import Toolbox, ToolError, load_tools
 from rtmedia.protocol.events import client_event, event_type, to_json
+from rtmedia.protocol.playback import PlaybackAck
 from rtmedia.v1 import realtime_pb2
 
 INPUT_RATES = (8000, 16000, 24000)  # PCM16 rates a session takes; others are resampled to 24 kHz
@@ -35,7 +36,6 @@ RESAMPLE_TO = 24000
 VOICED_DBFS = -45.0  # a chunk is voiced when its RMS is above this
 MAX_SPEEDUP = 10  # without --realtime: at most 10x real time (the server's inbox holds 2 s)
 QUIET_S = 1.5  # idle: no speech_started for this long after the last chunk
-ACK_EVERY_MS = 200
 ACK_TICK_S = 0.02
 ONSET_BACK_MS = 500  # how far before the VAD's speech start the energy onset may lie
 ONSET_AHEAD_MS = 300  # ... or after it, when the VAD fired on quiet audio
@@ -117,7 +117,7 @@ class Reply:
     received_frames: int = 0
     received_ms: int = 0
     play_until: float = 0.0
-    acked_ms: int = 0
+    ack: PlaybackAck = field(default_factory=PlaybackAck)
     cleared: bool = False
 
     def add_received(self, frames: int, rate: int) -> None:
@@ -308,7 +308,7 @@ class Talk:
         if self.create_pending or self.last_chunk_t is None or self.tool_tasks:
             return False
         for reply in self.replies.values():
-            if not reply.status or reply.playing(now) or (not reply.cleared and reply.played_ms(now) > reply.acked_ms):
+            if not reply.status or reply.playing(now) or (not reply.cleared and reply.played_ms(now) > reply.ack.acked_ms):
                 return False
         quiet_from = max(self.last_chunk_t, self.last_started[0] if self.last_started else 0.0)
         return now - quiet_from >= QUIET_S
@@ -339,9 +339,9 @@ class Talk:
                     continue
                 played = reply.played_ms(now)
                 finished = bool(reply.status) and not reply.playing(now)
-                if played - reply.acked_ms >= ACK_EVERY_MS or (finished and played > reply.acked_ms):
-                    reply.acked_ms = played
-                    await self.write("playback.ack", response_id=reply.response_id, played_ms=played)
+                ack = reply.ack.due(played, finished)
+                if ack is not None:
+                    await self.write("playback.ack", response_id=reply.response_id, played_ms=ack)
 
     # ---- turn bookkeeping ---------------------------------------------------------------------
     def decision_ms(self, ev: Any) -> float:

@@ -20,7 +20,6 @@ PAUSE_S = (1.0, 2.5)  # silence between utterances when nothing answers
 GAP_S = (0.4, 1.2)  # after a reply has played, before speaking again
 BARGE_AFTER_S = (0.4, 0.9)  # barge-in: interrupt this long after the reply's first audio
 QUIET_S = 1.5  # at the end: this much silence after the last utterance, so its turn ends
-ACK_EVERY_MS = 200
 STARTED_BACK_MS = 700  # speech_started's audio_start_ms may lie this far before the voice (prefix padding)
 SESSIONS_PER_CONNECTION = 50
 CLOSE_WAIT_S = 10.0
