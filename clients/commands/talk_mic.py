@@ -27,7 +27,6 @@ from rtmedia.clients.commands.talk_session import (
     ACK_TICK_S,
     CONFIG_ID,
     CREATE_ID,
-    VAD_MODES,
     VOICED_DBFS,
     InputAudio,
     Reply,
@@ -39,6 +38,7 @@ from rtmedia.clients.commands.talk_session import (
 )
 from rtmedia.clients.credentials import from_args
 from rtmedia.protocol.events import client_event
+from rtmedia.protocol.turn_kinds import MANUAL, SEMANTIC_VAD, SERVER_VAD, VAD_TURNS
 
 JITTER_MS = 60
 COMMIT_ID = "talk-commit"
@@ -119,7 +119,7 @@ class MicTalk(Talk):
     # ---- sending ------------------------------------------------------------------------------
     async def _drive(self) -> None:
         assert self.mic is not None and self.speaker is not None
-        mode = "manual" if self.args.push_to_talk else self.args.mode
+        mode = MANUAL if self.args.push_to_talk else self.args.mode
         session = self.session_config(self.mic.rate, mode, self.speaker.rate)
         await self.created.wait()
         await self.write("session.update", event_id=CONFIG_ID, session=session)
@@ -392,15 +392,15 @@ async def _live(talk: MicTalk, credentials: Any) -> MicTalk:
 def check_mic_args(args: argparse.Namespace) -> None:
     if args.input is not None:
         raise CliError(f"--mic takes the voice from the microphone: drop IN ({args.input})")
-    if args.push_to_talk and args.mode != "server_vad":
+    if args.push_to_talk and args.mode != SERVER_VAD:
         raise CliError(f"--push-to-talk makes the turns by hand: drop --mode {args.mode}")
-    if args.mode not in VAD_MODES and not args.push_to_talk:
+    if args.mode not in VAD_TURNS and not args.push_to_talk:
         raise CliError(f"--mode {args.mode} is for files; with --mic, manual turns are --push-to-talk")
     if args.push_to_talk and args.half_duplex:
         raise CliError("--push-to-talk already decides when the microphone is heard: drop --half-duplex")
     if args.push_to_talk and not sys.stdin.isatty():
         raise CliError("--push-to-talk reads the space key from a terminal, and standard input is not one")
-    if args.eagerness is not None and args.mode != "semantic_vad":
+    if args.eagerness is not None and args.mode != SEMANTIC_VAD:
         raise CliError(f"--eagerness is for --mode semantic_vad, not {args.mode}")
     if args.realtime:
         raise CliError("--realtime is for files: a microphone is always real time")

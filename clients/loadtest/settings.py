@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from rtmedia.protocol.turn_kinds import NONE, SEMANTIC_VAD
+
 PROFILES = ("listen", "transcribe", "talk", "llm", "mixed", "barge-in")
 TRANSPORTS = ("grpc", "openai-ws")
 DEFAULT_WEB_URL = "http://127.0.0.1:8080"
@@ -35,13 +37,13 @@ def input_rate(args: argparse.Namespace) -> int:
 
 def session_config(profile: str, args: argparse.Namespace) -> dict[str, Any]:
     turn: dict[str, Any] = {"type": args.turn_detection}
-    if args.turn_detection == "semantic_vad":
+    if args.turn_detection == SEMANTIC_VAD:
         turn["eagerness"] = args.eagerness
     if args.interruption:
         turn["interruption"] = {"mode": args.interruption}
     if args.preemptive is not None:
         turn["preemptive"] = args.preemptive == "on"
-    if profile in ("listen", "transcribe") and args.turn_detection != "none":
+    if profile in ("listen", "transcribe") and args.turn_detection != NONE:
         turn["create_response"] = False
     config: dict[str, Any] = {"input_audio_format": {"sample_rate": input_rate(args)},
                               "input_audio_transcription": {"enabled": profile != "listen"},
