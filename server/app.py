@@ -30,6 +30,7 @@ from rtmedia.engines.tts.piper import TtsEngine, default_voices, voice_from_path
 from rtmedia.engines.turn.scorers import AcousticTurnModel
 from rtmedia.engines.vad.silero import VadEngine
 from rtmedia.protocol.tokens import TokenTable
+from rtmedia.protocol.turn_kinds import SEMANTIC_VAD
 from rtmedia.server.config import MiB, ServerConfig
 from rtmedia.server.hearing.audio_input import WINDOW_MS, VadTick
 from rtmedia.server.lanes.access import ASR, ASR_FINAL, TTS, TURN_AUDIO, VAD, VIDEO, EngineAccess
@@ -117,7 +118,7 @@ class RtmediaServer:
                 ("openai", config.openai.model), ("transformers", config.lm.transformers_model),
                 ("llm", f"synthetic-{config.lm.synthetic_lm}" if config.lm.synthetic_lm else "SmolLM2-135M-Instruct"))
                 if model and name in responders}
-        if config.turn.detection == "semantic_vad" and not self.access.turns.available:
+        if config.turn.detection == SEMANTIC_VAD and not self.access.turns.available:
             raise ValueError("turn_detection semantic_vad needs an LM to score the user's words: drop --no-llm "
                              "or give --transformers-model")
         self.realtime = self._realtime_service(config)

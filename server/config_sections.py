@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from rtmedia.engines.asr.registry import RECOGNIZERS
 from rtmedia.engines.tts.piper_bf16 import PRECISIONS
 from rtmedia.protocol.settings import Section, positive_int, setting
+from rtmedia.protocol.turn_kinds import SERVER_VAD, VAD_TURNS
 from rtmedia.server.session.limits import Limits
 
 MiB = 1024 * 1024
@@ -143,7 +144,7 @@ class TurnSettings(Section):
 
     PREFIX = "turn_"
     TITLE = "turn: turn detection"
-    detection: str = setting("server_vad", choices=("server_vad", "semantic_vad"),
+    detection: str = setting(SERVER_VAD, choices=VAD_TURNS,
                              message="{key} must be server_vad or semantic_vad, got {value!r}",
                              help="a session's turn detection unless it asks for another (default server_vad); "
                                   "semantic_vad needs the LM")

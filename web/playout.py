@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from rtmedia.engines.audio.resample import Resampler, float_to_pcm16, make_resampler, pcm16_to_float
+from rtmedia.protocol.playback import PlaybackAck
 from rtmedia.v1 import realtime_pb2
 
 FRAME_MS = 20
 MAX_TRACKED_RESPONSES = 64  # playout positions remembered for acknowledgement
-ACK_EVERY_MS = 200
 
 
 @dataclass
@@ -170,7 +170,7 @@ class PlayoutBuffer:
 class ReplyState:
     rate: int  # the server's rate of this reply
     samples: int = 0  # at the server's rate, as it counts what it sent
-    acked_ms: int = 0
+    ack: PlaybackAck = field(default_factory=PlaybackAck)
     done: bool = False
     resampler: Resampler | None = None
 
@@ -244,19 +244,19 @@ class ReplyPlayout:
         self.buffer.push(ev.response_id, samples.astype(np.int16))
 
     def acks(self) -> tuple[list[tuple[str, int]], list[str]]:
-        """The `playback.ack`s due, (response_id, played_ms): every ACK_EVERY_MS of played audio
-        and once a reply has played out (or was cut); and the replies that finished playing
-        (forgotten from now on)."""
+        """The `playback.ack`s due, (response_id, played_ms), by `PlaybackAck`: every ACK_EVERY_MS of
+        played audio and once a reply has played out (or was cut); and the replies that finished
+        playing (forgotten from now on)."""
         due: list[tuple[str, int]] = []
         finished: list[str] = []
         with self.lock:
             for rid, reply in list(self.replies.items()):
                 played = min(self.buffer.played(rid) * 1000 // self.rate, reply.sent_ms)
                 over = reply.done and not self.buffer.holds(rid)
-                if played - reply.acked_ms >= ACK_EVERY_MS or (over and played > reply.acked_ms):
-                    reply.acked_ms = played
-                    due.append((rid, played))
-                if over and played >= reply.acked_ms:
+                ack = reply.ack.due(played, over)
+                if ack is not None:
+                    due.append((rid, ack))
+                if over and played >= reply.ack.acked_ms:
                     del self.replies[rid]
                     finished.append(rid)
         return due, finished

@@ -20,7 +20,6 @@ from rtmedia.clients.audio_file import FORMATS
 from rtmedia.clients.client import DEFAULT_TARGET
 from rtmedia.clients.commands.common import AUDIO_IN_HELP, RATE_HELP, CliError, positive_float, positive_int
 from rtmedia.clients.commands.talk_session import (
-    VAD_MODES,
     Talk,
     converse,
     finish,
@@ -29,6 +28,7 @@ from rtmedia.clients.commands.talk_session import (
     recorded,
 )
 from rtmedia.clients.credentials import add_credential_flags, from_args
+from rtmedia.protocol.turn_kinds import MANUAL, NONE, SEMANTIC_VAD, SERVER_VAD, VAD_TURNS
 
 DESCRIPTION = """\
 Open a duplex speech session, stream IN to it as the user's voice, and show
@@ -100,7 +100,7 @@ def add_talk_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--record", type=Path, default=None, metavar="FILE.ogg",
                    help="record the conversation as this client heard it: stereo Ogg Opus, what was sent on the "
                         "left, the replies as played on the right (cut at barge-ins), on the input's clock")
-    p.add_argument("--mode", choices=["server_vad", "semantic_vad", "manual", "none"], default="server_vad",
+    p.add_argument("--mode", choices=[SERVER_VAD, SEMANTIC_VAD, MANUAL, NONE], default=SERVER_VAD,
                    help="turn detection: server_vad (the server finds turns and answers; default), semantic_vad "
                         "(the same, a model deciding at each pause whether you have finished), manual "
                         "(commit + response.create after the file), none (response.create after the file)")
@@ -162,12 +162,12 @@ def cmd_talk(args: argparse.Namespace) -> None:
     credentials = from_args(args)
     out_format, toolbox = output_and_tools(args)
     # server_vad: a second of silence after the file, as a live microphone keeps sending
-    audio = load_input(args.input, args.chunk_ms, tail_ms=1000 if args.mode in VAD_MODES else 0, raw_rate=args.rate)
+    audio = load_input(args.input, args.chunk_ms, tail_ms=1000 if args.mode in VAD_TURNS else 0, raw_rate=args.rate)
     if args.timeout <= 0:
         raise CliError(f"--timeout must be positive, got {args.timeout}")
-    if args.eagerness is not None and args.mode != "semantic_vad":
+    if args.eagerness is not None and args.mode != SEMANTIC_VAD:
         raise CliError(f"--eagerness is for --mode semantic_vad, not {args.mode}")
-    if args.preemptive is not None and args.mode not in VAD_MODES:
+    if args.preemptive is not None and args.mode not in VAD_TURNS:
         raise CliError(f"--preemptive is for --mode server_vad or semantic_vad, not {args.mode}")
     with recorded(args.record) as recording:
         talk = asyncio.run(converse(Talk(args, audio, toolbox=toolbox, recording=recording), credentials))

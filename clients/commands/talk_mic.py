@@ -24,11 +24,9 @@ from typing import Any
 from rtmedia.clients.commands.audio_devices import DeviceError, Microphone, Speaker
 from rtmedia.clients.commands.common import CliError
 from rtmedia.clients.commands.talk_session import (
-    ACK_EVERY_MS,
     ACK_TICK_S,
     CONFIG_ID,
     CREATE_ID,
-    VAD_MODES,
     VOICED_DBFS,
     InputAudio,
     Reply,
@@ -40,6 +38,7 @@ from rtmedia.clients.commands.talk_session import (
 )
 from rtmedia.clients.credentials import from_args
 from rtmedia.protocol.events import client_event
+from rtmedia.protocol.turn_kinds import MANUAL, SEMANTIC_VAD, SERVER_VAD, VAD_TURNS
 
 JITTER_MS = 60
 COMMIT_ID = "talk-commit"
@@ -120,7 +119,7 @@ class MicTalk(Talk):
     # ---- sending ------------------------------------------------------------------------------
     async def _drive(self) -> None:
         assert self.mic is not None and self.speaker is not None
-        mode = "manual" if self.args.push_to_talk else self.args.mode
+        mode = MANUAL if self.args.push_to_talk else self.args.mode
         session = self.session_config(self.mic.rate, mode, self.speaker.rate)
         await self.created.wait()
         await self.write("session.update", event_id=CONFIG_ID, session=session)
@@ -248,7 +247,7 @@ class MicTalk(Talk):
             self.recording.cleared(ev.response_id, now)
 
     def heard_ms(self, reply: Reply, now: float) -> int:
-        return reply.acked_ms if self.speaker is None else min(reply.received_ms,
+        return reply.ack.acked_ms if self.speaker is None else min(reply.received_ms,
                                                                self.speaker.played_ms(reply.response_id, now))
 
     def interrupt(self) -> None:
@@ -281,9 +280,9 @@ class MicTalk(Talk):
                     self.first_played(reply, now)
                 played = self.heard_ms(reply, now)
                 out = (bool(reply.status) or reply.cleared) and not self.speaker.pending(rid, now)
-                if played - reply.acked_ms >= ACK_EVERY_MS or (out and played > reply.acked_ms):
-                    reply.acked_ms = played
-                    await self.write("playback.ack", response_id=rid, played_ms=played)
+                ack = reply.ack.due(played, out)
+                if ack is not None:
+                    await self.write("playback.ack", response_id=rid, played_ms=ack)
                 if out:
                     self.finished.add(rid)
                     self.speaker.forget(rid)
@@ -306,7 +305,7 @@ class MicTalk(Talk):
                 self.barge_in_ms.append(round((now - onset) * 1000, 1))
                 note = f" (barge-in {self.barge_in_ms[-1]:.0f} ms)"
         self.state = "listening"
-        self.say(now, f"~ reply {reply.response_id} cut after {reply.acked_ms / 1000:.2f} s heard{note}")
+        self.say(now, f"~ reply {reply.response_id} cut after {reply.ack.acked_ms / 1000:.2f} s heard{note}")
 
     # ---- the result -------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -318,7 +317,7 @@ class MicTalk(Talk):
             "input_s": round(self.samples_sent / self.mic.rate, 3),
             "input_device": self.mic.name, "output_device": self.speaker.name,
             "output_sample_rate": self.speaker.rate, "duplex": "half" if self.args.half_duplex else "full",
-            "heard_ms": [r.acked_ms for r in self.replies.values()],
+            "heard_ms": [r.ack.acked_ms for r in self.replies.values()],
             "playout_ms": self.playout_ms, "output_latency_ms": round(self.speaker.output_latency_s * 1000, 1),
             "underruns": self.speaker.underruns, "device_underflows": self.speaker.device_underflows,
             "input_overflows": self.mic.overflows,
@@ -393,15 +392,15 @@ async def _live(talk: MicTalk, credentials: Any) -> MicTalk:
 def check_mic_args(args: argparse.Namespace) -> None:
     if args.input is not None:
         raise CliError(f"--mic takes the voice from the microphone: drop IN ({args.input})")
-    if args.push_to_talk and args.mode != "server_vad":
+    if args.push_to_talk and args.mode != SERVER_VAD:
         raise CliError(f"--push-to-talk makes the turns by hand: drop --mode {args.mode}")
-    if args.mode not in VAD_MODES and not args.push_to_talk:
+    if args.mode not in VAD_TURNS and not args.push_to_talk:
         raise CliError(f"--mode {args.mode} is for files; with --mic, manual turns are --push-to-talk")
     if args.push_to_talk and args.half_duplex:
         raise CliError("--push-to-talk already decides when the microphone is heard: drop --half-duplex")
     if args.push_to_talk and not sys.stdin.isatty():
         raise CliError("--push-to-talk reads the space key from a terminal, and standard input is not one")
-    if args.eagerness is not None and args.mode != "semantic_vad":
+    if args.eagerness is not None and args.mode != SEMANTIC_VAD:
         raise CliError(f"--eagerness is for --mode semantic_vad, not {args.mode}")
     if args.realtime:
         raise CliError("--realtime is for files: a microphone is always real time")

@@ -28,6 +28,8 @@ from rtmedia.clients.errors import RtmediaError
 from rtmedia.clients.session import RealtimeSession
 from rtmedia.clients.tools import Toolbox, ToolError, load_tools
 from rtmedia.protocol.events import client_event, event_type, to_json
+from rtmedia.protocol.playback import PlaybackAck
+from rtmedia.protocol.turn_kinds import MANUAL, SEMANTIC_VAD, VAD_TURNS
 from rtmedia.v1 import realtime_pb2
 
 INPUT_RATES = (8000, 16000, 24000)  # PCM16 rates a session takes; others are resampled to 24 kHz
@@ -35,14 +37,11 @@ RESAMPLE_TO = 24000
 VOICED_DBFS = -45.0  # a chunk is voiced when its RMS is above this
 MAX_SPEEDUP = 10  # without --realtime: at most 10x real time (the server's inbox holds 2 s)
 QUIET_S = 1.5  # idle: no speech_started for this long after the last chunk
-ACK_EVERY_MS = 200
 ACK_TICK_S = 0.02
 ONSET_BACK_MS = 500  # how far before the VAD's speech start the energy onset may lie
 ONSET_AHEAD_MS = 300  # ... or after it, when the VAD fired on quiet audio
 CLOSE_WAIT_S = 10.0  # after session.close, how long the server has to end the stream
 CONFIG_ID, COMMIT_ID, CREATE_ID = "talk-config", "talk-commit", "talk-response-create"
-
-VAD_MODES = ("server_vad", "semantic_vad")  # the server finds the turns
 
 
 # ---- the input file ---------------------------------------------------------------------------
@@ -117,7 +116,7 @@ class Reply:
     received_frames: int = 0
     received_ms: int = 0
     play_until: float = 0.0
-    acked_ms: int = 0
+    ack: PlaybackAck = field(default_factory=PlaybackAck)
     cleared: bool = False
 
     def add_received(self, frames: int, rate: int) -> None:
@@ -264,12 +263,12 @@ class Talk:
         await self.configured.wait()
         if not self.config_error:
             await self.stream_file()
-            if args.mode not in VAD_MODES:
+            if args.mode not in VAD_TURNS:
                 voiced_t = self.last_voiced_t(self.turn_floor_ms, math.inf)
                 self.turn_floor_ms = audio.starts_ms[-1] + audio.chunk_ms
                 self.create_pending = True
                 self.trigger = (time.perf_counter(), voiced_t)  # set before the server can answer
-                if args.mode == "manual":
+                if args.mode == MANUAL:
                     await self.write("input_audio_buffer.commit", event_id=COMMIT_ID)
                 await self.write("response.create", event_id=CREATE_ID)
             await self.wait_idle()
@@ -308,7 +307,7 @@ class Talk:
         if self.create_pending or self.last_chunk_t is None or self.tool_tasks:
             return False
         for reply in self.replies.values():
-            if not reply.status or reply.playing(now) or (not reply.cleared and reply.played_ms(now) > reply.acked_ms):
+            if not reply.status or reply.playing(now) or (not reply.cleared and reply.played_ms(now) > reply.ack.acked_ms):
                 return False
         quiet_from = max(self.last_chunk_t, self.last_started[0] if self.last_started else 0.0)
         return now - quiet_from >= QUIET_S
@@ -339,9 +338,9 @@ class Talk:
                     continue
                 played = reply.played_ms(now)
                 finished = bool(reply.status) and not reply.playing(now)
-                if played - reply.acked_ms >= ACK_EVERY_MS or (finished and played > reply.acked_ms):
-                    reply.acked_ms = played
-                    await self.write("playback.ack", response_id=reply.response_id, played_ms=played)
+                ack = reply.ack.due(played, finished)
+                if ack is not None:
+                    await self.write("playback.ack", response_id=reply.response_id, played_ms=ack)
 
     # ---- turn bookkeeping ---------------------------------------------------------------------
     def decision_ms(self, ev: Any) -> float:
@@ -402,7 +401,7 @@ class Talk:
         elif name == "input_audio_buffer.speech_stopped":
             self.open_turn = False
             decision_ms = self.decision_ms(ev)
-            if self.args.mode == "semantic_vad":
+            if self.args.mode == SEMANTIC_VAD:
                 reason = realtime_pb2.TurnEndReason.Name(ev.reason).removeprefix("TURN_END_REASON_").lower()
                 score = f" (score {ev.score:.2f})" if ev.HasField("score") else ""
                 self.say(now, f"end of turn: {reason}{score}")
@@ -648,7 +647,7 @@ def _print_summary(talk: Talk) -> None:
     if talk.config_error:
         return
     s = talk.summary()
-    if talk.open_turn and talk.args.mode in VAD_MODES and not talk.args.mic:
+    if talk.open_turn and talk.args.mode in VAD_TURNS and not talk.args.mic:
         print("note: the file ended inside a turn (no speech_stopped): add trailing silence longer than "
               "silence_duration_ms", file=sys.stderr)
 

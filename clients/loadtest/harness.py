@@ -56,6 +56,7 @@ from rtmedia.clients.loadtest.speech import (
     paused_clips,
     synthesized,
 )
+from rtmedia.protocol.turn_kinds import NONE, SEMANTIC_VAD, SERVER_VAD
 
 DESCRIPTION = """\
 Simulate many people talking to an rtmedia server at once and measure what they
@@ -130,7 +131,7 @@ def add_loadtest_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-ms", type=int, default=20, help="audio per append event, 10..1000 (default 20)")
     p.add_argument("--input-rate", type=int, default=None,
                    help="PCM16 input rate: 8000, 16000 (default), 24000; openai-ws: 24000 only (the default there)")
-    p.add_argument("--turn-detection", choices=["server_vad", "semantic_vad", "none"], default="server_vad",
+    p.add_argument("--turn-detection", choices=[SERVER_VAD, SEMANTIC_VAD, NONE], default=SERVER_VAD,
                    help="semantic_vad: a model decides at each pause whether the user has finished; none (listen "
                         "only) streams audio with no turn detection (the frame-path benchmark)")
     p.add_argument("--eagerness", choices=["low", "medium", "high", "auto"], default=None,
@@ -182,9 +183,9 @@ def check_args(args: argparse.Namespace) -> None:
         (rate not in INPUT_RATES, f"--input-rate must be one of {', '.join(map(str, INPUT_RATES))}, got {rate}"),
         (rate * args.chunk_ms % 1000 != 0, f"--chunk-ms {args.chunk_ms} is not a whole number of samples at {rate} Hz"),
         (not 0 <= args.barge_in_share <= 1, f"--barge-in-share must be 0..1, got {args.barge_in_share:g}"),
-        (args.turn_detection == "none" and args.profile != "listen",
+        (args.turn_detection == NONE and args.profile != "listen",
          "--turn-detection none is only for --profile listen"),
-        (args.eagerness is not None and args.turn_detection != "semantic_vad",
+        (args.eagerness is not None and args.turn_detection != SEMANTIC_VAD,
          "--eagerness is for --turn-detection semantic_vad"),
         (not 0 <= args.paused_share <= 1, f"--paused-share must be 0..1, got {args.paused_share:g}"),
         (not 0 <= args.backchannel_share <= 1, f"--backchannel-share must be 0..1, got {args.backchannel_share:g}"),
@@ -193,9 +194,9 @@ def check_args(args: argparse.Namespace) -> None:
          f"--backchannel-share and --noise add up to {args.backchannel_share + args.noise:g}, more than 1"),
         ((args.backchannel_share or args.noise) and args.profile != "barge-in",
          "--backchannel-share and --noise are for --profile barge-in (they are said over replies)"),
-        (args.interruption is not None and args.turn_detection == "none",
+        (args.interruption is not None and args.turn_detection == NONE,
          "--interruption needs turn detection"),
-        (args.preemptive is not None and args.turn_detection == "none",
+        (args.preemptive is not None and args.turn_detection == NONE,
          "--preemptive needs turn detection"),
         (args.paused_share > 0 and args.audio is not None, "--paused-share speaks built-in sentences, not --audio"),
         (args.slo_p95_ms <= 0, f"--slo-p95-ms must be positive, got {args.slo_p95_ms:g}"),

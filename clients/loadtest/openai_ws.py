@@ -44,6 +44,7 @@ from rtmedia.clients.loadtest.person import Person, Reply
 from rtmedia.clients.loadtest.settings import API_INPUT_RATE, CLOSE_WAIT_S, CONFIG_ID
 from rtmedia.clients.loadtest.speech import Clip
 from rtmedia.protocol.tokens import is_loopback
+from rtmedia.protocol.turn_kinds import NONE, SEMANTIC_VAD
 
 if TYPE_CHECKING:
     from rtmedia.clients.loadtest.run import Run
@@ -95,9 +96,9 @@ def api_session(profile: str, args: argparse.Namespace) -> dict[str, Any]:
     """The API's session object (session.update's `session`) for a profile: what
     rtmedia.clients.loadtest.settings.session_config asks of a Converse session, in the API's terms."""
     turn: dict[str, Any] | None = None
-    if args.turn_detection != "none":
+    if args.turn_detection != NONE:
         turn = {"type": args.turn_detection}
-        if args.turn_detection == "semantic_vad":
+        if args.turn_detection == SEMANTIC_VAD:
             turn["eagerness"] = args.eagerness or "auto"
         if args.interruption:
             turn["interruption"] = {"mode": args.interruption}  # an rtmedia extension

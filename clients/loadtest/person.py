@@ -20,7 +20,6 @@ from rtmedia.clients.credentials import (
 )
 from rtmedia.clients.errors import RtmediaError
 from rtmedia.clients.loadtest.settings import (
-    ACK_EVERY_MS,
     BARGE_AFTER_S,
     CLOSE_WAIT_S,
     CONFIG_ID,
@@ -296,10 +295,10 @@ class Person:
             elif reply.first_audio_t is not None:
                 played = reply.played_ms(now)
                 finished = bool(reply.status) and not reply.playing(now)
-                if played - reply.acked_ms >= ACK_EVERY_MS or (finished and played > reply.acked_ms):
-                    reply.acked_ms = played
-                    await self.send_ack(reply, played)
-                if finished and reply.acked_ms >= reply.received_ms:
+                ack = reply.ack.due(played, finished)
+                if ack is not None:
+                    await self.send_ack(reply, ack)
+                if finished and reply.ack.acked_ms >= reply.received_ms:
                     over.append(reply)
         if over:
             self.live_replies = [r for r in self.live_replies if r not in over]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from rtmedia.protocol.turn_kinds import NONE, SEMANTIC_VAD
+
 PROFILES = ("listen", "transcribe", "talk", "llm", "mixed", "barge-in")
 TRANSPORTS = ("grpc", "openai-ws")
 DEFAULT_WEB_URL = "http://127.0.0.1:8080"
@@ -20,7 +22,6 @@ PAUSE_S = (1.0, 2.5)  # silence between utterances when nothing answers
 GAP_S = (0.4, 1.2)  # after a reply has played, before speaking again
 BARGE_AFTER_S = (0.4, 0.9)  # barge-in: interrupt this long after the reply's first audio
 QUIET_S = 1.5  # at the end: this much silence after the last utterance, so its turn ends
-ACK_EVERY_MS = 200
 STARTED_BACK_MS = 700  # speech_started's audio_start_ms may lie this far before the voice (prefix padding)
 SESSIONS_PER_CONNECTION = 50
 CLOSE_WAIT_S = 10.0
@@ -36,13 +37,13 @@ def input_rate(args: argparse.Namespace) -> int:
 
 def session_config(profile: str, args: argparse.Namespace) -> dict[str, Any]:
     turn: dict[str, Any] = {"type": args.turn_detection}
-    if args.turn_detection == "semantic_vad":
+    if args.turn_detection == SEMANTIC_VAD:
         turn["eagerness"] = args.eagerness
     if args.interruption:
         turn["interruption"] = {"mode": args.interruption}
     if args.preemptive is not None:
         turn["preemptive"] = args.preemptive == "on"
-    if profile in ("listen", "transcribe") and args.turn_detection != "none":
+    if profile in ("listen", "transcribe") and args.turn_detection != NONE:
         turn["create_response"] = False
     config: dict[str, Any] = {"input_audio_format": {"sample_rate": input_rate(args)},
                               "input_audio_transcription": {"enabled": profile != "listen"},

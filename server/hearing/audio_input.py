@@ -52,6 +52,7 @@ from rtmedia.engines.audio.resample import (
     ulaw_to_float,
 )
 from rtmedia.engines.vad.silero import WINDOW, VadEngine, VadStream
+from rtmedia.protocol.turn_kinds import SEMANTIC_VAD
 from rtmedia.server.hearing.turns import WINDOW_MS as TURN_WINDOW_MS
 from rtmedia.server.hearing.turns import TurnDetector, candidate_points
 from rtmedia.server.session.config import ALAW, PCM16, ULAW, SessionSettings
@@ -284,7 +285,7 @@ def _turn_detector(settings: SessionSettings) -> TurnDetector:
 def _tune(detector: TurnDetector, settings: SessionSettings) -> None:
     """semantic_vad: the detector ends a turn itself only at the longest wait, and reports the
     candidate points of each pause on the way."""
-    semantic = settings.turn_type == "semantic_vad"
+    semantic = settings.turn_type == SEMANTIC_VAD
     if semantic:
         detector.silence_duration_ms = settings.turn_wait_ms  # (up to 30 s: past server_vad's bounds)
     detector.candidates_ms = candidate_points(settings) if semantic else ()
@@ -379,7 +380,7 @@ def _turn_windows(fe: _Frontend, block: np.ndarray, probs: list[float], out: lis
                         silence_duration_ms=s.silence_duration_ms)
         _tune(detector, s)
         fe.detector_settings = s
-    natural = "max_wait" if s.turn_type == "semantic_vad" else "silence"
+    natural = "max_wait" if s.turn_type == SEMANTIC_VAD else "silence"
     lo = 0 if detector.in_speech else None  # where this block's unsent turn audio starts
 
     def send(hi: int, ended: bool) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 from rtmedia.engines.asr.contract import AsrEvent
+from rtmedia.protocol.turn_kinds import SERVER_VAD
 from rtmedia.server.hearing.audio_input import BYTES_PER_SAMPLE, WINDOW_MS, Action, AudioInput
 from rtmedia.server.hearing.endpointing import DEFAULTS, HistoryEndpointer
 from rtmedia.server.hearing.recognition import Recognizer, Turn
@@ -56,7 +57,7 @@ class VadRecognition:
         self.results: asyncio.Queue[Any] = asyncio.Queue()
         endpointer = HistoryEndpointer(**(endpointing or DEFAULTS))  # type: ignore[arg-type]
         settings = SessionSettings(
-            input_encoding=encoding, input_rate=sample_rate, turn_type="server_vad",
+            input_encoding=encoding, input_rate=sample_rate, turn_type=SERVER_VAD,
             threshold=endpointer.threshold, prefix_padding_ms=endpointer.prefix_padding_ms,
             silence_duration_ms=endpointer.silence_duration_ms,
         )

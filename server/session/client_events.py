@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rtmedia.protocol.turn_kinds import MANUAL, NONE, SEMANTIC_VAD
 from rtmedia.server.session.config import (
     PCM16,
     ConfigError,
@@ -144,7 +145,7 @@ class ClientEvents:
         except ConfigError as exc:
             s.error(exc.code, str(exc), event_id, exc.param)
             return
-        if new.turn_type == "semantic_vad" and not s.access.turns.available:
+        if new.turn_type == SEMANTIC_VAD and not s.access.turns.available:
             s.error("invalid_value", "turn_detection.type semantic_vad needs an LM to score the user's words, and "
                     "this server runs none (--no-llm without --transformers-model); use server_vad",
                     event_id, "turn_detection.type")
@@ -188,7 +189,7 @@ class ClientEvents:
         if s.settings.vad_turns:
             s.error("invalid_state", "input_audio_buffer.commit is for manual and none turn detection; "
                     f"{s.settings.turn_type} commits turns itself", event_id)
-        elif s.settings.turn_type == "manual" and s.responding:
+        elif s.settings.turn_type == MANUAL and s.responding:
             s.error("response_in_progress", "manual mode is half duplex: input is not committed while a "
                     "response plays", event_id)
         elif s._since_commit_ms < 1:  # nothing appended since the last commit (or clear)
@@ -261,7 +262,7 @@ class ClientEvents:
         # none mode responds to the buffered audio, committing it (not for an out-of-band
         # response). The response starts now, answered by response.created; it waits for its
         # turn's transcript, which comes once the turn's audio has gone through the VAD tick.
-        commit = s.settings.turn_type == "none" and start["joins_history"] and \
+        commit = s.settings.turn_type == NONE and start["joins_history"] and \
             (s.buffer_ms >= 1 or bool(s.input.inbox))
         self._respond_to(self._commit() if commit else None, instructions, max_tokens, event_id, start)
 

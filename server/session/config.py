@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from rtmedia.engines.asr.contract import ENGLISH, language_code
 from rtmedia.engines.responders.contract import FunctionTool, Message, ReplyRequest
 from rtmedia.engines.tts.piper import MAX_SPEED, MIN_SPEED
+from rtmedia.protocol.turn_kinds import MANUAL, NONE, SEMANTIC_VAD, SERVER_VAD, VAD_TURNS
 from rtmedia.server.session.interruptions import BOUNDS as INTERRUPTION_BOUNDS
 from rtmedia.server.session.interruptions import MAX_BACKCHANNEL_CHARS, MAX_BACKCHANNELS, MODES, Interruption
 from rtmedia.v1 import common_pb2, realtime_pb2
@@ -21,13 +22,12 @@ ULAW = common_pb2.AUDIO_ENCODING_G711_ULAW
 ALAW = common_pb2.AUDIO_ENCODING_G711_ALAW
 INPUT_RATES = {PCM16: (8000, 16000, 24000), ULAW: (8000,), ALAW: (8000,)}
 TURN_TYPES = {
-    realtime_pb2.TURN_DETECTION_TYPE_SERVER_VAD: "server_vad",
-    realtime_pb2.TURN_DETECTION_TYPE_MANUAL: "manual",
-    realtime_pb2.TURN_DETECTION_TYPE_NONE: "none",
-    realtime_pb2.TURN_DETECTION_TYPE_SEMANTIC_VAD: "semantic_vad",
+    realtime_pb2.TURN_DETECTION_TYPE_SERVER_VAD: SERVER_VAD,
+    realtime_pb2.TURN_DETECTION_TYPE_MANUAL: MANUAL,
+    realtime_pb2.TURN_DETECTION_TYPE_NONE: NONE,
+    realtime_pb2.TURN_DETECTION_TYPE_SEMANTIC_VAD: SEMANTIC_VAD,
 }
-VAD_TURNS = ("server_vad", "semantic_vad")
-NOISE_REDUCTION = ("", "near_field", "far_field")  # engines/audio/denoise.py's kinds, "" off  # the turn types whose turns the VAD finds
+NOISE_REDUCTION = ("", "near_field", "far_field")  # engines/audio/denoise.py's kinds, "" off
 EAGERNESS = {
     realtime_pb2.EAGERNESS_UNSPECIFIED: "auto",
     realtime_pb2.EAGERNESS_LOW: "low",
@@ -94,7 +94,7 @@ class SessionSettings:
     output_rate: int = 0  # 0: the voice's native rate
     transcription: bool = True
     language: str = ""  # input_audio_transcription.language (ISO 639-1); "": detected, or English
-    turn_type: str = "server_vad"
+    turn_type: str = SERVER_VAD
     threshold: float = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
@@ -172,10 +172,10 @@ class SessionSettings:
             changes["noise_reduction"] = kind
         changes.update(_scalar_changes(config))
         _check_bounds(changes, caps or {})
-        if changes.get("turn_type", "server_vad") != "server_vad" and "idle_timeout_ms" not in changes:
+        if changes.get("turn_type", SERVER_VAD) != SERVER_VAD and "idle_timeout_ms" not in changes:
             changes["idle_timeout_ms"] = None  # it means nothing without server_vad
         result = dataclasses.replace(self, **changes)  # type: ignore[arg-type]
-        if result.idle_timeout_ms is not None and result.turn_type != "server_vad":
+        if result.idle_timeout_ms is not None and result.turn_type != SERVER_VAD:
             raise ConfigError("turn_detection.idle_timeout_ms", "turn_detection.idle_timeout_ms is for server_vad "
                                                                f"turn detection only, not {result.turn_type}")
         result._check_served(voices, responders, tool_responders)

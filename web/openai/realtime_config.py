@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rtmedia.protocol.turn_kinds import SEMANTIC_VAD, SERVER_VAD, VAD_TURNS
+from rtmedia.protocol.turn_kinds import NONE, SEMANTIC_VAD, SERVER_VAD, VAD_TURNS
 from rtmedia.v1 import common_pb2
 
 INCLUDE_LOGPROBS = "item.input_audio_transcription.logprobs"
@@ -410,7 +410,7 @@ class RealtimeConfig:
         """The whole config as rtmedia `SessionConfig` fields (session.update's `session`)."""
         encoding, rate = FORMATS[self.input_format]
         out_rate = FORMATS[self.output_format][1]
-        turn: dict[str, Any] = {"type": "none"}
+        turn: dict[str, Any] = {"type": NONE}
         if self.turn_detection is not None:
             t = self.turn_detection
             turn = {"type": t.type, "threshold": t.threshold, "prefix_padding_ms": t.prefix_padding_ms,
