@@ -7,7 +7,10 @@ cuts it into clauses by the streaming rule (docs/protocol.md#streaming-tts) as s
 complete, and each clause is one TTS item, submitted in order and one at a time (a stream is
 stateful: its resampler, and a windowed stream's undecoded frames, run from item to item), the
 next as soon as the one before is synthesised: while the consumer sends a clause's audio the next
-clause is synthesising. A windowed stream's long sentence goes on as items of no text while the
+clause is synthesising. `ahead` bounds how far synthesis may run beyond what the consumer has
+taken (Synthesize: one clause, so its client's reading paces it); a reply paces itself by its due
+times, and a responder feeding text by waiting for the item submitted last (`last`). A windowed
+stream's long sentence goes on as items of no text while the
 stream has frames pending. How an item is submitted (its priority, when it is due) is the
 caller's `synthesize`.
 
