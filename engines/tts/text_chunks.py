@@ -2,7 +2,7 @@
 
 Pure text, no model: the chunking rule shared by every caller that feeds text to
 the TTS lane (the duplex sessions' replies, the SpeechService's Synthesize, Riva's
-Synthesize and SynthesizeOnline). Audio starts early because the first chunk ends
+Synthesize and SynthesizeOnline, all through server/lanes/clauses.py). Audio starts early because the first chunk ends
 at the first clause boundary or after at most FIRST_CHUNK_MAX_WORDS words; later
 chunks end at clause boundaries, or after CHUNK_MAX_WORDS words so that one engine
 step stays short. `TextChunker` cuts text that arrives in deltas (an LM's stream)

@@ -1,13 +1,14 @@
 """NVIDIA Riva's `nvidia.riva.tts.RivaSpeechSynthesis` on rtmedia's TTS lane (Piper voices).
 
-`Synthesize` splits the text by the streaming rule (docs/protocol.md#streaming-tts), submits the
-chunks to the TTS lane one after another (a stream's items must be stepped in
-order: its resampler state runs from chunk to chunk) and returns the joined
-audio.
+`Synthesize` splits the text into clauses by the streaming rule (docs/protocol.md#streaming-tts),
+has them synthesised on the TTS lane one after another (`server/lanes/clauses.py`: a stream's
+items are stepped in order, its resampler state runs from clause to clause) and returns the
+joined audio.
 `SynthesizeOnline` is a bidirectional stream: each request's text is appended
 as it comes (append-only deltas, as from a language model, so whitespace
-between requests is the client's), a `TextChunker` cuts clauses as soon as
-they are complete, and each clause's audio is sent as it is synthesised.
+between requests is the client's), cut into clauses as soon as they are
+complete (the same `Clauses`), and each clause's audio is sent as it is
+synthesised.
 
 Audio is LINEAR_PCM (PCM16 mono, no header) at `sample_rate_hz` (0: the
 voice's native rate), resampled by the voice's streaming resampler. Voice
@@ -23,9 +24,9 @@ import time
 from collections.abc import AsyncIterator
 
 from riva.client.proto import riva_audio_pb2, riva_tts_pb2, riva_tts_pb2_grpc
-from rtmedia.engines.tts.piper import TtsItem, TtsStream, unsupported_rate_message
-from rtmedia.engines.tts.text_chunks import TextChunker, split_text
+from rtmedia.engines.tts.piper import TtsStream, unsupported_rate_message
 from rtmedia.server.lanes.access import EngineAccess
+from rtmedia.server.lanes.clauses import Clauses
 from rtmedia.server.services.riva_common import (
     INVALID,
     UNIMPLEMENTED,
@@ -64,16 +65,12 @@ class RivaTtsService(riva_tts_pb2_grpc.RivaSpeechSynthesisServicer):
             self._check_text(request.text, complete=True)
         except Rejected as exc:
             await abort_rejected(context, exc)
-        chunks = split_text(request.text.strip())
-        last = len(chunks) - 1
-        tasks: list[asyncio.Task[bytes]] = []
-        for n, chunk in enumerate(chunks):
-            tasks.append(self._synthesize(stream, chunk, final=n == last, after=tasks[-1] if tasks else None))
+        clauses = Clauses(stream, self.tts.synthesize)
+        chunks = clauses.whole(request.text.strip())
         try:
-            audio = b"".join(await asyncio.gather(*tasks))
+            audio = b"".join([clause.audio async for clause in clauses])
         finally:
-            for task in tasks:
-                task.cancel()
+            clauses.cancel()
         self.metrics.tts_first_audio_seconds.observe(time.perf_counter() - started)
         self.metrics.bytes_total.labels("out").inc(len(audio))
         meta = riva_tts_pb2.SynthesizeSpeechResponseMetadata(text=request.text, processed_text=" ".join(chunks))
@@ -88,48 +85,35 @@ class RivaTtsService(riva_tts_pb2_grpc.RivaSpeechSynthesisServicer):
             stream = self._open(first)
         except Rejected as exc:
             await abort_rejected(context, exc)
-        # (chunk, its synthesis) in order; None ends the stream; a Rejected ends it with a status
-        queue: asyncio.Queue[tuple[str, asyncio.Task[bytes]] | Rejected | None] = asyncio.Queue()
-        reader = asyncio.create_task(self._read_text(first, request_iterator, stream, queue), name="riva-tts-reader")
+        clauses = Clauses(stream, self.tts.synthesize)
+        reader = asyncio.create_task(self._read_text(first, request_iterator, clauses), name="riva-tts-reader")
         sent = 0
         try:
-            while (entry := await queue.get()) is not None:
-                if isinstance(entry, Rejected):
-                    await abort_rejected(context, entry)
-                chunk, task = entry
-                audio = await task
-                if not audio:
+            async for clause in clauses:
+                if not clause.audio:
                     continue
                 if not sent:
                     self.metrics.tts_first_audio_seconds.observe(time.perf_counter() - started)
-                sent += len(audio)
-                self.metrics.bytes_total.labels("out").inc(len(audio))
-                meta = riva_tts_pb2.SynthesizeSpeechResponseMetadata(text=chunk, processed_text=chunk)
-                await context.write(riva_tts_pb2.SynthesizeSpeechResponse(audio=audio, meta=meta, id=first.id))
+                sent += len(clause.audio)
+                self.metrics.bytes_total.labels("out").inc(len(clause.audio))
+                meta = riva_tts_pb2.SynthesizeSpeechResponseMetadata(text=clause.text, processed_text=clause.text)
+                await context.write(riva_tts_pb2.SynthesizeSpeechResponse(audio=clause.audio, meta=meta, id=first.id))
+        except Rejected as exc:
+            await abort_rejected(context, exc)
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
-            while not queue.empty():
-                entry = queue.get_nowait()
-                if isinstance(entry, tuple):
-                    entry[1].cancel()
+            clauses.cancel()
 
     async def _read_text(self, first: riva_tts_pb2.SynthesizeSpeechRequest, requests: AsyncIterator,
-                         stream: TtsStream, queue: asyncio.Queue) -> None:
-        """Chunk the requests' text as it arrives; each complete chunk is submitted at once."""
-        chunker, text, number = TextChunker(), first.text, 0
-        last: asyncio.Task[bytes] | None = None
-
-        def submit(chunks: list[str], final: bool = False) -> None:
-            nonlocal last
-            for chunk in chunks:
-                last = self._synthesize(stream, chunk, final, after=last)
-                queue.put_nowait((chunk, last))
-
+                         clauses: Clauses) -> None:
+        """Feed the requests' text to `clauses` as it arrives (each clause is queued once complete);
+        a Rejected request ends them with its error."""
+        text, number = first.text, 0
         try:
             self._check_text(text, complete=False)
-            submit(chunker.feed(text))
+            clauses.feed(text)
             settings = _settings(first)
             async for request in requests:
                 number += 1
@@ -138,22 +122,11 @@ class RivaTtsService(riva_tts_pb2_grpc.RivaSpeechSynthesisServicer):
                                    "only text may differ after the first request")
                 text += request.text
                 self._check_text(text, complete=False)
-                submit(chunker.feed(request.text))
+                clauses.feed(request.text)
             self._check_text(text, complete=True)
-            submit(chunker.flush())
-            submit([""], final=True)  # flushes the resampler's tail
-            queue.put_nowait(None)
+            clauses.end()
         except Rejected as exc:
-            queue.put_nowait(exc)
-
-    def _synthesize(self, stream: TtsStream, text: str, final: bool = False,
-                    after: asyncio.Task[bytes] | None = None) -> asyncio.Task[bytes]:
-        """The chunk's synthesis, submitted once `after` (the stream's previous chunk) is done."""
-        async def run() -> bytes:
-            if after is not None:
-                await asyncio.wait([after])
-            return await self.tts.synthesize(TtsItem(stream, text, final))
-        return asyncio.ensure_future(run())
+            clauses.end(exc)
 
     def _open(self, request: riva_tts_pb2.SynthesizeSpeechRequest) -> TtsStream:
         """A TTS stream for the request's voice and rate, or Rejected naming the option not served."""

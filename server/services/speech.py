@@ -15,14 +15,15 @@ from rtmedia.engines.audio.resample import (
     make_resampler,
 )
 from rtmedia.engines.base import EngineError
-from rtmedia.engines.tts.piper import MAX_SPEED, MIN_SPEED, TtsItem, unsupported_rate_message
-from rtmedia.engines.tts.text_chunks import is_speakable, split_text
+from rtmedia.engines.tts.piper import MAX_SPEED, MIN_SPEED, unsupported_rate_message
+from rtmedia.engines.tts.text_chunks import is_speakable
 from rtmedia.protocol.errors import abort, shown
 from rtmedia.protocol.wav import wav_stream_header
 from rtmedia.server.hearing.audio_input import DECODERS
 from rtmedia.server.hearing.recognition import MAX_PROMPT_CHARS, Turn, token_infos
 from rtmedia.server.hearing.vad_recognition import VadRecognition
 from rtmedia.server.lanes.access import EngineAccess
+from rtmedia.server.lanes.clauses import Clauses
 from rtmedia.server.lanes.faults import abort_fault
 from rtmedia.server.lanes.scheduler import Priority
 from rtmedia.server.services.riva_common import Rejected
@@ -103,25 +104,14 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
                         f"{MIN_SPEED:g} to {MAX_SPEED:g} (0 means 1.0)")
         stream = self.tts.open(voice.name, request.sample_rate, speed=speed)
         wav = request.framing == speech_pb2.AUDIO_FRAMING_WAV
-        chunks = split_text(text)
-        last = len(chunks) - 1
-
-        def synthesize(n: int) -> asyncio.Task[bytes]:
-            item = TtsItem(stream, chunks[n], final=n == last)
-            return asyncio.ensure_future(self.tts.synthesize(item))
-
-        # The next chunk is synthesised while this one is sent (in order: the
-        # stream's resampler state runs from chunk to chunk).
-        pending = synthesize(0)
+        # The next clause is synthesised while this one is sent, and no further ahead: the client's
+        # reading paces the synthesis.
+        clauses = Clauses(stream, self.tts.synthesize, ahead=1)
+        clauses.whole(text)
         index = samples_sent = 0
         try:
-            for n, chunk in enumerate(chunks):
-                try:
-                    audio = await pending
-                except EngineError as exc:  # an engine fault, never the client's (server/lanes/faults.py)
-                    await abort_fault(context, exc, "synthesis failed")
-                if n < last:
-                    pending = synthesize(n + 1)
+            async for clause in clauses:
+                audio = clause.audio
                 if not audio:  # resampled to nothing: skipped, nothing to frame
                     continue
                 offset_ms = samples_sent * 1000 // stream.output_rate
@@ -133,11 +123,13 @@ class SpeechService(speech_pb2_grpc.SpeechServiceServicer):
                 self.metrics.bytes_total.labels("out").inc(len(audio))
                 yield speech_pb2.SynthesizeResponse(
                     audio=audio, sample_rate=stream.output_rate, channels=1, chunk_index=index,
-                    text=chunk, audio_offset_ms=offset_ms, is_final=n == last,
+                    text=clause.text, audio_offset_ms=offset_ms, is_final=clause.final,
                 )
                 index += 1
+        except EngineError as exc:  # an engine fault, never the client's (server/lanes/faults.py)
+            await abort_fault(context, exc, "synthesis failed")
         finally:
-            pending.cancel()
+            clauses.cancel()
 
     async def Transcribe(self, request_iterator, context) -> AsyncIterator[speech_pb2.TranscribeResponse]:
         first = await anext(aiter(request_iterator), None)

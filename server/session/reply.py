@@ -1,8 +1,8 @@
 """A duplex session's replies: responder text -> text chunks -> TTS -> paced audio deltas.
 
 `ReplyPipeline` (one per session) runs each response as a task of the session: it waits
-for the turn's transcript, streams the responder's text (as text deltas, and through a
-`TextChunker` into clauses), has each clause synthesised on the TTS lane while the
+for the turn's transcript, streams the responder's text (as text deltas, and into clauses:
+`Clauses`, server/lanes/clauses.py), has each clause synthesised on the TTS lane while the
 responder goes on, and sends the audio as deltas at most `Limits.output_lead_ms` ahead of
 the client's playback. `Response` records what was sent and what the client said it
 played (playback.ack, conversation.item.truncate), which is what a cancelled or truncated
@@ -49,10 +49,10 @@ from rtmedia.engines.responders.contract import (
     Waiting,
 )
 from rtmedia.engines.tts.piper import TtsItem, TtsStream
-from rtmedia.engines.tts.text_chunks import TextChunker
 from rtmedia.protocol.events import server_event
 from rtmedia.server.hearing.recognition import Turn
 from rtmedia.server.lanes.access import Replies, Tts
+from rtmedia.server.lanes.clauses import Clauses
 from rtmedia.server.lanes.scheduler import Priority
 from rtmedia.server.observe.metrics import Metrics
 from rtmedia.server.session.clock import SYSTEM_CLOCK, Clock
@@ -96,8 +96,8 @@ class Response:
     text_only: bool = False  # output_modality "text": nothing is synthesised
     joins_history: bool = True  # conversation "auto"; False: out of band ("none")
     text: str = ""  # the reply text sent so far
-    done_at: float = 0.0  # perf_counter when it ended
-    cleared_at: float = 0.0  # perf_counter of its output_audio_buffer.cleared (the client dropped the rest)
+    done_at: float = 0.0  # when it ended (the session clock)
+    cleared_at: float = 0.0  # the session clock at its output_audio_buffer.cleared (the client dropped the rest)
     filler: bool = False  # the server's filler while a function call is out
     calls: list[Call] = field(default_factory=list)  # the function calls it made, once it completed
     # Set while its audio may go out; cleared while voice heard over it is judged (a confirmed
@@ -111,7 +111,7 @@ class Response:
     said: tuple[str, ...] = ()
     preemptive: str = "none"  # "committed": it was prepared at a pause and sent at the turn's end
     synthesized_s: float = 0.0  # audio synthesised so far
-    # perf_counter marks of its stages (response.timings): created, transcript in, first text,
+    # The session clock's marks of its stages (response.timings): created, transcript in, first text,
     # first clause synthesised.
     created_at: float = 0.0
     transcript_at: float = 0.0
@@ -136,7 +136,7 @@ class Response:
         return not self.done or (not self.truncated and self.played_ms(now) < self.sent_ms - PLAYED_TOLERANCE_MS)
 
     def playback_end(self) -> float:
-        """When the client's playback of this ended response ends or ended (perf_counter): when
+        """When the client's playback of this ended response ends or ended (the session clock): when
         its audio was cleared, where a truncate stopped it, the last ack plus what was left after
         it, else the first audio's time plus all the audio sent; never before it ended (a reply
         without audio ends when it ends)."""
@@ -390,8 +390,6 @@ class ReplyPipeline:
                                                                 window_frames=TTS_WINDOW_FRAMES,
                                                                 speed=settings.speed)
             speech = _Speech(self, response, settings, tts)
-            speak = speech.speak
-            chunker = TextChunker()
             if say is None and self.trace is not None:  # the responder's span; its traceparent goes upstream
                 request = self.trace.responder_started(response, settings.responder, request)
             deltas = _words(say) if say is not None else self.replies.reply(settings.responder, request)
@@ -416,10 +414,10 @@ class ReplyPipeline:
                 response.text = text
                 self._send_media(response, "response.output_text.delta", response_id=response.response_id,
                                  item_id=response.item_id, delta=delta)
-                await speak(chunker.feed(delta))
+                await speech.feed(delta)
             if self.trace is not None:
                 self.trace.responder_ended(response)
-            await speak(chunker.flush(), final=True)
+            await speech.end()
             await speech.finished()
         except TimeoutError:
             status, reason = "failed", "the transcript of the turn did not arrive in time"
@@ -583,9 +581,9 @@ class ReplyPipeline:
 
 class _Speech:
     """The spoken side of one response (none for a text-only one, whose `stream` is None): its
-    text chunks go to the TTS stream one item at a time, in order (`_synthesize_all`), and each
-    item's audio to the client as soon as it is synthesised (`_send_all`), while the responder
-    produces the next text (`speak`)."""
+    clauses go to the TTS stream one item at a time, in order (`Clauses`, server/lanes/clauses.py;
+    each item submitted by `_submit`), and each item's audio to the client as soon as it is
+    synthesised (`_send_all`), while the responder produces the next text (`feed`, `end`)."""
 
     def __init__(self, pipeline: ReplyPipeline, response: Response, settings: SessionSettings,
                  stream: TtsStream | None) -> None:
@@ -593,90 +591,88 @@ class _Speech:
         self.response = response
         self.settings = settings
         self.stream = stream
-        self.spoken: list[asyncio.Future[bytes]] = []
-        self.texts: asyncio.Queue[tuple[str, bool] | None] = asyncio.Queue()  # chunks to speak, and whether final
-        self.sending: asyncio.Queue[tuple[str, asyncio.Future[bytes]] | None] = asyncio.Queue()
+        self.submitted = 0  # TTS items submitted
+        self.playing_from: float | None = None  # (loop time) when the first audio was ready
+        self.audio_s = 0.0  # audio synthesised so far
+        self.synthesis: asyncio.Future[bytes] | None = None  # the item submitted last
+        self.clauses: Clauses | None = None
         self.sender: asyncio.Future[None] | None = None
-        self.synthesizer: asyncio.Future[None] | None = None
         if stream is not None:
-            self.sender = asyncio.ensure_future(self._send_all())
-            self.synthesizer = asyncio.ensure_future(self._synthesize_all())
+            self.clauses = Clauses(stream, self._submit)
+            self.sender = asyncio.ensure_future(self._send_all(self.clauses, stream.output_rate))
 
-    async def _send_all(self) -> None:
-        tts, response = self.stream, self.response
-        assert tts is not None
-        while (item := await self.sending.get()) is not None:
-            said, audio = item
-            pcm = await audio
+    async def _send_all(self, clauses: Clauses, rate: int) -> None:
+        response = self.response
+        async for clause in clauses:
+            pcm = clause.audio
             if not response.sent_samples:
-                pcm = trim_lead(pcm, tts.output_rate)
-            await self.pipeline._send_audio(response, said, pcm, tts.output_rate)
+                pcm = trim_lead(pcm, rate)
+            await self.pipeline._send_audio(response, clause.text, pcm, rate)
 
-    async def _synthesize_all(self) -> None:
-        """The stream's items one at a time, in order (the stream is stateful): each chunk,
-        then, while the stream has more, the later windows of its long sentences. The first
-        item is due at once (the user is waiting); each later one when the audio before it
-        would run out at the client, less TTS_DUE_MARGIN_S (the lane runs the item due
-        soonest, so a session about to run dry goes before one with audio to spare)."""
-        tts, response, pipeline, settings = self.stream, self.response, self.pipeline, self.settings
-        spoken, sending = self.spoken, self.sending
+    def _submit(self, item: TtsItem) -> Coroutine[Any, Any, bytes]:
+        """One TTS item of the stream (a clause, or a later window of its long sentence), submitted
+        now. The first is due at once (the user is waiting); each later one when the audio before
+        it would run out at the client, less TTS_DUE_MARGIN_S (the lane runs the item due soonest,
+        so a session about to run dry goes before one with audio to spare)."""
+        pipeline, response, settings = self.pipeline, self.response, self.settings
+        due = None if self.playing_from is None else self.playing_from + self.audio_s - TTS_DUE_MARGIN_S
+        priority = Priority.REALTIME if response.released.is_set() else Priority.INTERACTIVE
+        submitted = pipeline.clock.now() if pipeline.trace is not None else 0.0
+        self.synthesis = asyncio.ensure_future(pipeline.tts.synthesize(item, priority, due))
+        self.submitted += 1
+        if self.submitted == 1:  # the first clause: the responder waits until it is spoken
+            pipeline.replies.pause(settings.responder, pipeline.conversation)
+            self.synthesis.add_done_callback(lambda _: pipeline.replies.resume(settings.responder,
+                                                                               pipeline.conversation))
+        return self._synthesized(self.synthesis, item.text, submitted)
+
+    async def _synthesized(self, synthesis: asyncio.Future[bytes], text: str, submitted: float) -> bytes:
+        """The item's audio, once the response's timings and the next item's due time count it."""
+        response, pipeline, tts = self.response, self.pipeline, self.stream
         assert tts is not None
-        loop = asyncio.get_running_loop()
-        playing_from, audio_s = None, 0.0  # when the first audio was ready; audio so far
-        while (chunk := await self.texts.get()) is not None:
-            text, final = chunk
-            while True:
-                due = None if playing_from is None else playing_from + audio_s - TTS_DUE_MARGIN_S
-                priority = Priority.REALTIME if response.released.is_set() else Priority.INTERACTIVE
-                submitted = pipeline.clock.now() if pipeline.trace is not None else 0.0
-                spoken.append(asyncio.ensure_future(pipeline.tts.synthesize(
-                    TtsItem(tts, text, final=final), priority, due)))
-                if len(spoken) == 1:  # the first clause: the responder waits until it is spoken
-                    pipeline.replies.pause(settings.responder, pipeline.conversation)
-                    spoken[0].add_done_callback(lambda _: pipeline.replies.resume(settings.responder,
-                                                                                  pipeline.conversation))
-                sending.put_nowait((text, spoken[-1]))
-                await asyncio.wait([spoken[-1]])
-                if spoken[-1].cancelled() or spoken[-1].exception() is not None:
-                    sending.put_nowait(None)  # the sender stops at the failed item
-                    return
-                if not response.first_audio_ready_at:
-                    response.first_audio_ready_at = pipeline.clock.now()
-                audio_s += (clause_s := len(spoken[-1].result()) / 2 / tts.output_rate)
-                if pipeline.trace is not None:
-                    pipeline.trace.clause(response, text, submitted, pipeline.clock.now(), clause_s)
-                response.synthesized_s = audio_s
-                if playing_from is None and audio_s:
-                    playing_from = loop.time()
-                if not tts.pending:
-                    break
-                text = ""
-        sending.put_nowait(None)
+        audio = await synthesis
+        if not response.first_audio_ready_at:
+            response.first_audio_ready_at = pipeline.clock.now()
+        self.audio_s += (clause_s := len(audio) / 2 / tts.output_rate)
+        if pipeline.trace is not None:
+            pipeline.trace.clause(response, text, submitted, pipeline.clock.now(), clause_s)
+        response.synthesized_s = self.audio_s
+        if self.playing_from is None and self.audio_s:
+            self.playing_from = asyncio.get_running_loop().time()
+        return audio
 
-    async def speak(self, chunks: list[str], final: bool = False) -> None:
-        if self.stream is None:
-            return
-        assert self.sender is not None
-        for chunk in chunks:
-            if self.spoken:  # the responder waits for the TTS item submitted last (the LM's pacing)
-                await asyncio.wait([self.spoken[-1]])
+    async def feed(self, delta: str) -> None:
+        """The responder's next text: the clauses it completes are queued for the TTS."""
+        if self.clauses is not None:
+            await self._speak(self.clauses.cut(delta))
+
+    async def end(self) -> None:
+        """The responder's text is complete: its rest is queued, then the stream's closing item."""
+        if self.clauses is not None:
+            await self._speak(self.clauses.cut_rest())
+            self.clauses.end()  # flushes the resampler's tail
+
+    async def _speak(self, clauses: list[str]) -> None:
+        assert self.clauses is not None and self.sender is not None
+        for clause in clauses:
+            if self.clauses.last is not None:  # the responder waits for the TTS item submitted last (the LM's pacing)
+                await asyncio.wait([self.clauses.last])
                 await self.response.released.wait()  # a held reply prepares its first clause only
             if self.sender.done():
                 self.sender.result()  # sending failed: raise it here
-            self.texts.put_nowait((chunk, False))
-        if final:
-            self.texts.put_nowait(("", True))  # flushes the resampler's tail
-            self.texts.put_nowait(None)
+            self.clauses.put(clause)
 
     async def finished(self) -> None:
-        """Once the last chunk is queued: every item synthesised and its audio sent."""
-        if self.synthesizer is not None and self.sender is not None:
-            await self.synthesizer
+        """Once the text has ended: every item synthesised and its audio sent."""
+        if self.sender is not None:
             await self.sender
 
     def cancel(self) -> None:
-        for task in [*self.spoken, *(t for t in (self.sender, self.synthesizer) if t is not None)]:
-            task.cancel()
+        if self.clauses is not None:
+            self.clauses.cancel()
+        for task in (self.synthesis, self.sender):
+            if task is not None:
+                task.cancel()
 
 
 def trim_lead(pcm: bytes, rate: int) -> bytes:
