@@ -73,7 +73,7 @@ async def event(awaitable: Awaitable[T], timeout: float = TIMEOUT_S, what: str =
     TimeoutError after `timeout` seconds."""
     try:
         return await asyncio.wait_for(awaitable, timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise NotYet(f"timed out after {timeout:g} s waiting for {what}") from None
 
 
