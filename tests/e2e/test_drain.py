@@ -15,6 +15,7 @@ from rtmedia.protocol.errors import error_reason
 
 from tests.support.converse import Conversation
 from tests.support.serve import FEW_SPEAKERS, running_server
+from tests.support.waits import until
 
 pytestmark = pytest.mark.e2e
 
@@ -44,11 +45,12 @@ async def test_sigterm_drains_sessions(server, speaker):
         process.send_signal(signal.SIGTERM)
         rest = asyncio.create_task(speaking.stream(speech[half:] + bytes(32000), 16000))
         health = health_pb2_grpc.HealthStub(channel)
-        for _ in range(50):
+
+        async def not_serving():
             reply = await health.Check(health_pb2.HealthCheckRequest())
-            if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                break
-            await asyncio.sleep(0.05)
+            return reply if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING else None
+
+        reply = await until(not_serving, timeout=5, what="health NOT_SERVING after SIGTERM")
         assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
         async with Conversation(channel) as refused:
             await refused.ended()
@@ -70,8 +72,5 @@ async def test_sigterm_drains_sessions(server, speaker):
         assert closed["reason"] == "server_shutdown" and closed["t"] >= answered["t"] >= stopped["t"]
         await speaking.ended()
         assert speaking.error is None
-    for _ in range(300):
-        if process.poll() is not None:
-            break
-        await asyncio.sleep(0.1)
+    await until(lambda: process.poll() is not None, timeout=30, what="the drained server's exit")
     assert process.returncode == 0

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import signal
 import ssl
-import time
 
 import grpc
 import pytest
@@ -20,6 +19,7 @@ from rtmedia.v1 import speech_pb2, speech_pb2_grpc
 from tests.support.certs import make_certs
 from tests.support.converse import Conversation
 from tests.support.serve import FEW_SPEAKERS, running_server
+from tests.support.waits import until
 
 pytestmark = pytest.mark.e2e
 
@@ -134,9 +134,7 @@ async def test_sighup_swaps_certificate_and_tokens_under_a_live_session(tls_serv
         certs.server_key.write_bytes(fresh.server_key.read_bytes())
         tokens.write_text(f"{CAROL} carol\n{ALICE} alice max_sessions=1\n")
         process.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 10
-        while served_certificate(target) == before and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.2)
+        await until(lambda: served_certificate(target) != before, interval=0.2, what="the reloaded certificate")
         assert served_certificate(target) != before
         # the live session goes on talking over its old connection
         live.send("conversation.item.create", item={"text": "after the reload"})

@@ -24,6 +24,7 @@ from tests.support.pulse import running_pulse
 from tests.support.serve import FEW_SPEAKERS, free_port, running_server
 from tests.support.sip import Baresip, baresip, running_door
 from tests.support.speech import wer, write_wav
+from tests.support.waits import until_sync
 
 pytestmark = pytest.mark.e2e
 RATE = 8000
@@ -188,12 +189,14 @@ def test_outbound_calls_report_their_outcomes(served, tmp_path):
         _, busy = http("POST", f"{control}/v1/sip/calls", {"to": refuses.uri})
         refuses.wait("CALL_INCOMING")
         refuses.command("hangup")  # baresip refuses the incoming call: 486 Busy Here
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            outcomes = {c["id"]: c for c in served.door.calls()["ended"]}
-            if busy["id"] in outcomes and rung["id"] in outcomes:
-                break
-            time.sleep(0.2)
+        outcomes: dict = {}
+
+        def both_ended() -> bool:
+            outcomes.update({c["id"]: c for c in served.door.calls()["ended"]})
+            return busy["id"] in outcomes and rung["id"] in outcomes
+
+        until_sync(both_ended, timeout=15, interval=0.2, what="the busy and the unanswered calls ending",
+                   seen=lambda: outcomes)
         assert outcomes[busy["id"]]["outcome"] == "busy", outcomes[busy["id"]]
         assert outcomes[rung["id"]]["outcome"] == "no_answer", outcomes[rung["id"]]
         status, live = http("GET", f"{control}/v1/sip/calls/{answered['id']}")
@@ -205,10 +208,13 @@ def test_outbound_calls_report_their_outcomes(served, tmp_path):
     port = dead.getsockname()[1]
     dead.close()
     _, failed = http("POST", f"{control}/v1/sip/calls", {"to": f"sip:nobody@127.0.0.1:{port}", "ring_timeout_s": 3})
-    deadline = time.monotonic() + 40
-    while (info := http("GET", f"{control}/v1/sip/calls/{failed['id']}")[1])["status"] != "ended":
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    info: dict = {}
+
+    def ended() -> bool:
+        info.update(http("GET", f"{control}/v1/sip/calls/{failed['id']}")[1])
+        return info["status"] == "ended"
+
+    until_sync(ended, timeout=40, interval=0.2, what="the call to a dead port ending", seen=lambda: info)
     assert info["outcome"] in ("failed", "no_answer"), info
 
 
@@ -302,10 +308,12 @@ def test_serve_runs_the_door_beside_it_and_the_web_port_serves_its_calls_api(ser
                         f"127.0.0.1:{control}", log=tmp_path / "serve.log", asr_decoders=FEW_SPEAKERS,
                         env={"RTMEDIA_TOKEN": "door-token-0123456789"}) as (_, process):
         calls = f"http://127.0.0.1:{web}/v1/sip/calls"
-        deadline = time.monotonic() + 30  # (the door and the web front start once the server serves)
-        while b"web bridge listening" not in (tmp_path / "serve.log").read_bytes():
-            assert time.monotonic() < deadline and process.poll() is None
-            time.sleep(0.1)
+        # (the door and the web front start once the server serves)
+        def listening() -> bool:
+            assert process.poll() is None, (tmp_path / "serve.log").read_text(errors="replace")
+            return b"web bridge listening" in (tmp_path / "serve.log").read_bytes()
+
+        until_sync(listening, timeout=30, interval=0.1, what="the web bridge listening")
         assert http("GET", calls)[0] == 401  # the web port's tokens guard the calls API
         req = urllib.request.Request(calls, headers={"Authorization": "Bearer s3cret-token-0123456789"})
         with urllib.request.urlopen(req, timeout=5) as res:

@@ -11,7 +11,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 from aiortc import RTCSessionDescription
 
 from tests.support.serve import FEW_SPEAKERS, RTMEDIA, free_port, running_server
+from tests.support.waits import until, until_sync
 from tests.support.webrtc import BridgePeer, wait_http
 
 pytestmark = pytest.mark.e2e
@@ -140,10 +140,13 @@ def test_sighup_rereads_the_token_file(server, tmp_path):
             return res.status
 
     async def wait_status(url: str, token: str, wanted: int) -> None:
-        deadline = time.monotonic() + 10
-        while (got := await status(url, token)) != wanted:
-            assert time.monotonic() < deadline, f"{token[:5]}...: {got}, not {wanted}"
-            await asyncio.sleep(0.1)
+        got = []
+
+        async def answered() -> bool:
+            got.append(await status(url, token))
+            return got[-1] == wanted
+
+        await until(answered, interval=0.1, what=f"{token[:5]}...: {wanted}", seen=lambda: got[-1])
 
     log = tmp_path / "web.log"
     with rtmedia_web(server["target"], log, "--auth-tokens", str(tokens)) as (url, process):
@@ -154,10 +157,8 @@ def test_sighup_rereads_the_token_file(server, tmp_path):
         assert asyncio.run(status(url, ALICE)) == 401
         tokens.write_text("too-short\n")  # a bad file: the old table stays
         process.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 10
-        while str(tokens) not in log.read_text(errors="replace"):
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        until_sync(lambda: str(tokens) in log.read_text(errors="replace"), interval=0.1,
+                   what="the bad token file named in the log", seen=log.read_text)
         assert asyncio.run(status(url, BOB)) == 200 and process.poll() is None
 
 
@@ -175,14 +176,14 @@ def test_sigterm_drains_the_bridge(server, tmp_path):
                 await live.wait_for("session.created")
                 await live.wait_for("bridge.peer")
                 process.send_signal(signal.SIGTERM)
-                deadline = time.monotonic() + 10
-                while True:
+                health: dict = {}
+
+                async def draining() -> bool:
                     async with http.get(f"{url}/healthz") as res:
-                        health = await res.json()
-                    if health["draining"]:
-                        break
-                    assert time.monotonic() < deadline, health
-                    await asyncio.sleep(0.1)
+                        health.update(await res.json())
+                    return health["draining"]
+
+                await until(draining, interval=0.1, what="/healthz draining", seen=lambda: health)
                 assert health["peers"] == 1
                 status, body, headers = await offer(late, http, bearer(ALICE))
                 assert status == 503 and body["reason"] == "draining", body

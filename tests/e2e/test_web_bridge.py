@@ -7,7 +7,6 @@ import asyncio
 import os
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import aiohttp
@@ -16,6 +15,7 @@ import pytest
 
 from tests.support.serve import RTMEDIA, free_port
 from tests.support.speech import wer
+from tests.support.waits import until
 from tests.support.webrtc import RATE, BridgePeer, running_bridge, serve_with_web, wait_http
 
 pytestmark = pytest.mark.e2e
@@ -108,14 +108,12 @@ async def test_talk_through_the_bridge(served, voice):
         finally:
             await peer.close()
         # The bridge forgets the peer once it closed.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        async def forgotten() -> bool:
             async with http.get(f"{served['url']}/healthz") as res:
-                if (await res.json())["peers"] == 0:  # a count: /healthz names no peer
-                    break
-            await asyncio.sleep(0.2)
-        else:
-            raise AssertionError(f"the bridge kept the closed peer: {server_log(served)}")
+                return (await res.json())["peers"] == 0  # a count: /healthz names no peer
+
+        await until(forgotten, interval=0.2, what="the bridge forgetting the closed peer",
+                    seen=lambda: server_log(served))
 
 
 async def test_confirmed_mode_holds_the_track_over_a_backchannel_and_plays_on(served, voice):
@@ -273,7 +271,8 @@ async def test_video_plays_while_talking(served, voice):
             assert (chunks[0]["width"], chunks[0]["height"]) == (64, 48)
             reply = await peer.wait_for("response.done", timeout=30)
             assert reply["status"] == "completed"
-            await asyncio.sleep(0.5)
+            await until(lambda: len([t for t, _ in peer.video_frames if t >= started["t"]]) >= 18, timeout=5,
+                        what="the video's frames on the track", seen=lambda: len(peer.video_frames))
             frames = [t for t, _ in peer.video_frames if t >= started["t"]]
             assert len(frames) >= 18, len(frames)  # a keyframe wait may cost the first one or two
             assert {size for _, size in peer.video_frames} == {(64, 48)}

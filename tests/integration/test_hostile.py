@@ -16,6 +16,7 @@ from rtmedia.protocol.events import client_event
 from rtmedia.v1 import realtime_pb2_grpc
 
 from tests.support.converse import Conversation
+from tests.support.waits import metric, metric_at_least, until
 
 # Small session bounds, so that a test reaches them quickly.
 SERVER_OPTIONS = {"session_outbox_events": 64, "session_outbox_bytes": 64 * 1024, "session_id_bytes": 64,
@@ -44,10 +45,7 @@ async def test_undecodable_converse_request_ends_the_stream_and_frees_the_sessio
     error = info.value
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error_reason(error) == "UNDECODABLE_REQUEST"
     assert "request 2 of Converse" in error.details() and "ConverseRequest" in error.details()
-    for _ in range(50):
-        if not server.realtime.sessions:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: not server.realtime.sessions, what="the session's slot free again")
     assert not server.realtime.sessions, "the session's slot is free again"
     records = [r for r in caplog.records if r.getMessage() == "undecodable request"]
     assert len(records) == 1 and records[0].exc_info is None
@@ -151,11 +149,9 @@ async def test_a_client_that_does_not_read_is_warned_then_closed(server):
                 if n % 200 == 0:
                     await asyncio.sleep(0)
 
+        failed = metric(server, "rtmedia_sessions_total", outcome="failed") or 0
         call = stub.Converse(requests())
-        for _ in range(200):
-            await asyncio.sleep(0.05)
-            if server.metrics.registry.get_sample_value("rtmedia_sessions_total", {"outcome": "failed"}):
-                break
+        await metric_at_least(server, "rtmedia_sessions_total", failed + 1, outcome="failed")
         assert not server.realtime.sessions, "the session and its slot are gone before the client reads"
         ended.set()
         events = []

@@ -22,6 +22,7 @@ from rtmedia.web.audio_encode import G711Encoder
 from rtmedia.web.openai.openai_api import OpenAIConfig
 from rtmedia.web.openai.realtime_ws import RealtimeLimits
 
+from tests.support import waits
 from tests.support.speech import normalise, wer
 
 RATE = 24000
@@ -478,10 +479,7 @@ async def test_handshake_refusals_are_openai_errors(web_front):
 
 async def earlier_sessions_closed(server) -> None:
     """Sessions of earlier tests may still be closing (a stream waits for its half-close)."""
-    for _ in range(100):
-        if not server.realtime.sessions:
-            return
-        await asyncio.sleep(0.05)
+    await waits.until(lambda: not server.realtime.sessions, what="earlier sessions closing")
 
 
 async def test_browser_subprotocols_and_the_transport_gauge(web_front, server):

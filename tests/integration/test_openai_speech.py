@@ -20,6 +20,7 @@ from rtmedia.engines.base import EngineError
 from rtmedia.v1 import speech_pb2, speech_pb2_grpc
 
 from tests.support.speech import normalise, transcribe, wer
+from tests.support.waits import until
 
 SENTENCE = "Please remember to buy milk, bread and eggs on your way home."
 KEY_WORDS = ("milk", "bread", "eggs", "home")
@@ -215,10 +216,7 @@ async def test_a_client_that_leaves_mid_stream_frees_its_slot(web_front):
         assert response.status == 200 and await response.content.read(100)
         assert web_front.openai.active == 1
         response.close()  # drops the connection
-    for _ in range(100):
-        if web_front.openai.active == 0:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: web_front.openai.active == 0, timeout=5, what="the dropped synthesis ending")
     assert web_front.openai.active == 0
 
 

@@ -26,6 +26,7 @@ from rtmedia.web.openai.openai_errors import SERVER_ERROR, OpenAIError
 
 from tests.support.audio_files import encode, recording, video_only
 from tests.support.speech import Speaker, normalise, wer
+from tests.support.waits import until
 
 LIMIT = 1024 * 1024
 AUDIO_LIMIT_S = 30.0
@@ -248,11 +249,8 @@ async def test_a_client_that_leaves_ends_its_transcription(web_front, three_wav,
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(0.5), session.post(url, data=form) as response:
                     await response.read()
-        for _ in range(40):
-            records = [r for r in caplog.records if r.getMessage() == "openai transcription"]
-            if records:
-                break
-            await asyncio.sleep(0.05)
+        records = await until(lambda: [r for r in caplog.records if r.getMessage() == "openai transcription"],
+                              timeout=2, what="the transcription's log line")
     assert [r.status for r in records] == [499]
     assert records[0].wall_ms < 1500
     assert web_front.openai.active == 0

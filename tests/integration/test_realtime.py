@@ -17,6 +17,7 @@ from rtmedia.v1 import realtime_pb2
 
 from tests.support.converse import Conversation
 from tests.support.speech import normalise, transcribe, wer
+from tests.support.waits import until
 
 # the server's own pool of fast-final decoders: test_32_concurrent_sessions ends many turns at once
 SERVER_OPTIONS = {"asr_decoders": 10}
@@ -583,10 +584,8 @@ async def test_answers_follow_the_order_of_the_client_events(channel):
 
 
 async def test_max_sessions(server, channel):
-    for _ in range(100):  # sessions of earlier tests may still be closing
-        if not server.realtime.sessions:
-            break
-        await asyncio.sleep(0.05)
+    # sessions of earlier tests may still be closing
+    await until(lambda: not server.realtime.sessions, what="earlier sessions closing")
     limit, server.realtime.max_sessions = server.realtime.max_sessions, 1
     try:
         async with Conversation(channel) as held:
@@ -629,10 +628,7 @@ async def test_abrupt_disconnects_leave_nothing_behind(server, channel, speaker)
                     c.send("response.create")
                 await asyncio.sleep(0.01 * (n % 4))
             # leaving the block cancels the call: an abrupt disconnect
-        for _ in range(100):
-            if not server.realtime.sessions:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: not server.realtime.sessions, what="the disconnected sessions closing")
 
     # Thread pools start threads lazily, so the first round may add some; a leak grows
     # with every session, so the second round must add nothing.
@@ -647,7 +643,8 @@ async def test_abrupt_disconnects_leave_nothing_behind(server, channel, speaker)
     assert not server.realtime.sessions
     assert server.access.vad.attached == 0
     assert server.access.asr.open_streams == 0
-    await asyncio.sleep(0.3)
+    await until(lambda: len(asyncio.all_tasks()) <= tasks_before and len(threads()) <= threads_before,
+                what="the sessions' tasks and threads ending", seen=lambda: (len(asyncio.all_tasks()), threads()))
     assert len(asyncio.all_tasks()) <= tasks_before
     assert len(threads()) <= threads_before, threads()
     assert len(multiprocessing.active_children()) == children_before
@@ -885,10 +882,8 @@ async def test_the_transport_gauge_counts_sessions_by_their_metadata(server, cha
         value = server.metrics.registry.get_sample_value("rtmedia_transport_sessions_active", {"transport": transport})
         return value or 0.0
 
-    for _ in range(100):  # sessions of earlier tests may still be closing
-        if not server.realtime.sessions:
-            break
-        await asyncio.sleep(0.05)
+    # sessions of earlier tests may still be closing
+    await until(lambda: not server.realtime.sessions, what="earlier sessions closing")
     before = {t: active(t) for t in ("grpc", "openai-ws", "other")}
     async with Conversation(channel, metadata=(("rtmedia-transport", "openai-ws"),)) as ws, \
             Conversation(channel, metadata=(("rtmedia-transport", "telegraph"),)) as odd, Conversation(channel) as plain:
@@ -897,8 +892,5 @@ async def test_the_transport_gauge_counts_sessions_by_their_metadata(server, cha
         assert {t: active(t) - before[t] for t in before} == {"grpc": 1, "openai-ws": 1, "other": 1}
         transports = sorted(s.transport for s in server.realtime.sessions.values())
         assert transports == ["grpc", "openai-ws", "other"]
-    for _ in range(100):
-        if {t: active(t) for t in before} == before:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: {t: active(t) for t in before} == before, what="the transport gauges back")
     assert {t: active(t) for t in before} == before

@@ -20,6 +20,7 @@ from rtmedia.server.observe.metrics_http import start_metrics_http
 
 from tests.support.converse import Conversation
 from tests.support.serve import RTMEDIA
+from tests.support.waits import until
 
 # the capacity checks count sessions that earlier tests closed: under the parallel part's load
 # their close can trail the next test's open
@@ -130,7 +131,7 @@ async def test_drain_delay_is_not_ready_but_still_admits(server, channel, http):
         held.send("response.create")  # in flight through the drain: the server waits for it
         created = await held.wait_for("response.created")
         stopping = asyncio.create_task(server.stop())
-        await asyncio.sleep(0.2)
+        await until(lambda: server.state == "leaving" and not server.ready, what="the server leaving")
         code, state = await get(f"{http}/readyz")
         assert code == 503 and state["status"] == "draining" and not state["ready"]
         assert (await get(f"{http}/livez"))[0] == 200  # alive: it is finishing its sessions
@@ -138,7 +139,7 @@ async def test_drain_delay_is_not_ready_but_still_admits(server, channel, http):
         assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
         async with Conversation(channel) as late:  # within the delay: admitted, not refused
             await late.wait_for("session.created")
-        await asyncio.sleep(1.5)
+        await until(lambda: server.realtime.draining, what="the drain delay's end")  # drain_delay_s
         async with Conversation(channel) as refused:
             await refused.ended()
             assert refused.error.code() == grpc.StatusCode.UNAVAILABLE and error_reason(refused.error) == "DRAINING"

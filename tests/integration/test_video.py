@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import time
 
 import av
 import grpc
@@ -20,6 +19,7 @@ from rtmedia.v1 import video_pb2, video_pb2_grpc
 
 from tests.integration.test_realtime import utterance
 from tests.support.converse import Conversation
+from tests.support.waits import until
 
 MAX_SEND = 100_000
 SERVER_OPTIONS = {"max_send_bytes": MAX_SEND}
@@ -217,13 +217,6 @@ async def test_a_large_non_finite_latent_is_refused(server, channel):
     assert "holds 1 NaN or infinite value(s) of 81920" in err.value.details()
 
 
-async def wait_until(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_cancel_stops_at_the_next_step_and_frees_the_cache(server, channel):
     engine = server.scheduler.lanes["video"].engine
     stub = video_pb2_grpc.VideoServiceStub(channel)
@@ -233,9 +226,9 @@ async def test_cancel_stops_at_the_next_step_and_frees_the_cache(server, channel
     assert engine.cached_streams == 1
     [stream] = engine.streams.values()
     call.cancel()
-    await wait_until(lambda: not engine.streams)
+    await until(lambda: not engine.streams)
     # cached_streams only counts open streams, so look at the closed one's own cache.
-    await wait_until(lambda: stream.cache is None)
+    await until(lambda: stream.cache is None)
     assert engine.cached_streams == 0
     steps = engine.steps_run
     await asyncio.sleep(0.3)
@@ -285,14 +278,14 @@ async def test_failed_step_ends_only_its_stream(server, channel, monkeypatch):
 
     monkeypatch.setattr(engine, "open_stream", open_doomed)
     bad_call = asyncio.ensure_future(decode(channel, request(z)))
-    await wait_until(lambda: doomed)  # the first stream opened is the bad call's, not the good one's
+    await until(lambda: doomed)  # the first stream opened is the bad call's, not the good one's
     good_call = decode(channel, request(z))
     bad, good = await asyncio.gather(bad_call, good_call, return_exceptions=True)
     assert isinstance(bad, grpc.aio.AioRpcError), bad
     assert bad.code() == grpc.StatusCode.INTERNAL and error_reason(bad) == "DECODE_FAILED"
     assert "injected decode failure" in bad.details() and "step 4 of 8" in bad.details()
     assert np.array_equal(frames_of(good[1]), reference), "the other stream is untouched"
-    await wait_until(lambda: not engine.streams)
+    await until(lambda: not engine.streams)
     assert np.array_equal(frames_of((await decode(channel, request(z)))[1]), reference), "the next decode works"
 
 
@@ -348,7 +341,7 @@ async def test_speech_keeps_its_latency_during_a_long_decode(server, channel, sp
     before = engine.steps_run
     background = asyncio.create_task(decoding())
     try:
-        await asyncio.sleep(0.3)
+        await until(lambda: engine.steps_run > before, what="the background decode stepping")
         during = [await response_latency(channel, pcm, rate) for _ in range(2)]
         steps = engine.steps_run - before
     finally:

@@ -19,6 +19,7 @@ from rtmedia.server.config import ServerConfig
 from tests.reliability.connection_faults import Attack, run
 from tests.reliability.vanishing import RATE, speech_audio
 from tests.support.converse import Conversation
+from tests.support.waits import until
 
 pytestmark = pytest.mark.e2e
 
@@ -80,10 +81,9 @@ async def test_a_cancellation_during_the_release_does_not_keep_the_session(in_pr
             vanish.append(c.cancel)
             c.send("session.close")
             await c.ended()
-    for _ in range(50):
-        if not in_process.realtime.sessions and engine.open_streams == 0:
-            break
-        await asyncio.sleep(0.1)
+    await until(lambda: not in_process.realtime.sessions and engine.open_streams == 0, timeout=5, interval=0.1,
+                what="the session forgotten and its ASR stream closed",
+                seen=lambda: (len(in_process.realtime.sessions), engine.open_streams))
     assert not in_process.realtime.sessions, "the session was never forgotten"
     assert engine.open_streams == 0, "its ASR stream was never closed"
     assert len(tasks) == 1 and tasks[0].done()

@@ -23,6 +23,7 @@ from rtmedia.v1 import speech_pb2, speech_pb2_grpc
 
 from tests.support.converse import Conversation
 from tests.support.speech import normalise
+from tests.support.waits import until
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 SPEECH, REALTIME, VIDEO = "rtmedia.v1.SpeechService", "rtmedia.v1.RealtimeService", "rtmedia.v1.VideoService"
@@ -47,18 +48,14 @@ async def health(channel) -> dict[str, int]:
             for name in ("", SPEECH, REALTIME, VIDEO, RIVA_ASR)}
 
 
-async def until(condition, timeout: float = 10.0, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
-        await asyncio.sleep(0.05)
-
-
 async def health_becomes(channel, expected: dict[str, int], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (now := await health(channel)) != expected:
-        assert time.monotonic() < deadline, f"health is {now}, expected {expected}"
-        await asyncio.sleep(0.1)
+    now: dict[str, int] = {}
+
+    async def reached() -> bool:
+        now.update(await health(channel))
+        return now == expected
+
+    await until(reached, timeout, f"health {expected}", interval=0.1, seen=lambda: now)
 
 
 def all_serving() -> dict[str, int]:

@@ -42,6 +42,7 @@ from tests.reliability.doors import (
     run_case,
 )
 from tests.reliability.talker import Talker
+from tests.support.waits import until
 
 GOOD = "fuzz-good-token-0123456789"
 LIMITED = "fuzz-limited-token-0123456789"
@@ -145,10 +146,7 @@ async def talker(target):
     stop = asyncio.Event()
     talker = Talker(target.channel, target.metadata)
     task = asyncio.ensure_future(talker.run(stop))
-    for _ in range(600):
-        if talker.turns or task.done():
-            break
-        await asyncio.sleep(0.1)
+    await until(lambda: talker.turns or task.done(), timeout=60, interval=0.1, what="the talker's first turn")
     assert talker.turns and talker.turns[0].status == "completed", (talker.turns, talker.errors)
     target.baseline_sessions = 1
     yield talker

@@ -22,6 +22,7 @@ import numpy as np
 
 from tests.support.serve import RTMEDIA, free_port
 from tests.support.speech import write_wav
+from tests.support.waits import until_sync
 
 BARESIP = "/usr/bin/baresip"
 MODULES = "/usr/lib/baresip/modules"
@@ -80,11 +81,11 @@ def running_door(target: str, *args: str, log: Path) -> Iterator[Door]:
                                     "--sip-control", f"127.0.0.1:{control}", "--sip-rtp-ports",
                                     f"{rtp}-{rtp + 99}", *args], stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 30
-        while b"rtmedia sip: SIP on" not in log.read_bytes():
+        def started() -> bool:
             assert process.poll() is None, log.read_text(errors="replace")
-            assert time.monotonic() < deadline, "the SIP door did not start"
-            time.sleep(0.1)
+            return b"rtmedia sip: SIP on" in log.read_bytes()
+
+        until_sync(started, timeout=30, interval=0.1, what="the SIP door starting")
         yield Door(sip, f"http://127.0.0.1:{control}", process, log, (rtp, rtp + 99))
     finally:
         process.terminate()

@@ -13,6 +13,8 @@ import numpy as np
 from rtmedia.engines.audio.resample import float_to_ulaw
 from twilio.request_validator import RequestValidator
 
+from tests.support.waits import until
+
 TOKEN = "0123456789abcdef0123456789abcdef"  # the auth token the door under test is given
 RATE = 8000
 
@@ -84,7 +86,5 @@ class Twilio:
         return [(t, e) for t, e in self.received if e["event"] == kind]
 
     async def wait(self, what, timeout: float = 30.0) -> None:
-        deadline = time.perf_counter() + timeout
-        while not what():
-            assert time.perf_counter() < deadline, [e["event"] for _, e in self.received][-20:]
-            await asyncio.sleep(0.05)
+        await until(what, timeout, "the Twilio stand-in's condition", interval=0.05,
+                    seen=lambda: [e["event"] for _, e in self.received][-20:])

@@ -23,6 +23,8 @@ from rtmedia.server.lanes.lm_lane import LmLane, common_prefix
 from rtmedia.server.lanes.responders import LmResponder
 from rtmedia.server.observe.metrics import Metrics
 
+from tests.support.waits import until
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -107,10 +109,7 @@ async def test_kept_slots_are_evicted_least_recent_first_and_forgotten(lane: LmL
 
 async def test_prepare_prefills_ahead_and_never_waits(lane: LmLane) -> None:
     lane.prepare("s", PROMPT)
-    for _ in range(100):
-        if lane.kept:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: lane.kept, what="the prepared slot kept")
     assert lane.kept == 1 and lane.prefills == [len(PROMPT)]
     lane.prefills.clear()
     assert await generate(lane, [*PROMPT, 7, 7], key="s") == await generate(lane, [*PROMPT, 7, 7])
@@ -127,10 +126,10 @@ async def test_prepare_prefills_ahead_and_never_waits(lane: LmLane) -> None:
 
 async def test_a_prepare_beside_a_running_generation_of_the_same_key_leaks_nothing(lane: LmLane) -> None:
     running = asyncio.create_task(generate(lane, PROMPT, 30, key="s"))
-    await asyncio.sleep(0.02)
+    await until(lambda: lane.engine.slots_free == 1, what="the generation taking a slot")
     lane.prepare("s", PROMPT[:3])  # takes the other slot; whichever ends last is kept
     await running
-    await asyncio.sleep(0.05)
+    await until(lambda: lane.kept == 1 and lane.engine.slots_free == 1, what="one slot kept, one free")
     assert lane.kept == 1 and lane.engine.slots_free == 1
     lane.forget("s")
     assert lane.engine.slots_free == 2
@@ -174,7 +173,8 @@ async def test_a_conversation_forgotten_while_its_prompt_is_prefilled_keeps_no_s
         await asyncio.wait_for(started.wait(), 5)
         lane.forget("gone too")
         await consumer
-    await asyncio.sleep(0.05)
+    await until(lambda: lane.kept == 0 and lane.engine.slots_free == lane.engine.slots_total,
+                what="the forgotten slots freed")
     assert lane.kept == 0 and lane.engine.slots_free == lane.engine.slots_total
 
 

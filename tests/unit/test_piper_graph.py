@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-import time
 
 import numpy as np
 import onnx
@@ -20,6 +19,8 @@ from rtmedia.engines.tts import piper as tts_module
 from rtmedia.engines.tts.piper import TtsEngine, TtsItem, default_voices, voice_from_path
 from rtmedia.engines.tts.piper_bf16 import SIZES, Bf16Decoder, bf16_unavailable
 from rtmedia.engines.tts.piper_graph import PiperParts, split, split_cached
+
+from tests.support.waits import until_sync
 
 SENTENCES = "Please call me back tomorrow afternoon at the office, and bring the report. Hi."
 
@@ -173,8 +174,7 @@ def test_a_step_beside_another_runs_on_one_thread(monkeypatch) -> None:
     monkeypatch.setattr(tts, "_loaded", held_first)
     first = threading.Thread(target=tts.step, args=([TtsItem(tts.open_stream(), "One.")],))
     first.start()
-    while not seen:
-        time.sleep(0.01)
+    until_sync(lambda: seen, what="the first step loading its graph")
     tts.step([TtsItem(tts.open_stream(), "Two.")])  # while the first is still running
     hold.set()
     first.join()

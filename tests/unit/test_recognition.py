@@ -11,6 +11,8 @@ from rtmedia.engines.asr.contract import AsrEvent
 from rtmedia.server.hearing.recognition import Recognizer, Turn
 from rtmedia.server.lanes.scheduler import Priority
 
+from tests.support.waits import until
+
 
 def partial(text: str, delta: str) -> AsrEvent:
     return AsrEvent(0, False, text, delta, 0, 300)
@@ -102,7 +104,7 @@ async def test_a_final_that_revises_sent_deltas_adds_no_delta(sent, revised):
     h = Harness([partial(sent, sent)], [final(revised)])
     turn = Turn("item_1")
     h.recognizer.send("audio", turn, b"\0\0" * 10)
-    await asyncio.sleep(0.01)  # the partial arrives before the end is queued
+    await until(lambda: h.events, what="the partial")  # the partial arrives before the end is queued
     h.recognizer.send("end", turn)
     await h.finish()
     assert h.delta_texts() == [sent]  # nothing more: the transcript decides
@@ -114,7 +116,7 @@ async def test_deltas_concatenate_with_spaces():
     h = Harness([partial("hello", "hello"), partial("hello there", "there")], [final("hello there my friend")])
     turn = Turn("item_1")
     h.recognizer.send("audio", turn, b"\0\0" * 10)
-    await asyncio.sleep(0.01)
+    await until(lambda: len(h.events) == 2, what="both partials")
     h.recognizer.send("end", turn)
     await h.finish()
     assert h.delta_texts() == ["hello", " there", " my friend"]
@@ -126,7 +128,7 @@ async def test_a_pause_sends_an_end_only_item_and_a_closed_segment_sends_nothing
     h = Harness([partial("one", "one")], [final("one two")], priority=Priority.INTERACTIVE)
     turn = Turn("item_1")
     h.recognizer.send("audio", turn, b"\0\0" * 10)
-    await asyncio.sleep(0.01)  # the audio went alone: the segment is open
+    await until(lambda: h.events, what="the audio's partial")  # the audio went alone: the segment is open
     h.recognizer.send("cut", turn)  # ends it with no audio
     h.recognizer.send("cut", turn)  # a second pause: nothing left to end
     h.recognizer.send("end", turn)  # nor here: the turn completes from its segments
@@ -170,7 +172,8 @@ async def test_the_stream_opens_in_the_language_and_a_new_one_takes_a_new_stream
     await asyncio.wait_for(first.transcript, 1)
     h.recognizer.language = "de"  # a session.update: from the next segment on
     h.recognizer.send("audio", second, b"\0\0" * 8000)
-    await asyncio.sleep(0.01)  # the segment is open: the language stays until it ends
+    await until(lambda: len(h.events) == 2, what="the second segment's partial")
+    # the segment is open: the language stays until it ends
     h.recognizer.language = "en"
     h.recognizer.send("end", second)
     await h.finish()

@@ -11,6 +11,8 @@ from rtmedia.engines.base import EngineError
 from rtmedia.server.lanes.scheduler import LanePolicy, Priority, Scheduler
 from rtmedia.server.observe.metrics import Metrics
 
+from tests.support.waits import until
+
 
 class FakeEngine:
     """Records batches; results are the items doubled, or an exception for "boom"."""
@@ -22,12 +24,14 @@ class FakeEngine:
         self.threads: set[str] = set()
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = threading.Event()  # a step began (it may wait on `gate`)
 
     def load(self) -> None: ...
     def warmup(self) -> None: ...
     def close(self) -> None: ...
 
     def step(self, items):
+        self.entered.set()
         self.gate.wait(5)
         self.threads.add(threading.current_thread().name)
         self.batches.append(list(items))
@@ -85,7 +89,7 @@ async def _order_taken(scheduler, submissions) -> list:
     scheduler.add(engine.name, engine, LanePolicy(max_batch=1))
     scheduler.start()
     first = asyncio.ensure_future(scheduler.submit("e", 0))
-    await asyncio.sleep(0.05)
+    await until(engine.entered.is_set, what="the first batch in its step")
     order = []
 
     async def tracked(item, priority, due):
@@ -93,7 +97,7 @@ async def _order_taken(scheduler, submissions) -> list:
         order.append(item)
 
     tasks = [asyncio.ensure_future(tracked(*submission)) for submission in submissions]
-    await asyncio.sleep(0.05)
+    await until(lambda: scheduler.lanes["e"].waiting == len(submissions), what="every submission queued")
     engine.gate.set()
     await asyncio.gather(first, *tasks)
     return order
@@ -125,6 +129,7 @@ async def test_a_sharded_lane_runs_each_shard_on_its_own(scheduler):
     class HeldEvens(FakeEngine):
         def step(self, items):
             if items[0] % 2 == 0:
+                self.entered.set()
                 self.gate.wait(5)
             self.batches.append(list(items))
             return [i * 2 for i in items]
@@ -134,9 +139,9 @@ async def test_a_sharded_lane_runs_each_shard_on_its_own(scheduler):
     scheduler.add(engine.name, engine, LanePolicy(max_batch=8, concurrency=2, shard=lambda item: item % 2))
     scheduler.start()
     held = [asyncio.ensure_future(scheduler.submit("e", 0))]
-    await asyncio.sleep(0.05)
+    await until(engine.entered.is_set, what="0's batch in its step")
     held.append(asyncio.ensure_future(scheduler.submit("e", 2)))
-    await asyncio.sleep(0.01)
+    await until(lambda: scheduler.lanes["e"].waiting == 1, what="2 queued")
     assert await asyncio.wait_for(asyncio.gather(scheduler.submit("e", 1), scheduler.submit("e", 3)), 2) == [2, 6]
     assert not any(f.done() for f in held) and scheduler.lanes["e"].waiting == 1  # 2 waits behind 0
     engine.gate.set()
@@ -150,10 +155,10 @@ async def test_cancelled_caller_withdraws_its_item(scheduler):
     scheduler.add(engine.name, engine, LanePolicy(max_batch=4))
     scheduler.start()
     first = asyncio.ensure_future(scheduler.submit("e", 0))
-    await asyncio.sleep(0.05)
+    await until(engine.entered.is_set, what="the first batch in its step")
     withdrawn = asyncio.ensure_future(scheduler.submit("e", 1))
     kept = asyncio.ensure_future(scheduler.submit("e", 2))
-    await asyncio.sleep(0.01)
+    await until(lambda: scheduler.lanes["e"].waiting == 2, what="1 and 2 queued")
     withdrawn.cancel()
     engine.gate.set()
     assert await first == 0 and await kept == 4
@@ -189,7 +194,7 @@ async def test_tick_lane_collects_processes_delivers_and_counts_misses(scheduler
 
     tick = scheduler.add_tick("vad", FakeEngine("vad"), 20, collect, process, delivered.append)
     scheduler.start()
-    await asyncio.sleep(0.2)
+    await until(lambda: tick.ticks >= 5, what="five ticks")
     assert delivered == [[10], [20], [30]]
     assert tick.ticks >= 5
     assert scheduler.metrics.registry.get_sample_value("rtmedia_lane_deadline_misses_total", {"lane": "vad"}) == 1
@@ -212,7 +217,7 @@ async def test_tick_lane_survives_a_failed_delivery(scheduler):
 
     scheduler.add_tick("vad", FakeEngine("vad"), 10, collect, lambda work: work, deliver)
     scheduler.start()
-    await asyncio.sleep(0.15)
+    await until(lambda: calls["n"] >= 5, what="the ticks after the work ran out")  # ticks 1-3 delivered
     assert delivered == [[1], [3]]
     assert scheduler.metrics.registry.get_sample_value("rtmedia_lane_step_failures_total", {"lane": "vad"}) == 1
 
@@ -235,7 +240,7 @@ async def test_a_woken_tick_lane_steps_at_once_and_keeps_its_period(scheduler):
 
     tick = scheduler.add_tick("vad", FakeEngine("vad"), 10_000, collect, process, deliver)  # one tick at start
     scheduler.start()
-    await asyncio.sleep(0)
+    await until(lambda: tick.ticks >= 1, what="the start's tick")
     loop = asyncio.get_running_loop()
     for n in range(2):
         stepped.append(loop.create_future())
@@ -310,6 +315,10 @@ async def _call(values, gate=None, fail=None):
         raise fail
 
 
+def _lane_calls(lane: str) -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks() if t.get_name().startswith(f"lane-{lane}")]
+
+
 async def test_stream_lane_admits_in_priority_order_and_owns_its_calls(scheduler):
     lane = scheduler.add_stream("reply", LanePolicy(Priority.INTERACTIVE, concurrency=1))
     scheduler.start()
@@ -321,10 +330,10 @@ async def test_stream_lane_admits_in_priority_order_and_owns_its_calls(scheduler
             order.append(value)
 
     first = asyncio.create_task(consume("first", Priority.BULK, gated=True))
-    await asyncio.sleep(0.01)
+    await until(lambda: _lane_calls("reply"), what="the first call running")
     bulk = asyncio.create_task(consume("bulk", Priority.BULK))
     realtime = asyncio.create_task(consume("realtime", Priority.REALTIME))
-    await asyncio.sleep(0.01)
+    await until(lambda: lane.waiting == 2, what="the other two calls waiting")
     assert lane.waiting == 2 and order == [], "one call at a time: the others wait for the first"
     gate.set()
     await asyncio.gather(first, bulk, realtime)
@@ -338,7 +347,7 @@ async def test_stream_lane_cancels_a_call_whose_caller_leaves_and_raises_its_err
     never = asyncio.Event()
     stream = lane.stream(lambda: _call(["a", "b"], never))
     consumer = asyncio.create_task(anext(stream))
-    await asyncio.sleep(0.01)
+    await until(lambda: _lane_calls("reply"), what="the call running")
     calls = [t for t in asyncio.all_tasks() if t.get_name().startswith("lane-reply")]
     assert len(calls) == 1, "the call runs as a task the lane names"
     consumer.cancel()
@@ -384,7 +393,7 @@ async def test_a_step_past_its_deadline_fails_its_items_then_the_lane_refuses_un
     scheduler.start()
     started = time.monotonic()
     hung = asyncio.ensure_future(scheduler.submit("e", "hang"))
-    await asyncio.sleep(0.05)
+    await until(engine.hanging.is_set, what="the step hanging")
     queued = asyncio.ensure_future(scheduler.submit("e", "queued"))
     with pytest.raises(StepDeadlineExceeded, match=r"the e lane's step ran past its 0\.2 s deadline"):
         await hung
@@ -399,10 +408,8 @@ async def test_a_step_past_its_deadline_fails_its_items_then_the_lane_refuses_un
     sample = scheduler.metrics.registry.get_sample_value
     assert sample("rtmedia_lane_deadline_misses_total", {"lane": "e"}) == 1
     engine.release.set()
-    for _ in range(100):  # the step's return reaches the loop a moment later
-        if not scheduler.lanes["e"].stalled():
-            break
-        await asyncio.sleep(0.01)
+    # the step's return reaches the loop a moment later
+    await until(lambda: not scheduler.lanes["e"].stalled(), what="the step's return")
     assert await asyncio.wait_for(scheduler.submit("e", "next"), 2) == "next!", "the lane recovered"
 
 
@@ -422,7 +429,7 @@ async def test_a_hung_shard_holds_up_only_its_own_items(scheduler):
         await scheduler.submit("e", "a")
     assert await scheduler.submit("e", "c") == "c!"
     engine.release.set()
-    await asyncio.sleep(0.05)
+    await until(lambda: not scheduler.lanes["e"].stalled(0), what="shard 0's step returning")
     assert await scheduler.submit("e", "a") == "a!"
 
 
@@ -444,13 +451,6 @@ async def test_out_of_memory_fails_only_its_batch_and_the_lane_stays_healthy(sch
     assert engine.batches[0] == ["oom", 1, "oom-alone"] and engine.batches[1:] == [["oom"], [1], ["oom-alone"]]
     assert await scheduler.submit("e", 2) == "2!"
     assert await scheduler.check_health() == {}
-
-
-async def _eventually(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "the condition did not come true in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_health_watch_reports_a_stalled_lane_and_its_recovery(caplog):
@@ -475,11 +475,11 @@ async def test_health_watch_reports_a_stalled_lane_and_its_recovery(caplog):
         with pytest.raises(EngineError):
             await scheduler.submit("e", "hang")
         assert await scheduler.check_health() == {}, "stalled, but not for long yet"
-        await _eventually(lambda: scheduler.unhealthy)
+        await until(lambda: scheduler.unhealthy, what="the lane unhealthy")
         assert list(scheduler.unhealthy) == ["e"] and "past its deadline" in scheduler.unhealthy["e"]
         assert gauge("e") == 0 and gauge("other") == 1 and heard == [scheduler.unhealthy]
         engine.release.set()
-        await _eventually(lambda: not scheduler.unhealthy)
+        await until(lambda: not scheduler.unhealthy, what="the lane healthy again")
         assert gauge("e") == 1 and heard[-1] == {} and len(heard) == 2
         logged = [r.getMessage() for r in caplog.records if r.name == "rtmedia.server.lanes.scheduler"]
         assert sum("is unhealthy" in m for m in logged) == 1 and sum("lane e recovered" in m for m in logged) == 1
@@ -532,10 +532,10 @@ async def test_a_hung_tick_is_watched_and_its_results_delivered_when_it_returns(
     tick = scheduler.add_tick("vad", FakeEngine("vad"), 10, collect, process, delivered.append, step_deadline_s=0.1)
     scheduler.start()
     try:
-        await _eventually(lambda: "vad" in scheduler.unhealthy)
+        await until(lambda: "vad" in scheduler.unhealthy, what="the vad lane unhealthy")
         assert delivered == [] and "past its deadline" in scheduler.unhealthy["vad"]
         release.set()
-        await _eventually(lambda: len(delivered) == 2)
+        await until(lambda: len(delivered) == 2, what="both ticks delivered")
         assert delivered == [[1], [2]] and await scheduler.check_health() == {} and tick.ticks > 2
     finally:
         await scheduler.close()
@@ -632,7 +632,7 @@ async def test_lm_lane_step_past_its_deadline_fails_and_refuses_until_it_returns
             await _tokens(lane, [5])
         assert lane.health.hung
         engine.gate.set()
-        await asyncio.sleep(0.05)
+        await until(lambda: not lane.health.hung, what="the step's return")
         assert not lane.health.hung and await _tokens(lane, [5]) == [6, 7, 8, 9]
     finally:
         engine.gate.set()

@@ -44,6 +44,7 @@ from rtmedia.web.bridge import (
 )
 from rtmedia.web.cli import add_web_parser, bridge_config
 
+from tests.support.waits import until
 from tests.support.webrtc import BridgePeer
 
 ALICE = "alice-secret-token-0123456789"
@@ -559,10 +560,8 @@ async def test_reload_rereads_the_credentials_toward_the_server(tmp_path, caplog
                 assert bridge.peers[before.peer_id].grpc_channel is old
             finally:
                 await before.close()
-            for _ in range(100):  # the peer's DELETE closes it; then its retired channel goes
-                if not bridge._retired:
-                    break
-                await asyncio.sleep(0.05)
+            # the peer's DELETE closes it; then its retired channel goes
+            await until(lambda: not bridge._retired, what="the retired channel closing")
             assert bridge._retired == [] and after.peer_id in bridge.peers
             # A bad file: one line names it, and the channel stays.
             caplog.clear()
@@ -665,7 +664,7 @@ async def test_drain_refuses_new_offers_while_live_sessions_finish(caplog):
             assert status == 200, body
             await live.wait_for("bridge.peer")
             draining = asyncio.create_task(bridge.drain(30))
-            await asyncio.sleep(0.2)
+            await until(lambda: bridge.draining, what="the bridge draining")
             # New offers: 503, Retry-After, reason draining; /healthz says so.
             status, body, headers = await connect(late, http, bearer(ALICE))
             assert status == 503 and body["reason"] == "draining" and int(headers["Retry-After"]) >= 1, body

@@ -17,7 +17,6 @@ import json
 import logging
 import re
 import secrets
-import time
 
 import aiohttp
 import pytest
@@ -28,6 +27,7 @@ from rtmedia.web.cli import add_web_parser, bridge_config
 from rtmedia.web.webrtc import ice_binding as ice_module
 from rtmedia.web.webrtc.peer import Peer
 
+from tests.support.waits import until
 from tests.support.webrtc import BridgePeer, hostile_requests, repeat_audio
 
 
@@ -50,14 +50,6 @@ async def offer_sdp(video: bool = True, data: bool = True, audio: bool = True) -
         return pc.localDescription.sdp
     finally:
         await pc.close()
-
-
-async def wait_until(predicate, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 def id_bits(peer_id: str) -> int:
@@ -367,7 +359,7 @@ async def test_media_sockets_bind_only_the_host(sessionless):
                           if line.startswith("a=candidate:")]
             assert candidates and set(candidates) == {"127.0.0.1"}, candidates
             # It still connects: over loopback, to a client that gathers every address.
-            await wait_until(lambda: served.pc.connectionState == "connected")
+            await until(lambda: served.pc.connectionState == "connected", timeout=15, what="the peer connected")
             await peer.wait_for("bridge.peer")
         # Nothing else is narrowed: a peer connection outside the bridge gathers as aioice does.
         assert "127.0.0.1" not in ice_socket_addresses(peer.pc)
