@@ -3,7 +3,7 @@
 The history (`Session.history`, what the responders see) is a list of messages, each with
 the id of the item it is: a user turn's transcript under its turn's id, a reply as far as it
 was heard under its response's item id, a created item under its own. `ConversationItems`
-(one per session, a part of it like the reply pipeline) serves the client events that name
+(one per session, a part of it like the reply pipeline, seeing it through `ItemsHost`) serves the client events that name
 items:
 
 - conversation.item.create: a typed text item joins the history at once, and so do a
@@ -26,7 +26,9 @@ can be neither deleted nor retrieved (`invalid_state`); an unknown id is `item_n
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rtmedia.engines.responders.contract import FunctionCall, Message
 from rtmedia.server.hearing.audio_input import BYTES_PER_SAMPLE, recognizer_pcm
@@ -36,7 +38,48 @@ from rtmedia.server.session.config import TOOL_NAME
 from rtmedia.server.session.tool_calls import Call
 
 if TYPE_CHECKING:
-    from rtmedia.server.session.session import Session
+    from rtmedia.server.hearing.audio_input import AudioInput
+    from rtmedia.server.lanes.access import EngineAccess
+    from rtmedia.server.session.clock import Clock
+    from rtmedia.server.session.config import SessionSettings
+    from rtmedia.server.session.idle_turns import IdleTurns
+    from rtmedia.server.session.limits import Limits
+    from rtmedia.server.session.reply import ReplyPipeline, Response
+    from rtmedia.server.session.tool_calls import ToolCalls
+    from rtmedia.server.session.transcripts import Transcripts
+
+
+class ItemsHost(Protocol):
+    """What the conversation items see of their session: the history and the turns and replies
+    on their way (an item may not be touched before it joins), the parts an item hands work to
+    (the reply pipeline, the tool wait, the idle turns, the transcription events), and how to
+    answer the client."""
+
+    id: str
+    settings: SessionSettings
+    limits: Limits
+    access: EngineAccess
+    clock: Clock
+    history: list[Message]
+    client_ids: set[str]
+    turn: Turn | None
+    pending_turns: deque[Turn]
+    input: AudioInput
+    replies: ReplyPipeline
+    tools: ToolCalls
+    idle: IdleTurns
+    transcripts: Transcripts
+
+    @property
+    def response(self) -> Response | None: ...
+    @property
+    def responses(self) -> dict[str, Response]: ...
+    def send(self, name: str, /, **fields: Any) -> None: ...
+    def error(self, code: str, message: str, event_id: str = "", param: str = "") -> None: ...
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]: ...
+    def track(self, task: asyncio.Task[Any]) -> asyncio.Task[Any]: ...
+    def new_id(self, prefix: str) -> str: ...
+    def close_if_drained(self) -> None: ...
 
 
 def item_of(message: Message) -> dict[str, str]:
@@ -55,7 +98,7 @@ def item_of(message: Message) -> dict[str, str]:
 class ConversationItems:
     """The item events of one session; see the module docstring."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: ItemsHost) -> None:
         self.session = session
         self._recognizer: Recognizer | None = None  # the audio items', opened with the first
         self._asr_samples = 0  # 16 kHz samples sent to it
