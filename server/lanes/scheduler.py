@@ -79,6 +79,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from rtmedia.engines.base import Engine, EngineError
+from rtmedia.server.lanes.clock import SYSTEM_CLOCK, Clock
 from rtmedia.server.lanes.faults import LaneStalled, StepDeadlineExceeded, describe, step_failed
 from rtmedia.server.lanes.lane_base import LaneHealth, LanePolicy, Priority, wait_step
 from rtmedia.server.lanes.lm_lane import LmLane
@@ -305,14 +306,16 @@ class TickLane:
     whose step outlasts the period counts a deadline miss. A step past
     `step_deadline_s` has no items to fail: the tick waits for it (its sessions'
     input queues up meanwhile, bounded by their inboxes), logs it, and the health
-    watch sees it; its results are delivered when it returns."""
+    watch sees it; its results are delivered when it returns. The period runs on `clock`
+    (server/lanes/clock.py)."""
 
     def __init__(self, name: str, engine: Engine, period_ms: float, collect: Callable[[], Any],
                  process: Callable[[Any], Any], deliver: Callable[[Any], None], scheduler: Scheduler,
-                 step_deadline_s: float | None = None) -> None:
+                 step_deadline_s: float | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self.engine = engine
         self.name = name
         self.period = period_ms / 1000
+        self.clock = clock
         self.priority = Priority.REALTIME
         self.step_deadline_s = step_deadline_s
         self.health = LaneHealth()
@@ -359,8 +362,8 @@ class TickLane:
             log.warning("tick lane %s: the step past its deadline ended; ticking again", self.name)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_tick = loop.time()
+        clock = self.clock
+        next_tick = clock.now()
         while True:
             if not self._woken:
                 next_tick += self.period
@@ -389,12 +392,12 @@ class TickLane:
             self.ticks += 1
             if self._woken:
                 continue
-            delay = next_tick - loop.time()
+            delay = next_tick - clock.now()
             if delay < 0:  # fell behind: skip the missed ticks rather than bursting
-                next_tick = loop.time()
+                next_tick = clock.now()
                 delay = 0
-            self._sleep = loop.create_future()
-            timer = loop.call_later(delay, _settle, self._sleep)
+            self._sleep = asyncio.get_running_loop().create_future()
+            timer = clock.call_later(delay, _settle, self._sleep)
             try:
                 await self._sleep
             finally:
@@ -542,10 +545,10 @@ class Scheduler:
 
     def add_tick(self, name: str, engine: Engine, period_ms: float, collect: Callable[[], Any],
                  process: Callable[[Any], Any], deliver: Callable[[Any], None],
-                 step_deadline_s: float | None = None) -> TickLane:
-        """A lane that runs every `period_ms` over the work `collect()` gathers (see TickLane)."""
+                 step_deadline_s: float | None = None, clock: Clock = SYSTEM_CLOCK) -> TickLane:
+        """A lane that runs every `period_ms` of `clock` over the work `collect()` gathers (see TickLane)."""
         lane: TickLane = self._register(TickLane(name, engine, period_ms, collect, process, deliver, self,
-                                                 step_deadline_s))
+                                                 step_deadline_s, clock))
         return lane
 
     def add_lm(self, name: str, engine: Any, step_deadline_s: float | None = None) -> LmLane:

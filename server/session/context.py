@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rtmedia.server.lanes.access import EngineAccess
+from rtmedia.server.lanes.clock import SYSTEM_CLOCK, Clock
 from rtmedia.server.observe.recording import NO_RECORDINGS, RecordingPolicy
-from rtmedia.server.session.clock import SYSTEM_CLOCK, Clock
 from rtmedia.server.session.limits import Limits
 
 
@@ -21,4 +21,4 @@ class SessionContext:
     max_sessions: int
     lm_slots: int
     recording: RecordingPolicy = NO_RECORDINGS  # which sessions are recorded (server/observe/recording.py)
-    clock: Clock = SYSTEM_CLOCK  # what its timers run on (server/session/clock.py)
+    clock: Clock = SYSTEM_CLOCK  # what its timers run on (server/lanes/clock.py)

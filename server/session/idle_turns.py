@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rtmedia.engines.responders.contract import Message
 from rtmedia.server.hearing.recognition import Turn
-from rtmedia.server.session.clock import SYSTEM_CLOCK, Clock, Timer
+from rtmedia.server.lanes.clock import SYSTEM_CLOCK, Clock, Timer
 
 if TYPE_CHECKING:
     from rtmedia.server.session.config import SessionSettings

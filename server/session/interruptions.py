@@ -36,8 +36,8 @@ from rtmedia.engines.asr.contract import normal_words
 
 if TYPE_CHECKING:
     from rtmedia.server.hearing.recognition import Turn
+    from rtmedia.server.lanes.clock import Clock
     from rtmedia.server.observe.metrics import Metrics
-    from rtmedia.server.session.clock import Clock
     from rtmedia.server.session.reply import ReplyPipeline
     from rtmedia.server.session.tool_calls import ToolCalls
 

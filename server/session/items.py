@@ -40,7 +40,7 @@ from rtmedia.server.session.tool_calls import Call
 if TYPE_CHECKING:
     from rtmedia.server.hearing.audio_input import AudioInput
     from rtmedia.server.lanes.access import EngineAccess
-    from rtmedia.server.session.clock import Clock
+    from rtmedia.server.lanes.clock import Clock
     from rtmedia.server.session.config import SessionSettings
     from rtmedia.server.session.idle_turns import IdleTurns
     from rtmedia.server.session.limits import Limits

@@ -53,9 +53,9 @@ from rtmedia.protocol.events import server_event
 from rtmedia.server.hearing.recognition import Turn
 from rtmedia.server.lanes.access import Replies, Tts
 from rtmedia.server.lanes.clauses import Clauses
+from rtmedia.server.lanes.clock import SYSTEM_CLOCK, Clock
 from rtmedia.server.lanes.scheduler import Priority
 from rtmedia.server.observe.metrics import Metrics
-from rtmedia.server.session.clock import SYSTEM_CLOCK, Clock
 from rtmedia.server.session.config import SessionSettings
 from rtmedia.server.session.items import item_of
 from rtmedia.server.session.limits import Limits
@@ -211,7 +211,7 @@ class ReplyPipeline:
                  new_id: Callable[[str], str], on_done: Callable[[Response], None],
                  clock: Clock = SYSTEM_CLOCK) -> None:
         self.conversation = conversation
-        self.clock = clock  # the session's (server/session/clock.py): pacing and playback marks
+        self.clock = clock  # the session's (server/lanes/clock.py): pacing and playback marks
         self.outbox = outbox
         self.history = history  # the session's, shared
         self.limits = limits

@@ -8,7 +8,7 @@ is in the parts it owns, one each (docs/architecture.md draws them): the client 
 machine (interruptions.py), the idle turns, the function calls' wait (tool_calls.py) and
 semantic_vad's decisions (server/hearing/semantic_turns.py). The session never calls an
 engine: it and its parts use the scheduler's typed handles (server/lanes/access.py). Every
-timer runs on the context's clock (clock.py); every task is owned here and cancelled by `close()`.
+timer runs on the context's clock (server/lanes/clock.py); every task is owned here and cancelled by `close()`.
 """
 
 from __future__ import annotations

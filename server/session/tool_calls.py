@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rtmedia.engines.responders.contract import FunctionCall
-from rtmedia.server.session.clock import SYSTEM_CLOCK, Clock, Timer
+from rtmedia.server.lanes.clock import SYSTEM_CLOCK, Clock, Timer
 
 if TYPE_CHECKING:
     from rtmedia.server.session.config import SessionSettings

@@ -1,4 +1,4 @@
-"""A clock a test moves itself (server/session/clock.py's `Clock`): `await clock.advance(ms)`
+"""A clock a test moves itself (server/lanes/clock.py's `Clock`): `await clock.advance(ms)`
 runs every timer and sleep due within those milliseconds, in order, letting the event loop
 settle between them, so a session's timers run in no wall time at all."""
 

@@ -11,6 +11,7 @@ from rtmedia.engines.base import EngineError
 from rtmedia.server.lanes.scheduler import LanePolicy, Priority, Scheduler
 from rtmedia.server.observe.metrics import Metrics
 
+from tests.support.fake_clock import FakeClock
 from tests.support.waits import until
 
 
@@ -198,6 +199,31 @@ async def test_tick_lane_collects_processes_delivers_and_counts_misses(scheduler
     assert delivered == [[10], [20], [30]]
     assert tick.ticks >= 5
     assert scheduler.metrics.registry.get_sample_value("rtmedia_lane_deadline_misses_total", {"lane": "vad"}) == 1
+
+
+async def test_a_tick_lane_keeps_its_period_on_its_clock(scheduler):
+    """The period runs on the lane's clock: on a clock a test moves, a tick comes exactly when
+    the clock passes it, and none comes while the clock stands still."""
+    clock = FakeClock()
+    seen: list[float] = []
+
+    def collect():
+        seen.append(clock.now())
+        return []
+
+    tick = scheduler.add_tick("vad", FakeEngine("vad"), 20, collect, lambda work: work, lambda results: None,
+                              clock=clock)
+    scheduler.start()
+    await until(lambda: tick.ticks >= 1, what="the start's tick")
+    await clock.settle()
+    assert tick.ticks == 1
+    await clock.advance(19)
+    assert tick.ticks == 1
+    await clock.advance(1)
+    assert tick.ticks == 2
+    await clock.advance(100)
+    assert tick.ticks == 7
+    assert [round((t - seen[0]) * 1000) for t in seen] == [0, 20, 40, 60, 80, 100, 120]
 
 
 async def test_tick_lane_survives_a_failed_delivery(scheduler):

@@ -1,6 +1,7 @@
-"""The clock a session reads and waits on: the system's, or a test's.
+"""The clock the ticks and the sessions read and wait on: the system's, or a test's.
 
-Every timer of a session goes through its `Clock` (`SessionContext.clock`): the turn timers
+A tick lane (server/lanes/scheduler.py) keeps its period on its `Clock`, and every timer of a
+session goes through the session's (`SessionContext.clock`): the turn timers
 (the confirmed interruption's `false_interruption_timeout_ms`, the wait for an early final),
 the idle-turn timer, the tool-call filler and timeout, the reply's pacing at the client's
 playback rate, and the timestamps that say how much of a reply was heard (`now`). The
