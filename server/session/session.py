@@ -24,6 +24,7 @@ from typing import Any
 
 from rtmedia.engines.responders.contract import Message
 from rtmedia.protocol.events import server_event
+from rtmedia.protocol.turn_kinds import MANUAL, SEMANTIC_VAD
 from rtmedia.server.hearing.audio_input import Action, AudioInput, Stop
 from rtmedia.server.hearing.recognition import Recognizer, Turn
 from rtmedia.server.hearing.semantic_turns import SemanticTurns
@@ -164,7 +165,7 @@ class Session:
 
     # ---- audio results from the VAD tick ----------------------------------
     def on_audio(self, actions: list[Action]) -> None:
-        semantic = self.settings.turn_type == "semantic_vad"
+        semantic = self.settings.turn_type == SEMANTIC_VAD
         for kind, value in actions:
             if kind == "started":
                 self._on_speech_started(value)
@@ -266,7 +267,7 @@ class Session:
 
     def turn_begun(self) -> None:
         self.replies.prepare()  # the reply's prompt, up to the user's words
-        if self.settings.turn_type == "semantic_vad":
+        if self.settings.turn_type == SEMANTIC_VAD:
             said = [m.text for m in self.history if m.role == "assistant" and m.text]
             self.semantic.started(said[-1] if said else "")
 
@@ -342,7 +343,7 @@ class Session:
     def in_flight(self) -> bool:
         """A turn being spoken (or buffered for a manual commit), a response being asked for or
         given, or a finished turn whose transcript is still being recognised."""
-        manual_buffer = self.settings.turn_type == "manual" and self.buffer_ms > 0
+        manual_buffer = self.settings.turn_type == MANUAL and self.buffer_ms > 0
         transcribing = any(not turn.transcript.done() for turn in self.pending_turns)
         return self.turn is not None or manual_buffer or self.responding or transcribing
 
