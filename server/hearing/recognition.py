@@ -12,12 +12,13 @@ queued up while the lane was busy.
 A turn may be cut into segments at its pauses ("cut": the recogniser finishes the audio so
 far, so a server_vad turn's final is ready by speech_stopped); each segment's final is kept
 and the turn's transcript joins them. Partials and the words a final adds become deltas
-that concatenate into the text. Each user keeps only how it reports what comes back
-(`on_delta`, `on_event`, `on_complete`): Converse events, or Riva results.
+that concatenate into the text. What comes back is told to the user as typed events, one
+way (`Heard`, `Delta`, `Transcribed`, `Fault`); each user keeps only how it reports them:
+Converse events, or Riva results.
 
 An engine fault (the ASR lane's step failed, ran past its deadline, or its worker process
-was restarted) ends the feed for a user without `on_error` (Riva: the call ends with a
-status). With `on_error` (the sessions) it is reported there and the feed goes on: the
+was restarted) ends the feed for a user without `report_faults` (Riva: the call ends with a
+status). With it (the sessions) it is told as a `Fault` and the feed goes on: the
 recogniser stream is replaced by a fresh one, and the turn keeps what was recognised before.
 """
 
@@ -109,12 +110,47 @@ def token_infos(tokens: list[tuple[int, bytes, float]]) -> list[common_pb2.Token
     return [common_pb2.TokenInfo(id=t, token=b.decode("utf-8", "replace"), logprob=p, bytes=b) for t, b, p in tokens]
 
 
+@dataclass(frozen=True, slots=True)
+class Heard:
+    """An event of the recogniser for a turn not aborted (a partial hypothesis or a final)."""
+
+    turn: Turn
+    event: AsrEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """The next piece of a turn's transcription text (deltas concatenate into it)."""
+
+    turn: Turn
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Transcribed:
+    """A turn's "end" was recognised: `turn.said` is its transcript."""
+
+    turn: Turn
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """An engine fault while transcribing a turn; the feed goes on with a fresh stream."""
+
+    turn: Turn
+    error: EngineError
+
+
+Recognition = Heard | Delta | Transcribed | Fault
+
+
 class Recognizer:
     """One recogniser stream fed turn by turn. `send()` queues an entry; the task from
-    `start()` submits them in order and reports: `on_event(turn, event)` for each event of
-    a turn not aborted, `on_delta(turn, delta)` for each delta of its transcription text,
-    `on_complete(turn)` when an "end" was recognised (then `turn.transcript` is set to
-    `turn.said`). `stop()` ends the task after what is queued.
+    `start()` submits them in order and tells `notify` what it found, one way: `Heard` for each
+    event of a turn not aborted, `Delta` for each delta of its transcription text,
+    `Transcribed` when an "end" was recognised (then `turn.transcript` is set to `turn.said`),
+    and, with `report_faults`, `Fault` for an engine fault (without, the fault ends the feed).
+    `stop()` ends the task after what is queued.
 
     `fast_final`: the stream's finals come faster for a little accuracy (the sessions);
     `partials`: whether partial results are wanted (else the recogniser may skip them);
@@ -127,20 +163,15 @@ class Recognizer:
 
     def __init__(self, asr: Asr, *, fast_final: bool = False, partials: bool = True, prompt: str = "",
                  language: str = "", priority: Priority = Priority.REALTIME,
-                 on_event: Callable[[Turn, AsrEvent], None] | None = None,
-                 on_delta: Callable[[Turn, str], None] | None = None,
-                 on_complete: Callable[[Turn], None] | None = None,
-                 on_error: Callable[[Turn, EngineError], None] | None = None) -> None:
+                 notify: Callable[[Recognition], None] = lambda _: None, report_faults: bool = False) -> None:
         self._asr = asr
         self.fast_final = fast_final
         self.partials = partials
         self.prompt = prompt
         self.language = language
         self.priority = priority
-        self._on_event = on_event
-        self._on_delta = on_delta
-        self._on_complete = on_complete
-        self._on_error = on_error
+        self._notify = notify
+        self._report_faults = report_faults
         self._queue: deque[tuple[str, Turn, bytes]] = deque()
         self._ready = asyncio.Event()
         self._stream: Any = None  # opened with the first submission
@@ -203,7 +234,7 @@ class Recognizer:
                     self._sent += len(pcm)
                     events = await self._asr.recognize(item, self.priority)
                 except EngineError as exc:
-                    if self._on_error is None:
+                    if not self._report_faults:
                         raise
                     await self._replace_stream(turn, exc)
                     events = []
@@ -219,8 +250,7 @@ class Recognizer:
     async def _replace_stream(self, turn: Turn, exc: EngineError) -> None:
         """An engine fault: report it, and give up the stream (whatever state it had is suspect);
         the next submission opens a fresh one."""
-        assert self._on_error is not None
-        self._on_error(turn, exc)
+        self._notify(Fault(turn, exc))
         turn.segment_open = False
         stream, self._stream = self._stream, None
         if stream is not None:  # a close may wait on a stuck worker: it goes on without us after a moment
@@ -240,8 +270,7 @@ class Recognizer:
         the words it adds to the deltas sent so far go out as one more delta."""
         if event.is_final:
             turn.segments.append(event)
-        if self._on_event is not None:
-            self._on_event(turn, event)
+        self._notify(Heard(turn, event))
         if event.is_final:
             said = turn.said
             if not said.startswith(turn.partial) or said[len(turn.partial):][:1] not in ("", " "):
@@ -252,12 +281,10 @@ class Recognizer:
         if added:  # deltas concatenate into the text: words after the first get their space
             delta = f" {added}" if turn.partial else added
             turn.partial += delta
-            if self._on_delta is not None:
-                self._on_delta(turn, delta)
+            self._notify(Delta(turn, delta))
 
     def _complete(self, turn: Turn) -> None:
         """The turn's transcript: its segments' finals joined."""
-        if self._on_complete is not None:
-            self._on_complete(turn)
+        self._notify(Transcribed(turn))
         if not turn.transcript.done():
             turn.transcript.set_result(turn.said)

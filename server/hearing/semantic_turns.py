@@ -36,6 +36,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -64,20 +65,27 @@ def threshold(eagerness: str, silence_ms: int, thresholds: dict[str, tuple[float
     return late if silence_ms >= 1500 else mid if silence_ms >= 600 else low
 
 
+@dataclass(frozen=True, slots=True)
+class TurnEnds:
+    """semantic_vad decided: the turn ends at `stop`."""
+
+    stop: Stop
+
+
 class SemanticTurns:
     """One session's semantic_vad decisions. The session calls `started(assistant)` when speech
     starts, `audio(pcm)` with the turn's 16 kHz audio, `paused(turn)` when a pause's words are
     being recognised (they are scored as soon as they are in), `candidate(...)` at each candidate
-    point and `ended()` when the turn ends; a decision to end calls `end_turn(Stop)`."""
+    point and `ended()` when the turn ends; a decision to end is told to `notify` (`TurnEnds`)."""
 
     def __init__(self, session_id: str, turns: Turns, metrics: Metrics, settings: Callable[[], SessionSettings],
-                 end_turn: Callable[[Stop], None], spawn: Callable[[Coroutine[Any, Any, Any], str], Any],
+                 notify: Callable[[TurnEnds], None], spawn: Callable[[Coroutine[Any, Any, Any], str], Any],
                  thresholds: dict[str, tuple[float, float, float]] | None = None) -> None:
         self.key = ("turn", session_id)  # the scorer's kept slot on the LM lane
         self._turns = turns
         self._metrics = metrics
         self._settings = settings
-        self._end_turn = end_turn
+        self._notify = notify
         self._spawn = spawn
         self._thresholds = thresholds
         self._assistant = ""
@@ -125,10 +133,10 @@ class SemanticTurns:
                 return  # noise: never an early end
             if score is not None:
                 if score >= threshold(settings.eagerness, silence_ms, self._thresholds) and await self._hears_end():
-                    self._end_turn(Stop(end_ms, "semantic", score))
+                    self._notify(TurnEnds(Stop(end_ms, "semantic", score)))
                 return
         if silence_ms >= settings.silence_duration_ms:  # nothing to score: server_vad's rule
-            self._end_turn(Stop(end_ms, "silence"))
+            self._notify(TurnEnds(Stop(end_ms, "silence")))
 
     async def _scored(self, turn: Turn, doubting: bool) -> tuple[str, float | None]:
         """The words of the turn up to its latest pause, and their score (each text scored once;

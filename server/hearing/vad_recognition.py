@@ -28,7 +28,7 @@ from rtmedia.engines.asr.contract import AsrEvent
 from rtmedia.protocol.turn_kinds import SERVER_VAD
 from rtmedia.server.hearing.audio_input import BYTES_PER_SAMPLE, WINDOW_MS, Action, AudioInput
 from rtmedia.server.hearing.endpointing import DEFAULTS, HistoryEndpointer
-from rtmedia.server.hearing.recognition import Recognizer, Turn
+from rtmedia.server.hearing.recognition import Heard, Recognition, Recognizer, Turn
 from rtmedia.server.lanes.access import EngineAccess
 from rtmedia.server.lanes.scheduler import Priority
 from rtmedia.server.services.riva_common import INVALID, Rejected
@@ -70,7 +70,7 @@ class VadRecognition:
         self._turns = 0  # utterances begun
         self._on = 0  # the recogniser of the utterance being spoken
         self.recognizers = [Recognizer(access.asr, priority=priority, partials=partials, prompt=prompt,
-                                       language=language, on_event=self._on_event)
+                                       language=language, notify=self._on_result)
                             for _ in range(max(1, parallel))]
         self._asr_ms = [0] * len(self.recognizers)  # audio sent to each recogniser
         # Utterances in order, each with its results not yet put out and whether its final came.
@@ -152,8 +152,11 @@ class VadRecognition:
         if not self._running:
             self.results.put_nowait(None)
 
-    def _on_event(self, turn: Turn, event: AsrEvent) -> None:
+    def _on_result(self, result: Recognition) -> None:
         """Put out, in the utterances' order, what has come for the first utterances in line."""
+        if not isinstance(result, Heard):
+            return
+        turn, event = result.turn, result.event
         entry = self._entries.get(id(turn))
         if entry is None:
             return

@@ -219,7 +219,7 @@ class Recordings:
         self._event(live, ("event", live, "client", request, live.clock.ms(now), time.time()))
         if kind == "conversation_item_truncate":
             item_id = request.conversation_item_truncate.item_id
-            response = next((r for r in session.responses.values() if r.item_id == item_id), None)
+            response = next((r for r in session.replies.responses.values() if r.item_id == item_id), None)
             if response is not None:
                 self._put(("cut", live, response.response_id, request.conversation_item_truncate.audio_end_ms, None))
 

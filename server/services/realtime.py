@@ -158,7 +158,7 @@ class RealtimeService(realtime_pb2_grpc.RealtimeServiceServicer):
             if recordings is not None:
                 recordings.sent(session, created)
             await context.write(created)
-            while (event := await session.outbox.get(session.epoch)) is not None:
+            while (event := await session.outbox.get(session.replies.epoch)) is not None:
                 if recordings is not None:
                     recordings.sent(session, event)
                 await context.write(event)

@@ -299,7 +299,7 @@ class ClientEvents:
 
     def on_playback_ack(self, event: Any, event_id: str) -> None:
         s = self.session
-        response = s.responses.get(event.response_id)
+        response = s.replies.responses.get(event.response_id)
         if response is None:
             s.error("response_not_found", f"playback.ack: unknown response {event.response_id!r}", event_id,
                     "response_id")

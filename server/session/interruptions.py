@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from rtmedia.engines.asr.contract import normal_words
 
 if TYPE_CHECKING:
-    from rtmedia.server.hearing.recognition import Turn
+    from rtmedia.server.hearing.recognition import Heard, Turn
     from rtmedia.server.lanes.clock import Clock
     from rtmedia.server.observe.metrics import Metrics
     from rtmedia.server.session.reply import ReplyPipeline
@@ -198,8 +198,9 @@ class Interruptions:
             voice.speech_ms = end_ms - voice.start_ms
             self._judge(voice.heard, final=False)
 
-    def partial(self, turn: Turn, event: Any) -> None:
-        """A partial hypothesis of `turn` (the recogniser's event)."""
+    def heard(self, heard: Heard) -> None:
+        """The recogniser's event for a turn: a partial hypothesis of the judged voice judges it."""
+        turn, event = heard.turn, heard.event
         if self.judging(turn) and not event.is_final:
             assert self.voice is not None
             self.voice.hear(f"{turn.said} {event.hypothesis or event.text}")

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rtmedia.engines.responders.contract import FunctionCall, Message
 from rtmedia.server.hearing.audio_input import BYTES_PER_SAMPLE, recognizer_pcm
-from rtmedia.server.hearing.recognition import Recognizer, Turn
+from rtmedia.server.hearing.recognition import Delta, Fault, Recognition, Recognizer, Transcribed, Turn
 from rtmedia.server.lanes.scheduler import Priority
 from rtmedia.server.session.config import TOOL_NAME
 from rtmedia.server.session.tool_calls import Call
@@ -72,8 +72,6 @@ class ItemsHost(Protocol):
 
     @property
     def response(self) -> Response | None: ...
-    @property
-    def responses(self) -> dict[str, Response]: ...
     def send(self, name: str, /, **fields: Any) -> None: ...
     def error(self, code: str, message: str, event_id: str = "", param: str = "") -> None: ...
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]: ...
@@ -118,7 +116,7 @@ class ConversationItems:
         s = self.session
         turns = [t for t in (s.turn, *s.pending_turns) if t is not None]
         return {m.item_id for m in self.history} | {t.item_id for t in turns} | \
-            {r.item_id for r in s.responses.values()}
+            {r.item_id for r in s.replies.responses.values()}
 
     def _pending(self, item_id: str) -> str | None:
         """Why an item is not in the history yet, or None."""
@@ -242,9 +240,9 @@ class ConversationItems:
             s.error("item_not_found", f"conversation.item.delete: no item {item_id!r}", event_id, "item_id")
             return
         del self.history[n]
-        for response_id, response in list(s.responses.items()):
+        for response_id, response in list(s.replies.responses.items()):
             if response.item_id == item_id:  # gone for truncate and playback.ack too
-                del s.responses[response_id]
+                del s.replies.responses[response_id]
         s.send("conversation.item.deleted", item_id=item_id)
 
     def retrieve(self, event: Any, event_id: str) -> None:
@@ -259,7 +257,7 @@ class ConversationItems:
 
     def truncate(self, event: Any, event_id: str) -> None:
         s = self.session
-        response = next((r for r in s.responses.values() if r.item_id == event.item_id), None)
+        response = next((r for r in s.replies.responses.values() if r.item_id == event.item_id), None)
         if response is None:
             s.error("item_not_found", f"conversation.item.truncate: no assistant item {event.item_id!r}",
                     event_id, "item_id")
@@ -304,13 +302,24 @@ class ConversationItems:
                 s = self.session
                 self._recognizer = Recognizer(
                     s.access.asr, fast_final=True, priority=Priority.INTERACTIVE,
-                    on_delta=s.transcripts.delta, on_complete=self._complete, on_error=s.transcripts.failed)
+                    notify=self._recognized, report_faults=True)
                 s.track(self._recognizer.start(f"session-{s.id}-item-asr"))
             self._recognizer.language = self.session.settings.language  # the session's, as it is now
             turn.input_offset_ms, turn.asr_offset_ms = 0, self._asr_samples // 16  # word times within the item
             self._asr_samples += len(pcm) // 2
             self._recognizer.send("audio", turn, pcm)
             self._recognizer.send("end", turn)
+
+    def _recognized(self, result: Recognition) -> None:
+        """What the audio items' recogniser found: deltas and faults as a turn's, and a transcript,
+        which joins the history."""
+        s = self.session
+        if isinstance(result, Delta):
+            s.transcripts.delta(result)
+        elif isinstance(result, Fault):
+            s.transcripts.failed(result)
+        elif isinstance(result, Transcribed):
+            self._complete(result.turn)
 
     def _complete(self, turn: Turn) -> None:
         s = self.session

@@ -10,7 +10,7 @@ came may still have it queued behind its audio).
 Both lanes together are bounded in events and bytes: a client that stops reading fills
 them. The first event that does not fit is dropped and an `error{client_too_slow}` (let in
 past the bound) says so; if another does not fit before the client has read the queue down
-to half, the outbox fails: it lets go of everything queued and calls `on_overflow`, and the
+to half, the outbox fails: it lets go of everything queued and tells `notify` (`OutboxFailed`), and the
 session ends with RESOURCE_EXHAUSTED (CLIENT_TOO_SLOW).
 """
 
@@ -19,9 +19,15 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from rtmedia.protocol.events import event_type, server_event
 from rtmedia.v1 import realtime_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxFailed:
+    """The client kept not reading: the outbox let go of what it held and takes no more."""
 
 
 class Outbox:
@@ -29,13 +35,13 @@ class Outbox:
     `max_events` events and `max_bytes` bytes (see the module docstring)."""
 
     def __init__(self, max_events: int, max_bytes: int = 8 * 1024 * 1024,
-                 on_overflow: Callable[[], None] | None = None) -> None:
+                 notify: Callable[[OutboxFailed], None] | None = None) -> None:
         # Entries keep their event's size, so the byte count is kept without measuring twice.
         self._control: deque[tuple[int, realtime_pb2.ConverseResponse]] = deque()
         self._media: deque[tuple[int, int, realtime_pb2.ConverseResponse]] = deque()
         self._ready = asyncio.Event()
         self.max_events, self.max_bytes = max_events, max_bytes
-        self.on_overflow = on_overflow
+        self.notify = notify
         self._bytes = 0
         self.overflowing = False  # an event was dropped; the next one that does not fit fails the outbox
         self.failed = False
@@ -69,8 +75,8 @@ class Outbox:
         self._control.clear()
         self._media.clear()
         self._bytes = 0
-        if self.on_overflow is not None:
-            self.on_overflow()
+        if self.notify is not None:
+            self.notify(OutboxFailed())
         return None
 
     def control(self, event: realtime_pb2.ConverseResponse) -> None:

@@ -188,6 +188,13 @@ class Response:
         return " ".join(words)
 
 
+@dataclass(frozen=True, slots=True)
+class ResponseDone:
+    """A response's response.done was queued."""
+
+    response: Response
+
+
 # Builds the responder's request from the session's history: (instructions, max_tokens)
 # -> ReplyRequest, each None for the session's setting.
 RequestFactory = Callable[..., ReplyRequest]
@@ -201,14 +208,14 @@ class ReplyPipeline:
 
     `conversation`: the session id (the responders' key); `settings`: the session's current
     settings; `request`: builds a ReplyRequest from the history; `spawn(coro, name)`: runs a
-    task the session owns; `new_id(prefix)`: a fresh id; `on_done(response)`: after a response's
-    response.done was queued; `clock`: the session's."""
+    task the session owns; `new_id(prefix)`: a fresh id; `notify`: told `ResponseDone` after a
+    response's response.done was queued; `clock`: the session's."""
 
     def __init__(self, conversation: str, outbox: Outbox, history: list[Message], limits: Limits, *,
                  tts: Tts, replies: Replies, metrics: Metrics,
                  settings: Callable[[], SessionSettings], request: RequestFactory,
                  spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task[Any]],
-                 new_id: Callable[[str], str], on_done: Callable[[Response], None],
+                 new_id: Callable[[str], str], notify: Callable[[ResponseDone], None],
                  clock: Clock = SYSTEM_CLOCK) -> None:
         self.conversation = conversation
         self.clock = clock  # the session's (server/lanes/clock.py): pacing and playback marks
@@ -222,7 +229,7 @@ class ReplyPipeline:
         self._request = request
         self._spawn = spawn
         self._new_id = new_id
-        self._on_done = on_done
+        self._notify = notify
         self.epoch = 0
         self.responses: dict[str, Response] = {}
         self.response: Response | None = None  # the latest response
@@ -514,7 +521,7 @@ class ReplyPipeline:
                          timings=self._timings(response))
         if self.trace is not None:
             self.trace.response_done(response, status, reason, self._settings(), response.timings())
-        self._on_done(response)
+        self._notify(ResponseDone(response))
 
     def _timings(self, response: Response) -> dict[str, Any]:
         """The response's response.timings, each stage observed by its histogram."""
@@ -565,7 +572,7 @@ class ReplyPipeline:
             text = response.heard_text()
             if text and response.joins_history:
                 self.history.append(Message("assistant", text, response.item_id))
-            self._on_done(response)
+            self._notify(ResponseDone(response))
         else:
             self.truncate_history(response)
         if self.trace is not None:

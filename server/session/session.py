@@ -19,15 +19,15 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from rtmedia.engines.responders.contract import Message
 from rtmedia.protocol.events import server_event
 from rtmedia.protocol.turn_kinds import MANUAL, SEMANTIC_VAD
 from rtmedia.server.hearing.audio_input import Action, AudioInput, Stop
-from rtmedia.server.hearing.recognition import Recognizer, Turn
-from rtmedia.server.hearing.semantic_turns import SemanticTurns
+from rtmedia.server.hearing.recognition import Delta, Fault, Heard, Recognizer, Transcribed, Turn
+from rtmedia.server.hearing.semantic_turns import SemanticTurns, TurnEnds
 from rtmedia.server.lanes.scheduler import Priority
 from rtmedia.server.session.client_events import ClientEvents
 from rtmedia.server.session.config import SessionSettings, reply_request
@@ -36,8 +36,8 @@ from rtmedia.server.session.idle_turns import IdleTurns
 from rtmedia.server.session.interruptions import Interruptions
 from rtmedia.server.session.items import ConversationItems
 from rtmedia.server.session.limits import Limits
-from rtmedia.server.session.outbox import Outbox
-from rtmedia.server.session.reply import TTS_WINDOW_FRAMES, ReplyPipeline, Response
+from rtmedia.server.session.outbox import Outbox, OutboxFailed
+from rtmedia.server.session.reply import TTS_WINDOW_FRAMES, ReplyPipeline, Response, ResponseDone
 from rtmedia.server.session.tool_calls import ToolCalls
 from rtmedia.server.session.transcripts import Transcripts
 from rtmedia.v1 import realtime_pb2
@@ -63,7 +63,7 @@ class Session:
         self.settings = settings
         self.limits: Limits = context.limits
         self.clock = context.clock
-        self.outbox = Outbox(self.limits.max_outbox_events, self.limits.max_outbox_bytes, self._outbox_failed)
+        self.outbox = Outbox(self.limits.max_outbox_events, self.limits.max_outbox_bytes, self.notify)
         self.writer: asyncio.Task[Any] | None = None  # the servicer's writer, ended if the outbox fails
         self.started = time.monotonic()
         self.last_input = self.started
@@ -90,7 +90,7 @@ class Session:
             tts=access.tts, replies=access.replies,
             metrics=access.metrics, settings=lambda: self.settings,
             request=lambda *a, **k: reply_request(self.settings, self.history, self.camera, self.id, *a, **k),
-            spawn=self.spawn, new_id=self.new_id, on_done=self._response_done, clock=self.clock,
+            spawn=self.spawn, new_id=self.new_id, notify=self.notify, clock=self.clock,
         )
         self.items = ConversationItems(self)
         self.tools = ToolCalls(lambda: self.settings, self.limits, self.replies,
@@ -101,18 +101,24 @@ class Session:
         self.pending_turns = self.transcripts.pending  # committed turns not yet transcribed, oldest first
         self.recognizer = Recognizer(
             access.asr, fast_final=True, language=settings.language, priority=Priority.REALTIME,
-            on_event=self.interruptions.partial,
-            on_delta=self.transcripts.delta, on_complete=self._complete, on_error=self.transcripts.failed,
-        )
+            notify=self.notify, report_faults=True)
         self.input = AudioInput(settings, self.limits.inbox_ms, self.on_audio, access.vad.open())
         access.vad.attach(self.input)
         self.semantic = SemanticTurns(self.id, access.turns, self.metrics, lambda: self.settings,
-                                      self._end_turn_at, self.spawn, self.limits.turn_thresholds)
+                                      self.notify, self.spawn, self.limits.turn_thresholds)
         self.track(self.recognizer.start(f"session-{self.id}-asr"))
         self.client_events = ClientEvents(self)
         self.handle, self.settled = self.client_events.handle, self.client_events.settled
         if settings.noise_reduction:
             self.client_events.noise_reduction(settings.noise_reduction)
+        # What the parts tell the session, one way (`notify`), by the event's type.
+        self.on: dict[type, Callable[[Any], None]] = {
+            Heard: self.interruptions.heard, Delta: self.transcripts.delta, Fault: self.transcripts.failed,
+            Transcribed: lambda done: self._complete(done.turn), TurnEnds: self._end_turn_at,
+            ResponseDone: self._response_done, OutboxFailed: self._outbox_failed}
+
+    def notify(self, event: object) -> None:
+        self.on[type(event)](event)
 
     # ---- helpers ---------------------------------------------------------
     def new_id(self, prefix: str) -> str:
@@ -146,18 +152,9 @@ class Session:
         return server_event("session.created", session_id=self.id, session=self.settings.to_proto(), limits=limits)
 
     @property
-    def epoch(self) -> int:
-        """The current response epoch: the outbox sends media of this epoch only."""
-        return self.replies.epoch
-
-    @property
     def response(self) -> Response | None:
         """The latest response."""
         return self.replies.response
-
-    @property
-    def responses(self) -> dict[str, Response]:
-        return self.replies.responses
 
     @property
     def responding(self) -> bool:
@@ -205,9 +202,9 @@ class Session:
             elif kind == "marker":
                 value()
 
-    def _end_turn_at(self, stop: Stop) -> None:
+    def _end_turn_at(self, decided: TurnEnds) -> None:
         """semantic_vad decided: the turn ends at the VAD tick's step, woken for it."""
-        self.input.end_turn(stop)
+        self.input.end_turn(decided.stop)
         self.access.vad.wake()
 
     def _start_turn(self) -> Turn:
@@ -353,17 +350,18 @@ class Session:
         if self.closing_reason == "server_shutdown" and not self.outbox.closed and not self.in_flight:
             self.outbox.close(server_event("session.closed", reason=self.closing_reason))
 
-    def _response_done(self, response: Response) -> None:
+    def _response_done(self, done: ResponseDone) -> None:
         """A response's response.done is queued: one that called functions makes the session wait
         for their outputs; when draining, the session may close now; else the idle-turn timer
         runs from the end of its playback."""
+        response = done.response
         self.idle.quiet_input_ms = self.input_ms
         if response.calls and self.closing_reason is None:
             self.tools.made(response.calls)
         self.close_if_drained()
         self.idle.arm()
 
-    def _outbox_failed(self) -> None:
+    def _outbox_failed(self, _: OutboxFailed) -> None:
         """The client kept not reading (server/session/outbox.py): the session ends at once, and the
         writer, which may be waiting on a client that never reads, is stopped."""
         if self.closing_reason is None:

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from rtmedia.server.hearing.recognition import Turn, token_infos
+from rtmedia.server.hearing.recognition import Delta, Fault, Turn, token_infos
 from rtmedia.server.lanes.faults import fault_status
 from rtmedia.server.session.interruptions import Interruptions
 
@@ -30,14 +30,16 @@ class Transcripts:
         self._interruptions = interruptions
         self.pending: deque[Turn] = deque()
 
-    def delta(self, turn: Turn, delta: str) -> None:
-        if not self._interruptions.hold(turn, delta):
-            self._send("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, delta=delta)
+    def delta(self, delta: Delta) -> None:
+        turn = delta.turn
+        if not self._interruptions.hold(turn, delta.text):
+            self._send("conversation.item.input_audio_transcription.delta", item_id=turn.item_id, delta=delta.text)
 
-    def failed(self, turn: Turn, exc: Exception) -> None:
+    def failed(self, fault: Fault) -> None:
         """An engine fault while transcribing (server/hearing/recognition.py): the client is told with
         conversation.item.input_audio_transcription.failed (the code is the fault's status reason,
         lowercase), and the session goes on."""
+        turn, exc = fault.turn, fault.error
         log.warning("transcription failed: %s", exc, extra={"session_id": self.session_id})
         self._send("conversation.item.input_audio_transcription.failed", item_id=turn.item_id,
                    code=fault_status(exc)[1].lower(),

@@ -86,8 +86,8 @@ async def test_prompt_after_barge_in_keeps_only_what_was_heard(server, channel):
         c.send("response.cancel")
         cancelled = await c.wait_for("response.done", timeout=10)
         assert cancelled["status"] == "cancelled"
-        session = next(s for s in server.realtime.sessions.values() if created["response_id"] in s.responses)
-        heard = session.responses[created["response_id"]].heard_text()
+        session = next(s for s in server.realtime.sessions.values() if created["response_id"] in s.replies.responses)
+        heard = session.replies.responses[created["response_id"]].heard_text()
         c.send("conversation.item.create", item={"text": "Go on."})
         c.send("response.create")
         await c.wait_for("response.done", count=2, timeout=60)

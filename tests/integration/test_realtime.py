@@ -311,7 +311,7 @@ async def test_history_truncated_by_playback_ack(server, channel, speaker):
         assert ack["played_ms"] == 400
         await c.stream(interrupt, RATE)
         await c.wait_for("output_audio_buffer.cleared", timeout=5)
-        session = next(s for s in server.realtime.sessions.values() if created["response_id"] in s.responses)
+        session = next(s for s in server.realtime.sessions.values() if created["response_id"] in s.replies.responses)
         said = next(m.text for m in session.history if m.role == "assistant")
         full = f"You said: {c.of_type('conversation.item.input_audio_transcription.completed')[0]['transcript']}"
         assert said and full.startswith(said) and len(said.split()) < len(full.split()), (said, full)
@@ -324,8 +324,8 @@ async def test_history_truncated_by_item_truncate(server, channel):
         c.send("response.create")
         created = await c.wait_for("response.created")
         await c.wait_for("response.done", timeout=20)
-        session = next(s for s in server.realtime.sessions.values() if created["response_id"] in s.responses)
-        response = session.responses[created["response_id"]]
+        session = next(s for s in server.realtime.sessions.values() if created["response_id"] in s.replies.responses)
+        response = session.replies.responses[created["response_id"]]
         c.send("conversation.item.truncate", item_id=created["item_id"], audio_end_ms=response.clauses[0][2])
         c.send("conversation.item.truncate", item_id="item_nope", audio_end_ms=10)
         error = await c.wait_for("error")

@@ -97,7 +97,7 @@ def error_of(event) -> str | None:
 
 async def test_an_overflow_drops_the_event_says_so_and_recovers_once_read():
     failed = []
-    outbox = Outbox(2, on_overflow=lambda: failed.append(True))
+    outbox = Outbox(2, notify=lambda _: failed.append(True))
     outbox.media(0, delta("a"))
     outbox.control(control("client"))
     outbox.media(0, delta("dropped"))  # a third event does not fit
@@ -114,7 +114,7 @@ async def test_an_overflow_drops_the_event_says_so_and_recovers_once_read():
 
 async def test_an_overflow_that_goes_on_fails_the_outbox_and_lets_go_of_it():
     failed = []
-    outbox = Outbox(1000, max_bytes=4096, on_overflow=lambda: failed.append(True))
+    outbox = Outbox(1000, max_bytes=4096, notify=lambda _: failed.append(True))
     big = "x" * 1500
     for _ in range(2):
         outbox.control(server_event("error", code="invalid_value", message="bad", event_id=big))

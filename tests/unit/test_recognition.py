@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 from rtmedia.engines.asr.contract import AsrEvent
-from rtmedia.server.hearing.recognition import Recognizer, Turn
+from rtmedia.server.hearing.recognition import Delta, Heard, Recognition, Recognizer, Transcribed, Turn
 from rtmedia.server.lanes.scheduler import Priority
 
 from tests.support.waits import until
@@ -55,11 +55,16 @@ class Harness:
         self.events: list[tuple[Turn, AsrEvent]] = []
         self.completed: list[tuple[Turn, str]] = []
         self.asr = FakeAsr(self.submit)
-        self.recognizer = Recognizer(
-            self.asr, on_delta=lambda turn, d: self.deltas.append((turn, d)),
-            on_event=lambda turn, e: self.events.append((turn, e)),
-            on_complete=lambda turn: self.completed.append((turn, turn.said)), **kwargs)
+        self.recognizer = Recognizer(self.asr, notify=self.told, **kwargs)
         self.task = self.recognizer.start("test-asr")
+
+    def told(self, result: Recognition) -> None:
+        if isinstance(result, Delta):
+            self.deltas.append((result.turn, result.text))
+        elif isinstance(result, Heard):
+            self.events.append((result.turn, result.event))
+        elif isinstance(result, Transcribed):
+            self.completed.append((result.turn, result.turn.said))
 
     async def submit(self, item, priority: Priority) -> list[AsrEvent]:
         self.submitted.append(("end only" if item.only_ends else "audio", item.audio, item.end, priority))

@@ -112,7 +112,7 @@ def pipeline(history: list[Message]) -> tuple[ReplyPipeline, Outbox]:
     replies = ReplyPipeline(
         "sess_1", outbox, history, Limits(), tts=None, replies=None, metrics=Metrics(),
         settings=SessionSettings, request=lambda *a, **k: None, spawn=lambda coro, name: None,
-        new_id=lambda prefix: prefix, on_done=lambda response: None,
+        new_id=lambda prefix: prefix, notify=lambda done: None,
     )
     return replies, outbox
 
@@ -200,7 +200,7 @@ async def run_reply(deltas: list, **start) -> tuple[list[dict], list[Message]]:
         "sess_1", outbox, history, Limits(), tts=None, replies=_Replies(deltas), metrics=Metrics(),
         settings=lambda: SessionSettings(output_modality="text"), request=lambda *a, **k: ReplyRequest(history),
         spawn=lambda coro, name: tasks.append(asyncio.ensure_future(coro)) or tasks[-1],
-        new_id=lambda prefix: f"{prefix}_{next(ids)}", on_done=lambda response: outbox.close(),
+        new_id=lambda prefix: f"{prefix}_{next(ids)}", notify=lambda done: outbox.close(),
     )
     replies.start(None, **start)
     await asyncio.gather(*tasks)

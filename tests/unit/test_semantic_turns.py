@@ -50,7 +50,8 @@ async def decide(turns: StandInTurns, words: str, silences: list[int], threshold
         tasks.add(task)
         return task
 
-    semantic = SemanticTurns("s", turns, Metrics(), lambda: current, stops.append, spawn, thresholds)
+    semantic = SemanticTurns("s", turns, Metrics(), lambda: current, lambda decided: stops.append(decided.stop), spawn,
+                             thresholds)
     semantic.started("How can I help?")
     semantic.audio(b"\x00\x01" * 1600)
     turn = Turn("item_1")

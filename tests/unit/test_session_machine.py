@@ -67,7 +67,7 @@ class Call:
 
     async def _next(self) -> Any:
         """The outbox's next event if it has one for the writer now, else None (no waiting)."""
-        getting = asyncio.ensure_future(self.session.outbox.get(self.session.epoch))
+        getting = asyncio.ensure_future(self.session.outbox.get(self.session.replies.epoch))
         await asyncio.sleep(0)  # one step: `get` returns at once when it holds an event to send
         if getting.done():
             return getting.result()
