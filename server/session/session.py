@@ -82,7 +82,7 @@ class Session:
         self.speech_start_ms = 0
         self._asr_samples = 0  # 16 kHz samples sent to the recogniser
         self.input_ms = 0.0  # input audio appended so far
-        self._arrivals: deque[tuple[float, float]] = deque(maxlen=ARRIVALS)  # (input_ms after a chunk, perf_counter)
+        self._arrivals: deque[tuple[float, float]] = deque(maxlen=ARRIVALS)  # (input_ms after a chunk, the clock then)
         self.camera: deque[bytes] = deque()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.replies = ReplyPipeline(
@@ -303,7 +303,7 @@ class Session:
         self.close_if_drained()
 
     def _arrival(self, input_ms: float) -> float:
-        """When the input up to `input_ms` had arrived (perf_counter); 0: not known."""
+        """When the input up to `input_ms` had arrived (on the session clock); 0: not known."""
         at = 0.0
         for end_ms, t in reversed(self._arrivals):
             if end_ms < input_ms:
