@@ -1,4 +1,4 @@
-"""The long fuzz run: every door of tests/reliability/doors.py, `--cases` Hypothesis cases each,
+"""The long fuzz run: every door of tests/reliability/doors/, `--cases` Hypothesis cases each,
 against a real `rtmedia serve` process (echo responder, the Riva API, `--auth-tokens`, and the
 bridge beside it with `--web`), while a well-behaved session (tests/reliability/talker.py, a
 process of its own) keeps talking with the right token.

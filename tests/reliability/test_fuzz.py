@@ -1,4 +1,4 @@
-"""Every door of the server fuzzed (tests/reliability/doors.py), a few Hypothesis cases each, on
+"""Every door of the server fuzzed (tests/reliability/doors/), a few Hypothesis cases each, on
 an in-process server with tokens on and the Riva API served, and a bridge beside it as `serve
 --web` runs one. A well-behaved session with the right token talks all along.
 
