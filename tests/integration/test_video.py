@@ -327,6 +327,7 @@ async def response_latency(channel, pcm, rate) -> float:
     return audio["t"] - stopped["t"]
 
 
+@pytest.mark.serial  # bounds a latency: other test processes on the same cores would be in it
 async def test_speech_keeps_its_latency_during_a_long_decode(server, channel, speaker):
     rate = 24000
     pcm, _, _ = utterance(speaker, "Please remember to buy milk and bread.", rate, tail=0.8)
