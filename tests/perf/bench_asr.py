@@ -66,11 +66,12 @@ def wer(pairs: list[tuple[str, str]]) -> float:
     return round(jiwer.wer([spelled(r) for r, _ in pairs], [spelled(h) or "<empty>" for _, h in pairs]), 4)
 
 
-def espeak(text: str) -> np.ndarray | None:
-    """espeak-ng's voice at 16 kHz (float32), or None where it is not installed."""
+def espeak(text: str, voice: str = "") -> np.ndarray | None:
+    """espeak-ng's `voice` (its default when "") at 16 kHz (float32), or None where it is not installed."""
     if not shutil.which("espeak-ng"):
         return None
-    wav = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout
+    wav = subprocess.run(["espeak-ng", *(["-v", voice] if voice else []), "--stdout", text], capture_output=True,
+                         check=True).stdout
     with wave.open(io.BytesIO(wav)) as w:
         rate, pcm = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), "<i2")
     from rtmedia.engines.audio.resample import make_resampler

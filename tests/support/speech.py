@@ -43,9 +43,12 @@ class Speaker:
         self.rate = self.voice.config.sample_rate
         self.config = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0)
 
-    def float_audio(self, text: str, rate: int = 16000) -> np.ndarray:
-        """float32 samples at `rate`, at Piper's level."""
-        audio = np.concatenate([c.audio_float_array for c in self.voice.synthesize(text, self.config)])
+    def float_audio(self, text: str, rate: int = 16000, length_scale: float = 1.0) -> np.ndarray:
+        """float32 samples at `rate`, at Piper's level; `length_scale` > 1 speaks slower."""
+        from dataclasses import replace
+
+        config = self.config if length_scale == 1.0 else replace(self.config, length_scale=length_scale)
+        audio = np.concatenate([c.audio_float_array for c in self.voice.synthesize(text, config)])
         g = np.gcd(rate, self.rate)
         return resample_poly(audio, rate // g, self.rate // g).astype(np.float32)
 
